@@ -1,0 +1,29 @@
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test validate lint venv clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml constraints-cpu.txt
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev,nixl]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check kvconnect connectors harness tests scripts benchmarks
+	$(PY) -m pytest -n auto
+
+validate: $(STAMP)
+	$(VENV)/bin/kvconnect-validate --prefill 1 --decode 1
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvconnect connectors harness tests scripts benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

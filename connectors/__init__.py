@@ -1,0 +1,1 @@
+"""kvconnect package."""

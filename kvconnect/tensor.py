@@ -1,0 +1,441 @@
+"""ExtensibleTensor: a reserved virtual range whose segments commit a growing prefix.
+
+Units are bytes throughout. A tensor of ``capacity_bytes`` is split into ``num_segments``
+equal segments (segment ``i`` starts at ``base_ptr + i * segment_capacity``); each segment
+commits a prefix that only grows. Pointers never move across commit, release and recommit.
+
+Typical life (the extensible KV cache's protocol)::
+
+    t = ExtensibleTensor(capacity, "cuda:0", num_segments=2, shareable=True)
+    t.commit(one_block)            # before warm-up / graph capture
+    t.commit(warmup_prefix)
+    t.commit(final_size)
+    t.recommit_single_handle()     # one physical allocation per segment (UCX, ucx #11283)
+    ... register with a connector ...
+    t.release_physical(); t.recommit()   # sleep / wake (zeroed pages, same addresses)
+    t.free()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ._pointer_view import pointer_view
+from .vmm import GrantedFlags, PhysicalHandle, VmmDriver, probe_vmm, round_up
+
+logger = logging.getLogger(__name__)
+
+#: commits never go below this granule, whatever the driver reports
+MIN_COMMIT_GRANULE = 2 * 1024 * 1024
+
+
+class VmmUnavailableError(RuntimeError):
+    """No VMM backend works for the requested device (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One physical allocation mapped into a segment. ``va`` and ``size`` in bytes."""
+
+    segment: int
+    va: int
+    size: int
+    #: byte offset of the chunk from the start of its segment
+    offset: int
+
+
+@dataclass(frozen=True)
+class ExportedChunk:
+    """A chunk exported as a POSIX fd; the fd belongs to whoever received this record."""
+
+    segment: int
+    offset: int
+    size: int
+    fd: int
+
+
+@dataclass
+class _Mapped:
+    va: int
+    size: int
+    handle: PhysicalHandle
+
+
+@dataclass
+class _State:
+    """Everything that must be released; owned by one ExtensibleTensor (and its finalizer)."""
+
+    driver: VmmDriver
+    base_ptr: int
+    capacity_bytes: int
+    chunks: list[list[_Mapped]] = field(default_factory=list)
+    freed: bool = False
+
+    def unmap_all(self) -> None:
+        if any(self.chunks):
+            self.driver.synchronize()
+        for seg in self.chunks:
+            while seg:
+                m = seg.pop()
+                try:
+                    self.driver.unmap(m.va, m.size)
+                finally:
+                    self.driver.release(m.handle)
+
+    def free(self) -> None:
+        if self.freed:
+            return
+        self.freed = True
+        try:
+            self.unmap_all()
+        finally:
+            self.driver.free_reserved(self.base_ptr, self.capacity_bytes)
+
+
+def _resolve_driver(device: object) -> VmmDriver:
+    if isinstance(device, VmmDriver):
+        return device
+    probe = probe_vmm(device)
+    if probe.driver is None:
+        raise VmmUnavailableError(
+            f"no VMM backend for device {device!r}: {probe.reason}. "
+            "Use ordinary allocation (torch.empty) for this device instead."
+        )
+    return probe.driver
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of bytes, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+class ExtensibleTensor:
+    """A VA reservation of ``capacity_bytes`` in ``num_segments`` equal segments, each
+    committing a grow-only prefix of physical memory.
+
+    ``shareable`` requests POSIX-FD exportable allocations (CUDA IPC, :meth:`export_handles`);
+    ``rdma_capable`` requests GPUDirect-RDMA-capable ones. Flags the device cannot grant are
+    dropped with a warning; :attr:`granted` says what every chunk really has.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        device: object = "cpu",
+        *,
+        num_segments: int = 1,
+        shareable: bool = False,
+        rdma_capable: bool = False,
+    ) -> None:
+        capacity_bytes = _positive_int("capacity_bytes", capacity_bytes)
+        num_segments = _positive_int("num_segments", num_segments)
+        driver = _resolve_driver(device)
+        granule = self.commit_granule(driver, shareable=shareable, rdma_capable=rdma_capable)
+        if capacity_bytes % num_segments:
+            raise ValueError(
+                f"capacity_bytes {capacity_bytes} does not split into {num_segments} equal segments"
+            )
+        seg_cap = capacity_bytes // num_segments
+        if seg_cap % granule:
+            good = round_up(seg_cap, granule) * num_segments
+            raise ValueError(
+                f"segment capacity {seg_cap} bytes is not a multiple of the commit granule "
+                f"{granule} bytes; round capacity_bytes up to {good} (a multiple of "
+                f"num_segments * granule = {num_segments * granule})"
+            )
+        self._shareable = bool(shareable)
+        self._rdma_capable = bool(rdma_capable)
+        self._granule = granule
+        self._num_segments = num_segments
+        self._segment_capacity = seg_cap
+        self._committed = [0] * num_segments
+        self._released_sizes: list[int] | None = None
+        driver.ensure_context()
+        base = driver.reserve(capacity_bytes, alignment=granule)
+        self._state = _State(driver, base, capacity_bytes, [[] for _ in range(num_segments)])
+        self._finalizer = weakref.finalize(self, _State.free, self._state)
+
+    # -- static helpers --------------------------------------------------------
+    @staticmethod
+    def commit_granule(device: object = "cpu", *, shareable: bool = False,
+                       rdma_capable: bool = False) -> int:
+        """Bytes every commit rounds up to: max(driver granularity, 2 MiB)."""
+        drv = _resolve_driver(device)
+        return max(drv.granularity(shareable=shareable, rdma_capable=rdma_capable),
+                   MIN_COMMIT_GRANULE)
+
+    # -- properties ------------------------------------------------------------
+    @property
+    def driver(self) -> VmmDriver:
+        return self._state.driver
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.driver.torch_device)
+
+    @property
+    def base_ptr(self) -> int:
+        """Start of the reservation (bytes address); never changes."""
+        return self._state.base_ptr
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._state.capacity_bytes
+
+    @property
+    def segment_capacity(self) -> int:
+        return self._segment_capacity
+
+    @property
+    def num_segments(self) -> int:
+        return self._num_segments
+
+    @property
+    def granule(self) -> int:
+        return self._granule
+
+    @property
+    def committed_bytes(self) -> tuple[int, ...]:
+        """Bytes physically committed per segment (granule-rounded). 0 while released."""
+        return tuple(self._committed)
+
+    @property
+    def num_physical_chunks(self) -> int:
+        return sum(len(seg) for seg in self._state.chunks)
+
+    @property
+    def granted(self) -> GrantedFlags:
+        """Flags held by every mapped chunk (requested flags when nothing is mapped yet)."""
+        handles = [m.handle for seg in self._state.chunks for m in seg]
+        if not handles:
+            return GrantedFlags(self._shareable, self._rdma_capable)
+        return GrantedFlags(
+            shareable=all(h.granted.shareable for h in handles),
+            rdma_capable=all(h.granted.rdma_capable for h in handles),
+        )
+
+    @property
+    def requested(self) -> GrantedFlags:
+        return GrantedFlags(self._shareable, self._rdma_capable)
+
+    @property
+    def is_released(self) -> bool:
+        return self._released_sizes is not None
+
+    @property
+    def is_freed(self) -> bool:
+        return self._state.freed
+
+    def segment_base(self, segment: int) -> int:
+        """Address of segment ``segment``'s first byte."""
+        self._check_segment(segment)
+        return self.base_ptr + segment * self._segment_capacity
+
+    def physical_chunks(self) -> list[Chunk]:
+        """Every physical allocation now mapped, in address order."""
+        self._check_alive()
+        out = []
+        for s, seg in enumerate(self._state.chunks):
+            start = self.segment_base(s)
+            out.extend(Chunk(s, m.va, m.size, m.va - start) for m in seg)
+        return out
+
+    # -- growth ----------------------------------------------------------------
+    def commit(self, bytes_per_segment: int) -> None:
+        """Grow every segment's committed prefix to at least ``bytes_per_segment`` bytes.
+
+        Rounds up to the granule; never shrinks (a smaller request is a no-op). Raises
+        ValueError past the segment capacity. On failure nothing new stays mapped.
+        """
+        self._check_alive()
+        bytes_per_segment = _positive_int("bytes_per_segment", bytes_per_segment)
+        if self.is_released:
+            raise RuntimeError("commit() while physical memory is released: call recommit() first")
+        if bytes_per_segment > self._segment_capacity:
+            raise ValueError(
+                f"cannot commit {bytes_per_segment} bytes per segment: the segment capacity is "
+                f"{self._segment_capacity} bytes (capacity_bytes {self.capacity_bytes} over "
+                f"{self._num_segments} segments)"
+            )
+        target = round_up(bytes_per_segment, self._granule)
+        added: list[tuple[int, _Mapped]] = []
+        try:
+            for s in range(self._num_segments):
+                have = self._committed[s]
+                if target > have:
+                    m = self._map_new(self.segment_base(s) + have, target - have)
+                    self._state.chunks[s].append(m)
+                    added.append((s, m))
+        except BaseException:
+            for s, m in reversed(added):
+                self._state.chunks[s].remove(m)
+                self._unmap_one(m)
+            raise
+        for s, _ in added:
+            self._committed[s] = target
+
+    def _map_new(self, va: int, size: int) -> _Mapped:
+        drv = self.driver
+        handle = drv.create(size, self.driver.device_index, shareable=self._shareable,
+                            rdma_capable=self._rdma_capable)
+        try:
+            drv.map(va, size, handle)
+        except BaseException:
+            drv.release(handle)
+            raise
+        m = _Mapped(va, size, handle)
+        try:
+            drv.set_access(va, size)
+        except BaseException:
+            self._unmap_one(m)
+            raise
+        return m
+
+    def _unmap_one(self, m: _Mapped) -> None:
+        try:
+            self.driver.unmap(m.va, m.size)
+        finally:
+            self.driver.release(m.handle)
+
+    # -- sleep / wake / single handle -----------------------------------------
+    def release_physical(self) -> None:
+        """Synchronize, unmap and release every chunk; keep the VA reservation.
+
+        Touching the memory afterwards faults. :meth:`recommit` brings the same sizes back.
+        """
+        self._check_alive()
+        if self.is_released:
+            return
+        sizes = list(self._committed)
+        self._state.unmap_all()
+        self._committed = [0] * self._num_segments
+        self._released_sizes = sizes
+
+    def recommit(self) -> None:
+        """Commit the sizes held before :meth:`release_physical`, zero-filled, at the same
+        addresses, as one physical allocation per segment."""
+        self._check_alive()
+        if self._released_sizes is None:
+            raise RuntimeError("recommit() without a preceding release_physical()")
+        sizes, self._released_sizes = self._released_sizes, None
+        self._commit_single(sizes)
+
+    def recommit_single_handle(self) -> None:
+        """Release the chunks of each segment and recommit its prefix as ONE physical
+        allocation (UCX exports only the first handle of a multi-handle region, ucx #11283).
+
+        Contents are discarded (the new memory is zeroed). Segments already backed by a
+        single allocation are left as they are, contents included.
+        """
+        self._check_alive()
+        if self.is_released:
+            raise RuntimeError("recommit_single_handle() while released: call recommit()")
+        chunks = self._state.chunks
+        todo = [s for s in range(self._num_segments) if len(chunks[s]) > 1]
+        if not todo:
+            return
+        self.driver.synchronize()
+        sizes = [self._committed[s] if s in todo else 0 for s in range(self._num_segments)]
+        for s in todo:
+            while chunks[s]:
+                self._unmap_one(chunks[s].pop())
+            self._committed[s] = 0
+        self._commit_single(sizes)
+
+    def _commit_single(self, sizes: list[int]) -> None:
+        for s, size in enumerate(sizes):
+            if size == 0:
+                continue
+            m = self._map_new(self.segment_base(s), size)
+            self._state.chunks[s].append(m)
+            self._committed[s] = size
+            self.driver.memset(m.va, 0, size)
+
+    # -- views -----------------------------------------------------------------
+    def segment_view(self, segment: int) -> torch.Tensor:
+        """uint8 tensor over exactly the committed prefix of ``segment``."""
+        self._check_alive()
+        self._check_segment(segment)
+        n = self._committed[segment]
+        if n == 0:
+            raise ValueError(f"segment {segment} has no committed memory")
+        return pointer_view(self.segment_base(segment), n, self.driver, self)
+
+    def committed_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """uint8 tensor of ``nbytes`` at ``base_ptr + offset``; its storage is exactly that
+        size. The range must lie inside one segment's committed prefix (else ValueError)."""
+        self._check_alive()
+        if offset < 0 or nbytes <= 0:
+            raise ValueError(f"bad view range: offset {offset}, nbytes {nbytes}")
+        seg, inner = divmod(offset, self._segment_capacity)
+        if seg >= self._num_segments or inner + nbytes > self._committed[seg]:
+            where = f"segment {seg}" if seg < self._num_segments else "past the reservation"
+            have = self._committed[seg] if seg < self._num_segments else 0
+            raise ValueError(
+                f"view [{offset}, {offset + nbytes}) is not inside committed memory: {where} has "
+                f"{have} committed bytes from offset {seg * self._segment_capacity}"
+            )
+        return pointer_view(self.base_ptr + offset, nbytes, self.driver, self)
+
+    def full_view(self) -> torch.Tensor:
+        """uint8 tensor over the WHOLE reservation; pointer-stable (what CUDA graphs capture).
+
+        Unsafe past the committed prefixes: touching uncommitted bytes faults.
+        """
+        self._check_alive()
+        return pointer_view(self.base_ptr, self.capacity_bytes, self.driver, self)
+
+    # -- sharing ---------------------------------------------------------------
+    def export_handles(self) -> list[ExportedChunk]:
+        """Export every chunk as a POSIX fd (caller owns and must close the fds)."""
+        self._check_alive()
+        if not self.granted.shareable or not self._shareable:
+            raise RuntimeError(
+                "export_handles() needs shareable allocations: create the ExtensibleTensor with "
+                f"shareable=True (granted here: {self.granted})"
+            )
+        out: list[ExportedChunk] = []
+        try:
+            for s, seg in enumerate(self._state.chunks):
+                start = self.segment_base(s)
+                for m in seg:
+                    out.append(ExportedChunk(s, m.va - start, m.size,
+                                             self.driver.export_fd(m.handle)))
+        except BaseException:
+            for e in out:
+                os.close(e.fd)
+            raise
+        return out
+
+    # -- lifetime --------------------------------------------------------------
+    def free(self) -> None:
+        """Unmap, release and unreserve everything. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> ExtensibleTensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def _check_alive(self) -> None:
+        if self._state.freed:
+            raise RuntimeError("ExtensibleTensor used after free()")
+
+    def _check_segment(self, segment: int) -> None:
+        if not 0 <= segment < self._num_segments:
+            raise IndexError(f"segment {segment} out of range (tensor has {self._num_segments})")
+
+    def __repr__(self) -> str:
+        state = "freed" if self.is_freed else ("released" if self.is_released else "live")
+        return (f"ExtensibleTensor({self.driver.name}:{self.driver.device_index}, capacity="
+                f"{self.capacity_bytes}, segments={self._num_segments}, committed="
+                f"{list(self._committed)}, chunks={self.num_physical_chunks}, {state})")

@@ -1,0 +1,104 @@
+"""VMM drivers: one interface (:class:`VmmDriver`), three backends (CUDA, HIP, host).
+
+:func:`probe_vmm` picks and checks a backend for a device and says why not when it can't;
+:func:`get_vmm_driver` does the same and warns with the reason when it falls back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .base import (
+    DLPACK_CPU,
+    DLPACK_CUDA,
+    DLPACK_ROCM,
+    DeviceCapabilities,
+    GrantedFlags,
+    PhysicalHandle,
+    VmmDriver,
+    VmmError,
+    round_up,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DLPACK_CPU", "DLPACK_CUDA", "DLPACK_ROCM", "DeviceCapabilities", "GrantedFlags",
+    "PhysicalHandle", "VmmDriver", "VmmError", "VmmProbe", "get_vmm_driver", "probe_vmm",
+    "parse_device", "round_up",
+]
+
+
+@dataclass(frozen=True)
+class VmmProbe:
+    """Result of probing a device: the driver, or ``None`` and the reason."""
+
+    driver: VmmDriver | None
+    reason: str = ""
+
+
+def parse_device(device: object) -> tuple[str, int]:
+    """Normalise ``"cpu"``, ``"host"``, ``"cuda"``, ``"cuda:1"``, ``"hip:0"`` or a torch.device.
+
+    Returns ``(kind, index)`` with kind one of ``"host"``, ``"cuda"``, ``"hip"``.
+    """
+    if isinstance(device, VmmDriver):
+        return device.name, device.device_index
+    text = str(device).strip().lower()
+    kind, _, idx = text.partition(":")
+    if kind in ("cpu", "host"):
+        return "host", 0
+    if kind in ("cuda", "gpu", "hip", "rocm"):
+        try:
+            index = int(idx) if idx else 0
+        except ValueError:
+            raise ValueError(f"bad device index in {device!r}: expected e.g. 'cuda:0'") from None
+        if kind == "cuda" or kind == "gpu":
+            try:
+                import torch
+
+                if getattr(torch.version, "hip", None):
+                    return "hip", index
+            except ImportError:
+                pass
+            return "cuda", index
+        return "hip", index
+    raise ValueError(f"unknown device {device!r}: use 'cpu'/'host', 'cuda[:N]' or 'hip[:N]'")
+
+
+def probe_vmm(device: object = "cpu") -> VmmProbe:
+    """Find a working VMM backend for ``device``: library loads, a VA reservation works,
+    and the device attribute says VMM is supported. Never raises for a missing backend."""
+    if isinstance(device, VmmDriver):
+        return VmmProbe(device)
+    kind, index = parse_device(device)
+    if kind == "host":
+        try:
+            from .host import HostVmmDriver
+
+            drv = HostVmmDriver(index)
+            va = drv.reserve(drv.granularity())
+            drv.free_reserved(va, drv.granularity())
+            return VmmProbe(drv)
+        except OSError as exc:
+            return VmmProbe(None, f"host VMM backend unavailable: {exc}")
+    if kind == "cuda":
+        from .cuda import probe_cuda
+
+        return probe_cuda(index)
+    from .hip import probe_hip
+
+    return probe_hip(index)
+
+
+def get_vmm_driver(device: object = "cpu") -> VmmDriver | None:
+    """The VMM driver for ``device``, or ``None`` after a warning naming the reason.
+
+    Callers then fall back to ordinary (non-extensible) allocation.
+    """
+    probe = probe_vmm(device)
+    if probe.driver is None:
+        logger.warning("VMM unavailable for %s, falling back to ordinary allocation: %s",
+                       device, probe.reason)
+    return probe.driver

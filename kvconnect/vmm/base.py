@@ -1,0 +1,164 @@
+"""The virtual-memory driver interface shared by the CUDA, HIP and host backends.
+
+All sizes and offsets are in **bytes**. Virtual addresses are plain ``int``s.
+A driver is bound to one device (``device_index``); every method acts on that device.
+
+The protocol mirrors CUDA's VMM API:
+
+    va = drv.reserve(size)                   # cuMemAddressReserve
+    h  = drv.create(size, shareable=..., rdma_capable=...)   # cuMemCreate
+    drv.map(va, size, h)                     # cuMemMap
+    drv.set_access(va, size)                 # cuMemSetAccess (read/write)
+    drv.unmap(va, size)                      # cuMemUnmap (whole mappings only)
+    drv.release(h)                           # cuMemRelease
+    drv.free_reserved(va, size)              # cuMemAddressFree
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+#: DLPack device types (dlpack.h ``DLDeviceType``).
+DLPACK_CPU = 1
+DLPACK_CUDA = 2
+DLPACK_ROCM = 10
+
+
+class VmmError(RuntimeError):
+    """A driver call failed. ``call`` is the driver entry point, ``code`` its status."""
+
+    def __init__(self, call: str, code: int | str, detail: str = "") -> None:
+        self.call = call
+        self.code = code
+        msg = f"{call} failed: {code}"
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+@dataclass(frozen=True)
+class GrantedFlags:
+    """The flags one physical allocation really has (requested flags may be refused)."""
+
+    shareable: bool = False
+    rdma_capable: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceCapabilities:
+    """What a device supports, as its driver reports it."""
+
+    vmm: bool
+    posix_fd_handles: bool
+    gpudirect_rdma_with_vmm: bool
+    fabric_handles: bool
+
+
+@dataclass
+class PhysicalHandle:
+    """One physical allocation (``cuMemCreate`` result, or a host memfd).
+
+    ``handle`` is the backend's opaque value (a ``CUmemGenericAllocationHandle`` or an fd).
+    Owned by whoever created or imported it; release it with :meth:`VmmDriver.release`.
+    """
+
+    handle: int
+    size: int
+    device: int
+    granted: GrantedFlags
+    imported: bool = False
+    released: bool = False
+
+
+class VmmDriver(abc.ABC):
+    """One backend of the VMM API, bound to one device."""
+
+    #: backend name: ``"cuda"``, ``"hip"`` or ``"host"``
+    name: str = ""
+    #: DLPack device type of memory this driver maps
+    dlpack_device_type: int = DLPACK_CPU
+
+    def __init__(self, device_index: int = 0) -> None:
+        self.device_index = int(device_index)
+
+    # -- queries ---------------------------------------------------------------
+    @abc.abstractmethod
+    def granularity(self, *, shareable: bool = False, rdma_capable: bool = False) -> int:
+        """Minimum allocation/mapping granularity in bytes for these flags."""
+
+    @abc.abstractmethod
+    def capabilities(self) -> DeviceCapabilities:
+        """Device capability attributes (VMM, POSIX-FD handles, GDR with VMM, fabric)."""
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device string for memory of this driver (``"cpu"`` or ``"cuda:N"``)."""
+        return "cpu" if self.dlpack_device_type == DLPACK_CPU else f"cuda:{self.device_index}"
+
+    # -- context ---------------------------------------------------------------
+    def ensure_context(self) -> None:  # noqa: B027 - optional hook
+        """Make the device's primary context current on this thread (no-op on host)."""
+
+    def synchronize(self) -> None:  # noqa: B027 - optional hook
+        """Wait for all work on the device (no-op on host). Call before unmapping."""
+
+    # -- address space ---------------------------------------------------------
+    @abc.abstractmethod
+    def reserve(self, size: int, alignment: int = 0) -> int:
+        """Reserve ``size`` bytes of virtual address space; returns the base address."""
+
+    @abc.abstractmethod
+    def free_reserved(self, va: int, size: int) -> None:
+        """Return a reservation made by :meth:`reserve` (everything must be unmapped)."""
+
+    # -- physical memory -------------------------------------------------------
+    @abc.abstractmethod
+    def create(
+        self, size: int, device: int | None = None, *, shareable: bool = False,
+        rdma_capable: bool = False,
+    ) -> PhysicalHandle:
+        """Create a physical allocation of ``size`` bytes (a granularity multiple).
+
+        Flags that the device cannot grant fall back (with one warning per driver);
+        the returned handle's ``granted`` says what it really has.
+        """
+
+    @abc.abstractmethod
+    def map(self, va: int, size: int, handle: PhysicalHandle, offset: int = 0) -> None:
+        """Map ``size`` bytes of ``handle`` (from ``offset``) at ``va``; no access yet."""
+
+    @abc.abstractmethod
+    def set_access(self, va: int, size: int) -> None:
+        """Grant this device read/write access to a mapped range."""
+
+    @abc.abstractmethod
+    def unmap(self, va: int, size: int) -> None:
+        """Unmap a range that covers whole mappings. Touching it afterwards faults."""
+
+    @abc.abstractmethod
+    def release(self, handle: PhysicalHandle) -> None:
+        """Release a physical allocation (memory is freed once it is also unmapped)."""
+
+    @abc.abstractmethod
+    def memset(self, va: int, value: int, size: int) -> None:
+        """Fill ``size`` mapped bytes at ``va`` with ``value`` (synchronously)."""
+
+    # -- sharing ---------------------------------------------------------------
+    @abc.abstractmethod
+    def export_fd(self, handle: PhysicalHandle) -> int:
+        """Export a shareable allocation as a POSIX file descriptor owned by the caller."""
+
+    @abc.abstractmethod
+    def import_fd(self, fd: int, size: int) -> PhysicalHandle:
+        """Import an allocation from a POSIX fd (the fd stays owned by the caller)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}:{self.device_index}>"
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Round ``value`` up to a multiple of ``multiple`` (bytes)."""
+    if multiple <= 0:
+        raise ValueError(f"multiple must be positive, got {multiple}")
+    return -(-value // multiple) * multiple

@@ -1,0 +1,151 @@
+"""Host (Linux, no GPU) backend: a faithful model of CUDA VMM on ordinary memory.
+
+- reserve:  ``mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``
+- create:   ``memfd_create`` + ``ftruncate`` (the "physical allocation"; its fd is the handle)
+- map:      ``mmap(MAP_FIXED|MAP_SHARED, memfd)`` with ``PROT_NONE``
+- set_access: ``mprotect(PROT_READ|PROT_WRITE)``
+- unmap:    map ``PROT_NONE`` anonymous memory back over the range (the VA stays reserved)
+- export:   ``dup`` of the memfd (send it with SCM_RIGHTS)
+
+Touching reserved-but-uncommitted memory raises SIGSEGV, exactly like unmapped VA on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import sys
+
+from .base import DLPACK_CPU, DeviceCapabilities, GrantedFlags, PhysicalHandle, VmmDriver, VmmError
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_MAP_FIXED = 0x10
+_PAGE = mmap.PAGESIZE
+_PROT_NONE = 0
+#: commit granularity of the host backend; the same 2 MiB that CUDA reports on H200
+HOST_GRANULARITY = 2 * 1024 * 1024
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mprotect.restype = ctypes.c_int
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _errno_error(call: str) -> VmmError:
+    err = ctypes.get_errno()
+    return VmmError(call, os.strerror(err) if err else "unknown error")
+
+
+def _check_range(va: int, size: int) -> None:
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {size} bytes")
+    if va % _PAGE or size % _PAGE:
+        raise ValueError(f"va {va:#x} and size {size} must be multiples of the page size {_PAGE}")
+
+
+class HostVmmDriver(VmmDriver):
+    """VMM on host memory via mmap + memfd (Linux only). ``device_index`` is ignored."""
+
+    name = "host"
+    dlpack_device_type = DLPACK_CPU
+
+    def __init__(self, device_index: int = 0) -> None:
+        if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+            raise OSError("the host VMM backend needs Linux with memfd_create")
+        super().__init__(device_index)
+
+    def granularity(self, *, shareable: bool = False, rdma_capable: bool = False) -> int:
+        return HOST_GRANULARITY
+
+    def capabilities(self) -> DeviceCapabilities:
+        return DeviceCapabilities(vmm=True, posix_fd_handles=True, gpudirect_rdma_with_vmm=False,
+                                  fabric_handles=False)
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu"
+
+    def reserve(self, size: int, alignment: int = 0) -> int:
+        _check_range(0, size)
+        align = max(alignment, HOST_GRANULARITY)
+        # Over-reserve, then trim to an aligned window (like cuMemAddressReserve's alignment).
+        total = size + align
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        raw = _libc.mmap(None, total, _PROT_NONE, flags, -1, 0)
+        if raw in (None, _MAP_FAILED):
+            raise _errno_error(f"mmap(PROT_NONE, {total} bytes)")
+        base = -(-raw // align) * align
+        head, tail = base - raw, raw + total - (base + size)
+        if head:
+            _libc.munmap(raw, head)
+        if tail:
+            _libc.munmap(base + size, tail)
+        return base
+
+    def free_reserved(self, va: int, size: int) -> None:
+        _check_range(va, size)
+        if _libc.munmap(va, size) != 0:
+            raise _errno_error("munmap")
+
+    def create(self, size: int, device: int | None = None, *, shareable: bool = False,
+               rdma_capable: bool = False) -> PhysicalHandle:
+        if size <= 0 or size % HOST_GRANULARITY:
+            raise ValueError(f"size must be a positive multiple of {HOST_GRANULARITY} bytes, got {size}")
+        fd = os.memfd_create("kvconnect-chunk", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            os.close(fd)
+            raise
+        # Host memory is always shareable (memfd); RDMA registration needs a NIC, not a flag.
+        return PhysicalHandle(handle=fd, size=size, device=self.device_index,
+                              granted=GrantedFlags(shareable=True, rdma_capable=False))
+
+    def map(self, va: int, size: int, handle: PhysicalHandle, offset: int = 0) -> None:
+        _check_range(va, size)
+        if handle.released:
+            raise ValueError("cannot map a released physical handle")
+        if offset < 0 or offset + size > handle.size:
+            raise ValueError(f"mapping [{offset}, {offset + size}) exceeds the {handle.size}-byte allocation")
+        got = _libc.mmap(va, size, _PROT_NONE, mmap.MAP_SHARED | _MAP_FIXED, handle.handle, offset)
+        if got != va:
+            raise _errno_error("mmap(MAP_FIXED|MAP_SHARED)")
+
+    def set_access(self, va: int, size: int) -> None:
+        _check_range(va, size)
+        if _libc.mprotect(va, size, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+            raise _errno_error("mprotect")
+
+    def unmap(self, va: int, size: int) -> None:
+        _check_range(va, size)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+        if _libc.mmap(va, size, _PROT_NONE, flags, -1, 0) != va:
+            raise _errno_error("mmap(PROT_NONE) over unmapped range")
+
+    def release(self, handle: PhysicalHandle) -> None:
+        if handle.released:
+            return
+        handle.released = True
+        os.close(handle.handle)
+
+    def memset(self, va: int, value: int, size: int) -> None:
+        ctypes.memset(va, value, size)
+
+    def export_fd(self, handle: PhysicalHandle) -> int:
+        if handle.released:
+            raise ValueError("cannot export a released physical handle")
+        return os.dup(handle.handle)
+
+    def import_fd(self, fd: int, size: int) -> PhysicalHandle:
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise ValueError(f"imported fd holds {actual} bytes, fewer than the {size} expected")
+        return PhysicalHandle(handle=os.dup(fd), size=size, device=self.device_index,
+                              granted=GrantedFlags(shareable=True), imported=True)

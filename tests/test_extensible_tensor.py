@@ -1,0 +1,323 @@
+"""ExtensibleTensor on the host backend (and, marked gpu, on CUDA)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvconnect import ExtensibleTensor, VmmUnavailableError
+from kvconnect.ipc import private_socket_dir, recv_message, send_message
+from kvconnect.vmm.host import HostVmmDriver
+
+MiB = 1024 * 1024
+G = 2 * MiB  # commit granule
+
+
+def _fill(t: torch.Tensor, value: int) -> None:
+    t.fill_(value)
+    if t.is_cuda:
+        torch.cuda.synchronize()
+
+
+def test_staged_growth_keeps_pointers_and_sizes_views(vmm_device: str) -> None:
+    with ExtensibleTensor(2 * 64 * G, vmm_device, num_segments=2) as t:
+        base = t.base_ptr
+        full_ptr = t.full_view().data_ptr()
+        t.commit(4096)  # one block
+        assert t.committed_bytes == (G, G)
+        assert t.num_physical_chunks == 2
+        t.commit(5 * G + 1)  # warm-up prefix, rounds up to the granule
+        assert t.committed_bytes == (6 * G, 6 * G)
+        t.commit(3 * G)  # smaller: grow-only no-op
+        assert t.committed_bytes == (6 * G, 6 * G)
+        t.commit(40 * G)  # final
+        assert t.committed_bytes == (40 * G, 40 * G)
+        assert t.num_physical_chunks == 6  # three commits x two segments
+        assert t.base_ptr == base and t.full_view().data_ptr() == full_ptr
+        for s in range(2):
+            v = t.segment_view(s)
+            assert v.untyped_storage().nbytes() == 40 * G
+            assert v.data_ptr() == base + s * 64 * G
+        assert t.full_view().untyped_storage().nbytes() == 2 * 64 * G
+
+
+def test_segments_are_independent(vmm_device: str) -> None:
+    with ExtensibleTensor(3 * 8 * G, vmm_device, num_segments=3) as t:
+        t.commit(2 * G)
+        for s in range(3):
+            _fill(t.segment_view(s), s + 1)
+        for s in range(3):
+            v = t.segment_view(s)
+            assert int(v.min()) == int(v.max()) == s + 1
+        # the chunks of each segment start at its own base
+        starts = {(c.segment, c.offset) for c in t.physical_chunks()}
+        assert starts == {(0, 0), (1, 0), (2, 0)}
+
+
+def test_release_then_recommit_gives_zeros_at_same_addresses(vmm_device: str) -> None:
+    with ExtensibleTensor(2 * 16 * G, vmm_device, num_segments=2) as t:
+        t.commit(G)
+        t.commit(4 * G)
+        ptrs = [t.segment_view(s).data_ptr() for s in range(2)]
+        for s in range(2):
+            _fill(t.segment_view(s), 0xAB)
+        t.release_physical()
+        assert t.is_released and t.committed_bytes == (0, 0) and t.num_physical_chunks == 0
+        with pytest.raises(RuntimeError, match="recommit"):
+            t.commit(G)
+        t.recommit()
+        assert t.committed_bytes == (4 * G, 4 * G)
+        assert t.num_physical_chunks == 2  # one allocation per segment on wake
+        for s in range(2):
+            v = t.segment_view(s)
+            assert v.data_ptr() == ptrs[s]
+            assert int(v.count_nonzero()) == 0
+        with pytest.raises(RuntimeError, match="without a preceding release_physical"):
+            t.recommit()
+
+
+def test_single_handle_recommit_leaves_one_chunk_per_segment(vmm_device: str) -> None:
+    with ExtensibleTensor(2 * 32 * G, vmm_device, num_segments=2) as t:
+        for size in (G, 3 * G, 10 * G):
+            t.commit(size)
+        assert t.num_physical_chunks == 6
+        t.recommit_single_handle()
+        chunks = t.physical_chunks()
+        assert [(c.segment, c.offset, c.size) for c in chunks] == [(0, 0, 10 * G), (1, 0, 10 * G)]
+        assert t.committed_bytes == (10 * G, 10 * G)
+        _fill(t.segment_view(1), 9)
+        t.recommit_single_handle()  # already single: contents kept
+        assert int(t.segment_view(1).min()) == 9
+
+
+def test_views_are_bounded_to_committed_memory() -> None:
+    with ExtensibleTensor(2 * 8 * G, "cpu", num_segments=2) as t:
+        t.commit(G)
+        v = t.committed_view(8 * G + 100, 4000)
+        assert v.untyped_storage().nbytes() == 4000
+        assert v.data_ptr() == t.base_ptr + 8 * G + 100
+        with pytest.raises(ValueError, match="not inside committed memory"):
+            t.committed_view(G - 10, 20)  # crosses the committed end of segment 0
+        with pytest.raises(ValueError, match="past the reservation"):
+            t.committed_view(16 * G, 1)
+        with pytest.raises(ValueError, match="no committed memory"):
+            ExtensibleTensor(2 * G, "cpu").segment_view(0)
+
+
+def test_bad_input_raises_clear_errors() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        ExtensibleTensor(0, "cpu")
+    with pytest.raises(ValueError, match="positive"):
+        ExtensibleTensor(-G, "cpu")
+    with pytest.raises(TypeError, match="int"):
+        ExtensibleTensor(1.5, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"round capacity_bytes up to 8388608"):
+        ExtensibleTensor(3 * G, "cpu", num_segments=2)
+    with pytest.raises(ValueError, match="unknown device"):
+        ExtensibleTensor(G, "tpu:0")
+    t = ExtensibleTensor(2 * 4 * G, "cpu", num_segments=2)
+    with pytest.raises(ValueError, match="positive"):
+        t.commit(0)
+    with pytest.raises(ValueError, match=r"cannot commit 10000000 bytes per segment: the segment "
+                                         r"capacity is 8388608 bytes"):
+        t.commit(10_000_000)
+    with pytest.raises(RuntimeError, match="shareable=True"):
+        t.export_handles()
+    with pytest.raises(IndexError):
+        t.segment_view(2)
+    t.free()
+    t.free()  # idempotent
+    for call in (lambda: t.commit(G), t.full_view, t.release_physical, t.recommit_single_handle):
+        with pytest.raises(RuntimeError, match="after free"):
+            call()
+
+
+class FaultInjectingHostDriver(HostVmmDriver):
+    """The real host backend, failing its Nth create() call (to test rollback)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def create(self, size, device=None, *, shareable=False, rdma_capable=False):  # type: ignore[override]
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise MemoryError("injected: out of device memory")
+        return super().create(size, device, shareable=shareable, rdma_capable=rdma_capable)
+
+
+def test_failed_commit_leaves_nothing_mapped() -> None:
+    drv = FaultInjectingHostDriver(fail_at=4)  # segment 1 of the second commit
+    fds_before = set(os.listdir("/proc/self/fd"))
+    with ExtensibleTensor(2 * 8 * G, drv, num_segments=2) as t:
+        t.commit(G)
+        with pytest.raises(MemoryError, match="injected"):
+            t.commit(4 * G)
+        assert t.committed_bytes == (G, G)
+        assert t.num_physical_chunks == 2
+        t.commit(4 * G)  # works once the fault is gone
+        assert t.committed_bytes == (4 * G, 4 * G)
+    assert set(os.listdir("/proc/self/fd")) == fds_before
+
+
+def _maps_overlapping(lo: int, hi: int) -> list[str]:
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            a, b = (int(x, 16) for x in line.split()[0].split("-"))
+            if a < hi and b > lo:
+                out.append(line.strip())
+    return out
+
+
+def test_free_leaves_no_fds_and_no_mappings() -> None:
+    fds_before = set(os.listdir("/proc/self/fd"))
+    t = ExtensibleTensor(2 * 8 * G, "cpu", num_segments=2, shareable=True)
+    lo, hi = t.base_ptr, t.base_ptr + t.capacity_bytes
+    t.commit(G)
+    t.commit(3 * G)
+    assert any("kvconnect-chunk" in m for m in _maps_overlapping(lo, hi))
+    assert len(set(os.listdir("/proc/self/fd")) - fds_before) == 4  # one memfd per chunk
+    t.free()
+    assert set(os.listdir("/proc/self/fd")) == fds_before
+    assert _maps_overlapping(lo, hi) == []
+
+
+def test_garbage_collection_frees_but_views_keep_owner_alive() -> None:
+    import gc
+
+    fds_before = set(os.listdir("/proc/self/fd"))
+    t = ExtensibleTensor(8 * G, "cpu")
+    t.commit(G)
+    view = t.segment_view(0)
+    lo = t.base_ptr
+    del t
+    gc.collect()
+    view.fill_(3)  # still mapped: the view holds the tensor
+    assert int(view.sum()) == 3 * G
+    del view
+    gc.collect()
+    assert set(os.listdir("/proc/self/fd")) == fds_before
+    assert _maps_overlapping(lo, lo + 8 * G) == []
+
+
+_FAULT_CHILD = textwrap.dedent(
+    """
+    import sys
+    from kvconnect import ExtensibleTensor
+    G = 2 * 1024 * 1024
+    t = ExtensibleTensor(8 * G, sys.argv[1])
+    t.commit(G)
+    full = t.full_view()
+    print(int(full[G - 1]), flush=True)        # last committed byte: fine
+    print("about to read past the prefix", flush=True)
+    x = int(full[G + 10])                      # uncommitted: must fault
+    print("read", x, flush=True)
+    """
+)
+
+
+def test_reading_past_committed_prefix_faults() -> None:
+    proc = subprocess.run([sys.executable, "-c", _FAULT_CHILD, "cpu"], capture_output=True,
+                          text=True, timeout=120)
+    assert "about to read past the prefix" in proc.stdout
+    assert "read" not in proc.stdout.split("about to read")[1]
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr
+
+
+@pytest.mark.gpu
+def test_reading_past_committed_prefix_fails_on_cuda() -> None:
+    proc = subprocess.run([sys.executable, "-c", _FAULT_CHILD, "cuda:0"], capture_output=True,
+                          text=True, timeout=120)
+    assert "about to read past the prefix" in proc.stdout
+    assert proc.returncode != 0
+    assert "read " not in proc.stdout.split("about to read")[1]
+
+
+_IMPORT_CHILD = textwrap.dedent(
+    """
+    import socket, sys, torch
+    from kvconnect.ipc import PeerMapping, recv_message, send_message
+    from kvconnect.vmm import probe_vmm
+    import os
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(sys.argv[1])
+    msg, fds = recv_message(sock, timeout=60)
+    drv = probe_vmm(msg["device"]).driver
+    with PeerMapping.import_chunks(drv, msg["capacity"], msg["segment_capacity"],
+                                   msg["chunks"], fds) as peer:
+        for fd in fds:
+            os.close(fd)
+        sums = []
+        for rec in msg["chunks"]:
+            off = rec["segment"] * msg["segment_capacity"] + rec["offset"]
+            v = peer.view(off, rec["size"])
+            sums.append(int(v.to(torch.int64).sum()))
+            v.fill_(0x5A)                        # write back through the imported mapping
+        if drv.name != "host":
+            torch.cuda.synchronize()
+        send_message(sock, {"sums": sums})
+        recv_message(sock, timeout=60)          # parent has checked; now unmap
+    """
+)
+
+
+def test_export_scm_rights_import_in_another_process(vmm_device: str) -> None:
+    with ExtensibleTensor(2 * 8 * G, vmm_device, num_segments=2, shareable=True) as t:
+        t.commit(G)
+        t.commit(2 * G)  # two chunks per segment
+        for s in range(2):
+            v = t.segment_view(s)
+            v.copy_(torch.arange(v.numel(), device=v.device, dtype=torch.int64).mul_(s + 3)
+                    .remainder_(251).to(torch.uint8))
+        expected = []
+        for c in t.physical_chunks():
+            v = t.committed_view(c.segment * t.segment_capacity + c.offset, c.size)
+            expected.append(int(v.to(torch.int64).sum()))
+        exported = t.export_handles()
+        assert len(exported) == 4
+        with private_socket_dir() as d:
+            path = os.path.join(d, "s")
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            srv.bind(path)
+            srv.listen(1)
+            child = subprocess.Popen([sys.executable, "-c", _IMPORT_CHILD, path])
+            try:
+                srv.settimeout(60)
+                conn, _ = srv.accept()
+                with conn:
+                    send_message(conn, {
+                        "device": vmm_device, "capacity": t.capacity_bytes,
+                        "segment_capacity": t.segment_capacity,
+                        "chunks": [{"segment": e.segment, "offset": e.offset, "size": e.size}
+                                   for e in exported],
+                    }, [e.fd for e in exported])
+                    for e in exported:
+                        os.close(e.fd)
+                    reply, _ = recv_message(conn, timeout=60)
+                    assert reply["sums"] == expected
+                    for s in range(2):  # the child's writes are visible here
+                        assert int(t.segment_view(s).min()) == 0x5A
+                    send_message(conn, {"done": True})
+                assert child.wait(timeout=60) == 0
+            finally:
+                srv.close()
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+
+
+def test_unknown_backend_fails_with_reason() -> None:
+    with pytest.raises((VmmUnavailableError, ValueError)) as info:
+        ExtensibleTensor(G, "cuda:7")
+    if not torch.cuda.is_available():
+        assert re.search(r"no VMM backend for device 'cuda:7'", str(info.value))
