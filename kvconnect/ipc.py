@@ -106,7 +106,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
         sock.settimeout(_deadline_left(deadline))
         try:
             chunk = sock.recv(n - len(buf))
-        except socket.timeout:
+        except TimeoutError:
             raise IpcError("timed out waiting for the peer") from None
         if not chunk:
             raise IpcError("peer closed the connection")
@@ -128,7 +128,7 @@ def recv_message(
         msg, anc, flags, _ = sock.recvmsg(
             _HEADER.size, socket.CMSG_SPACE(max_fds * fds_arr.itemsize)
         )
-    except socket.timeout:
+    except TimeoutError:
         raise IpcError("timed out waiting for the peer") from None
     fds: list[int] = []
     for level, kind, data in anc:
@@ -206,7 +206,7 @@ class PeerMapping:
             raise IpcError(f"bad peer geometry: capacity {capacity_bytes}, segment {segment_capacity}")
         mapping = cls(driver, capacity_bytes, segment_capacity)
         try:
-            for rec, fd in zip(chunks, fds):
+            for rec, fd in zip(chunks, fds, strict=True):
                 seg, off, size = (int(rec["segment"]), int(rec["offset"]), int(rec["size"]))
                 start = seg * segment_capacity + off
                 if seg < 0 or off < 0 or size <= 0 or off + size > segment_capacity \
