@@ -326,14 +326,15 @@ class ExtensibleTensor:
         if self._released_sizes is None:
             raise RuntimeError("recommit() without a preceding release_physical()")
         sizes, self._released_sizes = self._released_sizes, None
-        self._commit_single(sizes)
+        self._commit_single(sizes, zero=True)
 
-    def recommit_single_handle(self) -> None:
+    def recommit_single_handle(self, *, zero: bool = False) -> None:
         """Release the chunks of each segment and recommit its prefix as ONE physical
         allocation (UCX exports only the first handle of a multi-handle region, ucx #11283).
 
-        Contents are discarded (the new memory is zeroed). Segments already backed by a
-        single allocation are left as they are, contents included.
+        Contents are discarded: at this point they are only warm-up garbage. The new memory
+        is undefined on GPUs unless ``zero`` (the host backend always gives zeros). Segments
+        already backed by a single allocation are left as they are, contents included.
         """
         self._check_alive()
         if self.is_released:
@@ -348,16 +349,29 @@ class ExtensibleTensor:
             while chunks[s]:
                 self._unmap_one(chunks[s].pop())
             self._committed[s] = 0
-        self._commit_single(sizes)
+        self._commit_single(sizes, zero=zero)
 
-    def _commit_single(self, sizes: list[int]) -> None:
-        for s, size in enumerate(sizes):
-            if size == 0:
-                continue
-            m = self._map_new(self.segment_base(s), size)
-            self._state.chunks[s].append(m)
-            self._committed[s] = size
-            self.driver.memset(m.va, 0, size)
+    def _commit_single(self, sizes: list[int], *, zero: bool) -> None:
+        """Map ``sizes[s]`` bytes as one allocation at each segment that has none mapped.
+
+        On failure everything is released and the tensor is left *released* with the full
+        sizes remembered, so a later :meth:`recommit` can retry.
+        """
+        try:
+            for s, size in enumerate(sizes):
+                if size == 0 or self._state.chunks[s]:
+                    continue
+                m = self._map_new(self.segment_base(s), size)
+                self._state.chunks[s].append(m)
+                self._committed[s] = size
+                if zero:
+                    self.driver.memset(m.va, 0, size)
+        except BaseException:
+            full = [max(a, b) for a, b in zip(sizes, self._committed, strict=True)]
+            self._state.unmap_all()
+            self._committed = [0] * self._num_segments
+            self._released_sizes = full
+            raise
 
     # -- views -----------------------------------------------------------------
     def segment_view(self, segment: int) -> torch.Tensor:

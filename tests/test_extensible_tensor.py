@@ -321,3 +321,15 @@ def test_unknown_backend_fails_with_reason() -> None:
         ExtensibleTensor(G, "cuda:7")
     if not torch.cuda.is_available():
         assert re.search(r"no VMM backend for device 'cuda:7'", str(info.value))
+
+
+def test_failed_recommit_leaves_tensor_released_and_retryable() -> None:
+    drv = FaultInjectingHostDriver(fail_at=4)  # 2 commits, then the wake's second segment
+    with ExtensibleTensor(2 * 8 * G, drv, num_segments=2) as t:
+        t.commit(2 * G)
+        t.release_physical()
+        with pytest.raises(MemoryError, match="injected"):
+            t.recommit()
+        assert t.is_released and t.num_physical_chunks == 0
+        t.recommit()  # the retry works and restores the full size
+        assert t.committed_bytes == (2 * G, 2 * G) and t.num_physical_chunks == 2
