@@ -249,11 +249,20 @@ class ExtensibleTensor:
         return out
 
     # -- growth ----------------------------------------------------------------
-    def commit(self, bytes_per_segment: int) -> None:
+    def commit(self, bytes_per_segment: int, *, single_handle: bool = False) -> None:
         """Grow every segment's committed prefix to at least ``bytes_per_segment`` bytes.
 
         Rounds up to the granule; never shrinks (a smaller request is a no-op). Raises
         ValueError past the segment capacity. On failure nothing new stays mapped.
+
+        ``single_handle=True`` is the final commit before connector registration: each
+        segment's earlier (warm-up) chunks are released and the whole prefix is committed as
+        ONE physical allocation, contents discarded. This is :meth:`recommit_single_handle`
+        fused with the growth, and much cheaper on CUDA: the driver scrubs memory a process
+        has just freed, so committing 100 GiB and then re-creating it costs ~300 ms, while
+        freeing the small warm-up chunks and creating the final size once costs a few ms
+        (benchmarks/results/commit-h200.md). If it fails after the release, the tensor is
+        left *released* with the target sizes remembered: :meth:`recommit` retries.
         """
         self._check_alive()
         bytes_per_segment = _positive_int("bytes_per_segment", bytes_per_segment)
@@ -266,6 +275,9 @@ class ExtensibleTensor:
                 f"{self._num_segments} segments)"
             )
         target = round_up(bytes_per_segment, self._granule)
+        if single_handle:
+            self._commit_final_single_handle(target)
+            return
         added: list[tuple[int, _Mapped]] = []
         try:
             for s in range(self._num_segments):
@@ -281,6 +293,20 @@ class ExtensibleTensor:
             raise
         for s, _ in added:
             self._committed[s] = target
+
+    def _commit_final_single_handle(self, target: int) -> None:
+        chunks = self._state.chunks
+        sizes = [max(target, c) for c in self._committed]
+        todo = [s for s in range(self._num_segments)
+                if sizes[s] > self._committed[s] or len(chunks[s]) > 1]
+        if not todo:
+            return
+        self.driver.synchronize()
+        for s in todo:
+            while chunks[s]:
+                self._unmap_one(chunks[s].pop())
+            self._committed[s] = 0
+        self._commit_single(sizes, zero=False)
 
     def _map_new(self, va: int, size: int) -> _Mapped:
         drv = self.driver
@@ -364,7 +390,7 @@ class ExtensibleTensor:
                 m = self._map_new(self.segment_base(s), size)
                 self._state.chunks[s].append(m)
                 self._committed[s] = size
-                if zero:
+                if zero and not self.driver.creates_zeroed_memory:
                     self.driver.memset(m.va, 0, size)
         except BaseException:
             full = [max(a, b) for a, b in zip(sizes, self._committed, strict=True)]

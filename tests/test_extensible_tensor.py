@@ -333,3 +333,30 @@ def test_failed_recommit_leaves_tensor_released_and_retryable() -> None:
         assert t.is_released and t.num_physical_chunks == 0
         t.recommit()  # the retry works and restores the full size
         assert t.committed_bytes == (2 * G, 2 * G) and t.num_physical_chunks == 2
+
+
+def test_final_commit_as_single_handle(vmm_device: str) -> None:
+    with ExtensibleTensor(2 * 32 * G, vmm_device, num_segments=2) as t:
+        t.commit(G)
+        t.commit(3 * G)
+        ptrs = [t.segment_view(s).data_ptr() for s in range(2)]
+        t.commit(12 * G, single_handle=True)
+        assert [(c.segment, c.offset, c.size) for c in t.physical_chunks()] == [
+            (0, 0, 12 * G), (1, 0, 12 * G)]
+        assert t.committed_bytes == (12 * G, 12 * G)
+        assert [t.segment_view(s).data_ptr() for s in range(2)] == ptrs
+        _fill(t.segment_view(0), 5)
+        t.commit(12 * G, single_handle=True)  # nothing to do: contents kept
+        assert int(t.segment_view(0).min()) == 5
+
+
+def test_failed_single_handle_commit_is_retryable() -> None:
+    drv = FaultInjectingHostDriver(fail_at=3)
+    with ExtensibleTensor(8 * G, drv) as t:
+        t.commit(G)
+        t.commit(2 * G)
+        with pytest.raises(MemoryError, match="injected"):
+            t.commit(4 * G, single_handle=True)
+        assert t.is_released and t.num_physical_chunks == 0
+        t.recommit()
+        assert t.committed_bytes == (4 * G,) and t.num_physical_chunks == 1

@@ -78,6 +78,8 @@ class VmmDriver(abc.ABC):
     name: str = ""
     #: DLPack device type of memory this driver maps
     dlpack_device_type: int = DLPACK_CPU
+    #: True where :meth:`create` always returns zero-filled memory (so zeroing can be skipped)
+    creates_zeroed_memory: bool = False
 
     def __init__(self, device_index: int = 0) -> None:
         self.device_index = int(device_index)

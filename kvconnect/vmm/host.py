@@ -55,6 +55,8 @@ class HostVmmDriver(VmmDriver):
 
     name = "host"
     dlpack_device_type = DLPACK_CPU
+    #: a fresh memfd reads as zeros (pages are allocated on first touch)
+    creates_zeroed_memory = True
 
     def __init__(self, device_index: int = 0) -> None:
         if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
