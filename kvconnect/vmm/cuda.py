@@ -1,0 +1,435 @@
+"""CUDA VMM backend: ctypes over ``libcuda.so.1`` through the shared table in ``_driver_api``.
+
+:class:`GpuVmmDriver` is the implementation shared with HIP (``hip.py``); it is parameterised
+by a :class:`~kvconnect.vmm._driver_api.Backend` and differs per backend only in how a context
+is made current and how the device is synchronised.
+
+Contracts (all sizes in bytes):
+
+- ``create(shareable=True)`` requests POSIX file-descriptor handles; ``rdma_capable=True`` sets
+  ``gpuDirectRDMACapable`` only where ``GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`` is 1. A flag
+  the device cannot grant (attribute 0, or ``cuMemCreate`` refuses it) is dropped with one
+  ``logging`` warning per driver instance; :attr:`PhysicalHandle.granted` records the flags the
+  allocation really has (read back with ``cuMemGetAllocationPropertiesFromHandle``).
+- Every call runs with this device's primary context current. On a thread with no current
+  context the primary context is made current and left so (as ``torch`` would); on a thread
+  where another context is current it is pushed for the call and popped after.
+- Errors raise :class:`~kvconnect.vmm.base.VmmError` named with ``cuGetErrorName``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from . import _driver_api as api
+from .base import (
+    DLPACK_CUDA,
+    DeviceCapabilities,
+    GrantedFlags,
+    PhysicalHandle,
+    VmmDriver,
+    VmmError,
+    round_up,
+)
+
+if TYPE_CHECKING:
+    from . import VmmProbe
+
+logger = logging.getLogger(__name__)
+
+# (pid, library path, device ordinal) -> retained primary context. Retained once per process and
+# never released: releasing it while allocations live would destroy them with the context.
+_PRIMARY_CTX: dict[tuple[int, str, int], int] = {}
+_PRIMARY_LOCK = threading.Lock()
+
+
+class GpuVmmDriver(VmmDriver):
+    """VMM on a GPU through a :class:`~kvconnect.vmm._driver_api.DriverLibrary`.
+
+    Subclasses set ``backend``, ``name`` and ``dlpack_device_type``. ``library`` overrides the
+    shared object loaded (a soname or path), or is an already loaded library object.
+    """
+
+    backend: api.Backend = api.CUDA
+    #: ``cuMemMap``'s offset "currently must be zero" (cuda.h); ``hipMemMap``'s likewise
+    map_offset_must_be_zero: bool = True
+
+    def __init__(self, device_index: int = 0, *,
+                 library: str | api.DriverLibrary | None = None) -> None:
+        super().__init__(device_index)
+        if self.device_index < 0:
+            raise ValueError(f"device index must be >= 0, got {self.device_index}")
+        if isinstance(library, str) or library is None:
+            self.lib = api.load_library(self.backend, library)
+        else:
+            self.lib = library
+        self.lib.call("init", 0)
+        dev = api.CUdevice()
+        self.lib.call("device_get", ctypes.byref(dev), self.device_index)
+        self._device = dev.value
+        self._lock = threading.Lock()
+        self._granularity: dict[tuple[bool, bool], int] = {}
+        self._caps: dict[int, DeviceCapabilities] = {}
+        self._warned = False
+        #: every flag fallback this driver made, in order (the warning is logged only once)
+        self.fallback_reasons: list[str] = []
+
+    # -- context ------------------------------------------------------------------------------
+    def _primary_context(self) -> int:
+        key = (os.getpid(), self.lib.path, self._device)
+        ctx = _PRIMARY_CTX.get(key)
+        if ctx is not None:
+            return ctx
+        with _PRIMARY_LOCK:
+            ctx = _PRIMARY_CTX.get(key)
+            if ctx is None:
+                out = api.CUcontext()
+                self.lib.call("device_primary_ctx_retain", ctypes.byref(out), self._device)
+                ctx = int(out.value or 0)
+                _PRIMARY_CTX[key] = ctx
+            return ctx
+
+    def ensure_context(self) -> None:
+        """Retain the device's primary context and make it current on this thread."""
+        self.lib.call("ctx_set_current", self._primary_context())
+
+    @contextmanager
+    def _active(self) -> Iterator[None]:
+        """Run a block with this device's context current, restoring any other context."""
+        ctx = self._primary_context()
+        cur = api.CUcontext()
+        self.lib.call("ctx_get_current", ctypes.byref(cur))
+        current = int(cur.value or 0)
+        if current == ctx:
+            yield
+            return
+        if current == 0:
+            self.lib.call("ctx_set_current", ctx)
+            yield
+            return
+        self.lib.call("ctx_push_current", ctx)
+        try:
+            yield
+        finally:
+            popped = api.CUcontext()
+            self.lib.try_call("ctx_pop_current", ctypes.byref(popped))
+
+    def synchronize(self) -> None:
+        """Wait for all work in this device's context (``cuCtxSynchronize``)."""
+        with self._active():
+            self.lib.call("ctx_synchronize")
+
+    # -- queries -------------------------------------------------------------------------------
+    def _attribute(self, attr: int | None, device: int | None = None) -> int | None:
+        """A device attribute, or ``None`` if the backend lacks it or the driver rejects it."""
+        if attr is None:
+            return None
+        value = ctypes.c_int()
+        dev = self._device if device is None else self._device_handle(device)
+        if self.lib.try_call("device_get_attribute", ctypes.byref(value), attr, dev) != 0:
+            return None
+        return value.value
+
+    def _device_handle(self, ordinal: int) -> int:
+        if ordinal == self.device_index:
+            return self._device
+        dev = api.CUdevice()
+        self.lib.call("device_get", ctypes.byref(dev), int(ordinal))
+        return dev.value
+
+    def capabilities(self, device: int | None = None) -> DeviceCapabilities:
+        """The four VMM attributes of ``device`` (default: this driver's device)."""
+        ordinal = self.device_index if device is None else int(device)
+        caps = self._caps.get(ordinal)
+        if caps is None:
+            b = self.backend
+            vmm = bool(self._attribute(b.attr_vmm, ordinal))
+            posix = self._attribute(b.attr_posix_fd, ordinal)
+            caps = DeviceCapabilities(
+                vmm=vmm,
+                # HIP has no such attribute: VMM allocations are shared as fds on Linux.
+                posix_fd_handles=vmm if b.attr_posix_fd is None else bool(posix),
+                gpudirect_rdma_with_vmm=bool(self._attribute(b.attr_gpudirect_rdma_with_vmm,
+                                                             ordinal)),
+                fabric_handles=bool(self._attribute(b.attr_fabric, ordinal)),
+            )
+            self._caps[ordinal] = caps
+        return caps
+
+    def _prop(self, device: int, posix_fd: bool, rdma: bool) -> ctypes.Structure:
+        prop = self.backend.prop_struct()
+        prop.type = api.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.requestedHandleTypes = (api.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if posix_fd
+                                     else api.CU_MEM_HANDLE_TYPE_NONE)
+        prop.location.type = api.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = int(device)
+        prop.allocFlags.compressionType = api.CU_MEM_ALLOCATION_COMP_NONE
+        prop.allocFlags.gpuDirectRDMACapable = 1 if rdma else 0
+        return prop
+
+    def granularity(self, *, shareable: bool = False, rdma_capable: bool = False) -> int:
+        """Minimum granularity (bytes) for allocations with the flags the device would grant."""
+        caps = self.capabilities()
+        key = (shareable and caps.posix_fd_handles, rdma_capable and caps.gpudirect_rdma_with_vmm)
+        gran = self._granularity.get(key)
+        if gran is None:
+            out = ctypes.c_size_t()
+            prop = self._prop(self.device_index, *key)
+            with self._active():
+                self.lib.call("mem_get_allocation_granularity", ctypes.byref(out),
+                              ctypes.byref(prop), api.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+            gran = int(out.value)
+            self._granularity[key] = gran
+        return gran
+
+    def device_name(self) -> str:
+        """The device's marketing name (``NVIDIA H200``)."""
+        buf = ctypes.create_string_buffer(256)
+        self.lib.call("device_get_name", buf, len(buf), self._device)
+        return buf.value.decode(errors="replace")
+
+    def driver_version(self) -> int:
+        """The driver API version (e.g. 13000 for CUDA 13.0)."""
+        out = ctypes.c_int()
+        self.lib.call("driver_get_version", ctypes.byref(out))
+        return out.value
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free, total)`` device memory in bytes."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        with self._active():
+            self.lib.call("mem_get_info", ctypes.byref(free), ctypes.byref(total))
+        return int(free.value), int(total.value)
+
+    # -- address space -------------------------------------------------------------------------
+    def _check_size(self, what: str, size: int, multiple: int) -> None:
+        if size <= 0:
+            raise ValueError(f"{what} size must be positive, got {size} bytes")
+        if size % multiple:
+            raise ValueError(f"{what} size {size} is not a multiple of the {multiple}-byte "
+                             f"granularity; use {round_up(size, multiple)}")
+
+    def reserve(self, size: int, alignment: int = 0) -> int:
+        """Reserve ``size`` bytes (a granularity multiple) of device VA; returns the base."""
+        self._check_size("reservation", size, self.granularity())
+        if alignment < 0:
+            raise ValueError(f"alignment must be >= 0, got {alignment}")
+        out = api.CUdeviceptr()
+        with self._active():
+            self.lib.call("mem_address_reserve", ctypes.byref(out), size, alignment, 0, 0)
+        return int(out.value)
+
+    def free_reserved(self, va: int, size: int) -> None:
+        """Free a reservation (every mapping in it must be unmapped first)."""
+        with self._active():
+            self.lib.call("mem_address_free", va, size)
+
+    # -- physical memory -----------------------------------------------------------------------
+    def _fallback(self, reason: str) -> None:
+        self.fallback_reasons.append(reason)
+        if not self._warned:
+            self._warned = True
+            logger.warning("%s: %s. Falling back without that flag (warned once per driver; "
+                           "PhysicalHandle.granted records each allocation's real flags).",
+                           self, reason)
+
+    def _try_create(self, size: int, device: int, posix_fd: bool, rdma: bool) -> tuple[int, int]:
+        handle = api.CUmemGenericAllocationHandle()
+        prop = self._prop(device, posix_fd, rdma)
+        with self._active():
+            rc = self.lib.try_call("mem_create", ctypes.byref(handle), size, ctypes.byref(prop), 0)
+        return rc, int(handle.value)
+
+    def _granted(self, handle: int, posix_fd: bool, rdma: bool) -> GrantedFlags:
+        """Read the flags back from the driver; keep the requested ones if it can't say."""
+        if not self.lib.has("mem_get_allocation_properties_from_handle"):
+            return GrantedFlags(shareable=posix_fd, rdma_capable=rdma)
+        prop = self.backend.prop_struct()
+        with self._active():
+            rc = self.lib.try_call("mem_get_allocation_properties_from_handle",
+                                   ctypes.byref(prop), handle)
+        if rc != 0:
+            return GrantedFlags(shareable=posix_fd, rdma_capable=rdma)
+        return GrantedFlags(
+            shareable=bool(prop.requestedHandleTypes & api.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            rdma_capable=bool(prop.allocFlags.gpuDirectRDMACapable),
+        )
+
+    def create(self, size: int, device: int | None = None, *, shareable: bool = False,
+               rdma_capable: bool = False) -> PhysicalHandle:
+        """``cuMemCreate`` ``size`` bytes (a granularity multiple) on ``device``.
+
+        Flags the device cannot grant are dropped (one warning per driver); out-of-memory and
+        every other failure raise :class:`VmmError`.
+        """
+        ordinal = self.device_index if device is None else int(device)
+        self._check_size("allocation", size,
+                         self.granularity(shareable=shareable, rdma_capable=rdma_capable))
+        caps = self.capabilities(ordinal)
+        posix_fd, rdma = shareable, rdma_capable
+        if posix_fd and not caps.posix_fd_handles:
+            self._fallback(f"device {ordinal} cannot export POSIX file descriptors "
+                           "(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED=0): not shareable")
+            posix_fd = False
+        if rdma and not caps.gpudirect_rdma_with_vmm:
+            self._fallback(f"device {ordinal} reports GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED=0: "
+                           "allocation is not gpuDirectRDMACapable")
+            rdma = False
+        rc, handle = self._try_create(size, ordinal, posix_fd, rdma)
+        # Refused flags: drop RDMA first, then the handle type; never retry out-of-memory.
+        while rc not in (api.CUDA_SUCCESS, api.CUDA_ERROR_OUT_OF_MEMORY) and (rdma or posix_fd):
+            dropped = "gpuDirectRDMACapable" if rdma else "POSIX_FD handle type"
+            self._fallback(f"{self.lib.symbol('mem_create')} refused {dropped} on device "
+                           f"{ordinal} with {self.lib.error_name(rc)}")
+            if rdma:
+                rdma = False
+            else:
+                posix_fd = False
+            rc, handle = self._try_create(size, ordinal, posix_fd, rdma)
+        if rc != api.CUDA_SUCCESS:
+            raise self.lib.error("mem_create", rc, f"{size} bytes on device {ordinal}")
+        try:
+            granted = self._granted(handle, posix_fd, rdma)
+        except BaseException:
+            self.lib.try_call("mem_release", handle)
+            raise
+        return PhysicalHandle(handle=handle, size=size, device=ordinal, granted=granted)
+
+    def map(self, va: int, size: int, handle: PhysicalHandle, offset: int = 0) -> None:
+        """Map ``size`` bytes of ``handle`` from ``offset`` at ``va`` (no access yet)."""
+        if handle.released:
+            raise ValueError("cannot map a released physical handle")
+        if size <= 0 or offset < 0 or offset + size > handle.size:
+            raise ValueError(f"mapping [{offset}, {offset + size}) does not fit the "
+                             f"{handle.size}-byte allocation")
+        if offset and self.map_offset_must_be_zero:
+            raise ValueError(f"{self.lib.symbol('mem_map')} requires offset 0 (got {offset}): "
+                             "map an allocation from its start")
+        with self._active():
+            self.lib.call("mem_map", va, size, offset, handle.handle, 0)
+
+    def set_access(self, va: int, size: int) -> None:
+        """Grant this device read/write access to ``[va, va+size)``."""
+        desc = self.backend.access_desc_struct()
+        desc.location.type = api.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = self.device_index
+        desc.flags = api.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        with self._active():
+            self.lib.call("mem_set_access", va, size, ctypes.byref(desc), 1)
+
+    def unmap(self, va: int, size: int) -> None:
+        """Unmap whole mappings in ``[va, va+size)``; call :meth:`synchronize` first."""
+        with self._active():
+            self.lib.call("mem_unmap", va, size)
+
+    def release(self, handle: PhysicalHandle) -> None:
+        """Release a physical allocation (idempotent); memory returns once also unmapped."""
+        if handle.released:
+            return
+        with self._active():
+            self.lib.call("mem_release", handle.handle)
+        handle.released = True
+
+    def memset(self, va: int, value: int, size: int) -> None:
+        """Fill ``size`` mapped bytes at ``va`` with ``value`` and wait for it."""
+        if not 0 <= value <= 255:
+            raise ValueError(f"memset value must be a byte (0..255), got {value}")
+        if size <= 0:
+            raise ValueError(f"memset size must be positive, got {size} bytes")
+        with self._active():
+            self.lib.call("memset_d8", va, value, size)
+            self._sync_in_context()
+
+    def _sync_in_context(self) -> None:
+        self.lib.call("ctx_synchronize")
+
+    # -- sharing -------------------------------------------------------------------------------
+    def export_fd(self, handle: PhysicalHandle) -> int:
+        """A POSIX fd for a shareable allocation; the caller owns (and closes) it."""
+        if handle.released:
+            raise ValueError("cannot export a released physical handle")
+        if not handle.granted.shareable:
+            raise ValueError("allocation was not created shareable (granted flags: "
+                             f"{handle.granted}); create it with shareable=True on a device "
+                             "that supports POSIX file-descriptor handles")
+        # The driver writes an int; an 8-byte zeroed slot also fits a pointer-sized write.
+        slot = ctypes.c_uint64(0)
+        with self._active():
+            self.lib.call("mem_export_to_shareable_handle", ctypes.byref(slot), handle.handle,
+                          api.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+        fd = ctypes.c_int.from_buffer(slot).value
+        if fd < 0:
+            raise VmmError(self.lib.symbol("mem_export_to_shareable_handle"), "bad fd", str(fd))
+        return fd
+
+    def import_fd(self, fd: int, size: int) -> PhysicalHandle:
+        """Import an allocation from a POSIX fd (which stays owned by the caller)."""
+        if fd < 0:
+            raise ValueError(f"bad file descriptor {fd}")
+        self._check_size("imported allocation", size, self.granularity(shareable=True))
+        out = api.CUmemGenericAllocationHandle()
+        with self._active():
+            # For POSIX fds the driver takes the fd *value* in the pointer argument.
+            self.lib.call("mem_import_from_shareable_handle", ctypes.byref(out),
+                          ctypes.c_void_p(fd), api.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        # The driver reports neither the handle type nor gpuDirectRDMACapable of an imported
+        # handle (both read 0 on driver 580 even when the exporter set them): it came from an
+        # fd, so it is shareable; RDMA capability is the exporter's to tell.
+        return PhysicalHandle(handle=int(out.value), size=size, device=self.device_index,
+                              granted=GrantedFlags(shareable=True, rdma_capable=False),
+                              imported=True)
+
+
+class CudaVmmDriver(GpuVmmDriver):
+    """NVIDIA CUDA driver API (``libcuda.so.1``); DLPack ``kDLCUDA`` (2)."""
+
+    name = "cuda"
+    dlpack_device_type = DLPACK_CUDA
+    backend = api.CUDA
+
+
+def probe_gpu(cls: type[GpuVmmDriver], index: int, library: str | None = None) -> VmmProbe:
+    """Check ``cls``'s backend on device ``index``: library, init, device, VMM attribute and a
+    granularity-sized reserve+free. Returns ``VmmProbe(driver)`` or ``VmmProbe(None, reason)``."""
+    from . import VmmProbe  # lazy: kvconnect.vmm imports this module lazily too
+
+    backend = cls.backend
+    try:
+        lib = api.load_library(backend, library)
+    except OSError as exc:
+        soname = library or backend.library_names[0]
+        what = "no NVIDIA driver" if backend.name == "cuda" else "no ROCm/HIP runtime"
+        return VmmProbe(None, f"{soname} not found ({what}): {exc}")
+    rc = lib.try_call("init", 0)
+    if rc != 0:
+        return VmmProbe(None, f"{lib.symbol('init')} failed: {lib.error_name(rc)} "
+                              f"({lib.error_string(rc) or 'no usable GPU'})")
+    count = ctypes.c_int()
+    rc = lib.try_call("device_get_count", ctypes.byref(count))
+    if rc != 0:
+        return VmmProbe(None, f"{lib.symbol('device_get_count')} failed: {lib.error_name(rc)}")
+    if not 0 <= index < count.value:
+        return VmmProbe(None, f"{backend.name} device {index} does not exist "
+                              f"({count.value} device(s) visible)")
+    try:
+        drv = cls(index, library=library)
+        if not drv.capabilities().vmm:
+            return VmmProbe(None, f"{backend.name} device {index} does not support virtual "
+                                  f"memory management (attribute {backend.attr_vmm} is 0)")
+        gran = drv.granularity()
+        va = drv.reserve(gran)
+        drv.free_reserved(va, gran)
+    except (VmmError, OSError, ValueError) as exc:
+        return VmmProbe(None, f"{backend.name} device {index}: VMM self-test failed: {exc}")
+    return VmmProbe(drv)
+
+
+def probe_cuda(index: int = 0, library: str | None = None) -> VmmProbe:
+    """Probe the CUDA backend on device ``index`` (never raises for a missing driver)."""
+    return probe_gpu(CudaVmmDriver, index, library)
