@@ -177,8 +177,10 @@ class PeerMapping:
     imported handles; :meth:`close` releases them (idempotent).
     """
 
-    def __init__(self, driver: VmmDriver, capacity_bytes: int, segment_capacity: int) -> None:
+    def __init__(self, driver: VmmDriver, capacity_bytes: int, segment_capacity: int,
+                 access_devices: Sequence[int] = ()) -> None:
         self.driver = driver
+        self.access_devices = tuple(access_devices)
         self.capacity_bytes = capacity_bytes
         self.segment_capacity = segment_capacity
         driver.ensure_context()
@@ -194,17 +196,19 @@ class PeerMapping:
         segment_capacity: int,
         chunks: Sequence[dict],
         fds: Sequence[int],
+        access_devices: Sequence[int] = (),
     ) -> PeerMapping:
         """Map chunks described as ``{"segment", "offset", "size"}`` (one fd each, same order).
 
-        Validates every record against the capacity before mapping; on any failure nothing
-        stays mapped. The fds remain owned by the caller.
+        ``access_devices`` are peer GPUs that also get access (e.g. the exporter's device, so
+        copies driven from either side work). Validates every record against the capacity
+        before mapping; on any failure nothing stays mapped. The fds remain owned by the caller.
         """
         if len(chunks) != len(fds):
             raise IpcError(f"{len(chunks)} chunk records but {len(fds)} fds")
         if segment_capacity <= 0 or capacity_bytes % segment_capacity:
             raise IpcError(f"bad peer geometry: capacity {capacity_bytes}, segment {segment_capacity}")
-        mapping = cls(driver, capacity_bytes, segment_capacity)
+        mapping = cls(driver, capacity_bytes, segment_capacity, access_devices)
         try:
             for rec, fd in zip(chunks, fds, strict=True):
                 seg, off, size = (int(rec["segment"]), int(rec["offset"]), int(rec["size"]))
@@ -227,7 +231,7 @@ class PeerMapping:
             self.driver.release(handle)
             raise
         self._chunks.append(_ImportedChunk(va, size, handle))
-        self.driver.set_access(va, size)
+        self.driver.set_access(va, size, self.access_devices)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """uint8 tensor of ``nbytes`` at reservation offset ``offset``; must lie in one chunk."""

@@ -17,6 +17,7 @@ The protocol mirrors CUDA's VMM API:
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: DLPack device types (dlpack.h ``DLDeviceType``).
@@ -131,8 +132,9 @@ class VmmDriver(abc.ABC):
         """Map ``size`` bytes of ``handle`` (from ``offset``) at ``va``; no access yet."""
 
     @abc.abstractmethod
-    def set_access(self, va: int, size: int) -> None:
-        """Grant this device read/write access to a mapped range."""
+    def set_access(self, va: int, size: int, devices: Sequence[int] | None = None) -> None:
+        """Grant this device (and peer ``devices``, where the backend has peers) read/write
+        access to a mapped range."""
 
     @abc.abstractmethod
     def unmap(self, va: int, size: int) -> None:

@@ -23,7 +23,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -314,14 +314,18 @@ class GpuVmmDriver(VmmDriver):
         with self._active():
             self.lib.call("mem_map", va, size, offset, handle.handle, 0)
 
-    def set_access(self, va: int, size: int) -> None:
-        """Grant this device read/write access to ``[va, va+size)``."""
-        desc = self.backend.access_desc_struct()
-        desc.location.type = api.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = self.device_index
-        desc.flags = api.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    def set_access(self, va: int, size: int, devices: Sequence[int] | None = None) -> None:
+        """Grant read/write access to ``[va, va+size)`` to this device and ``devices``
+        (peer GPUs, e.g. the device that owns an imported allocation)."""
+        ordinals = [self.device_index, *(int(d) for d in devices or ()
+                                         if int(d) != self.device_index)]
+        descs = (self.backend.access_desc_struct * len(ordinals))()
+        for desc, ordinal in zip(descs, ordinals, strict=True):
+            desc.location.type = api.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = ordinal
+            desc.flags = api.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         with self._active():
-            self.lib.call("mem_set_access", va, size, ctypes.byref(desc), 1)
+            self.lib.call("mem_set_access", va, size, descs, len(ordinals))
 
     def unmap(self, va: int, size: int) -> None:
         """Unmap whole mappings in ``[va, va+size)``; call :meth:`synchronize` first."""

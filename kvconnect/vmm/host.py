@@ -17,6 +17,7 @@ import ctypes.util
 import mmap
 import os
 import sys
+from collections.abc import Sequence
 
 from .base import DLPACK_CPU, DeviceCapabilities, GrantedFlags, PhysicalHandle, VmmDriver, VmmError
 
@@ -120,7 +121,7 @@ class HostVmmDriver(VmmDriver):
         if got != va:
             raise _errno_error("mmap(MAP_FIXED|MAP_SHARED)")
 
-    def set_access(self, va: int, size: int) -> None:
+    def set_access(self, va: int, size: int, devices: Sequence[int] | None = None) -> None:
         _check_range(va, size)
         if _libc.mprotect(va, size, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
             raise _errno_error("mprotect")
