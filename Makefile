@@ -17,7 +17,7 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check kvconnect connectors harness tests scripts benchmarks
-	$(PY) -m pytest -n auto
+	$(PY) -m pytest -n auto --dist loadgroup
 
 validate: $(STAMP)
 	$(VENV)/bin/kvconnect-validate --prefill 1 --decode 1

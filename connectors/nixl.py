@@ -1,0 +1,930 @@
+"""NIXL connector worker on committed extents.
+
+The worker takes KV geometry only from committed regions (:class:`kvconnect.views.CommittedRegion`,
+``cache.committed_regions()``), never from storage sizes, and only after the cache's final commit.
+
+Registration: one NIXL registration per physical chunk (``ExtensibleTensor.physical_chunks()``),
+covering exactly the committed blocks inside that chunk. Every transfer descriptor (one per
+block per region) is checked to lie inside one chunk: UCX exports only the first physical
+handle of a region spanning several (ucx #11283), so a descriptor crossing a chunk boundary
+would silently hit the wrong memory.
+
+Typical use (decode pulls blocks from prefill)::
+
+    with NixlConnectorWorker("prefill") as p, NixlConnectorWorker("decode") as d:
+        p.register_kv_cache(prefill_cache)      # after extend_kv_cache(...)
+        d.register_kv_cache(decode_cache)
+        peer = d.add_peer(p.metadata_json())    # JSON bytes, crosses processes
+        result = d.read_blocks(peer, remote_block_ids=[3, 7], local_block_ids=[0, 1])
+        print(result.gbps, result.backend)
+
+After sleep / wake (``cache.release_physical(); cache.recommit()``) call :meth:`reregister` and
+send the new metadata to every peer, which loads it with :meth:`update_peer` (nixl #1126).
+
+A side that is read from must make NIXL progress: by default NIXL's progress thread does it
+(one busy CPU core per agent in NIXL 1.5's Python API); with ``progress_thread=False`` call
+:meth:`NixlConnectorWorker.progress` in the serving loop.
+
+Units: bytes for lengths and addresses, blocks for block ids and counts, seconds for time.
+The worker is not thread-safe: use it from one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
+from .handshake import (
+    HandshakeMetadata,
+    LayoutFingerprint,
+    RegionAddress,
+    layout_fingerprint,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "MAX_PEER_DESCRIPTORS",
+    "NixlConnectorWorker",
+    "NixlUnavailableError",
+    "TransferResult",
+    "check_descriptors_in_chunks",
+    "layout_info_from_config",
+    "memory_type_for_device",
+    "nixl_available",
+    "region_descriptors",
+    "registration_extents",
+    "transfer_regions",
+]
+
+#: default deadline of one transfer, in seconds
+DEFAULT_TIMEOUT_S = 30.0
+#: most block descriptors (blocks x regions) accepted from one peer's metadata
+MAX_PEER_DESCRIPTORS = 1 << 25
+_LOCAL_AGENT = "NIXL_INIT_AGENT"
+_UCX_ISSUE = ("UCX exports only the first physical handle of a region spanning several "
+              "(ucx #11283): recommit each segment as one handle "
+              "(extend_kv_cache(..., single_handle=True)) before registering")
+
+
+class NixlUnavailableError(KVConnectorError, ImportError):
+    """The NIXL Python bindings are not installed."""
+
+
+def _import_nixl() -> tuple[Any, Any]:
+    """Return ``(nixl_agent, nixl_agent_config)`` from ``nixl_cu13`` / ``nixl_cu12`` / ``nixl``."""
+    errors = []
+    for mod in ("nixl_cu13._api", "nixl_cu12._api", "nixl._api"):
+        try:
+            module = __import__(mod, fromlist=["nixl_agent", "nixl_agent_config"])
+            return module.nixl_agent, module.nixl_agent_config
+        except ImportError as exc:
+            errors.append(f"{mod}: {exc}")
+    raise NixlUnavailableError(
+        "NIXL Python bindings not found; install them with `pip install 'kvconnect[nixl]'` "
+        "(nixl-cu13==1.5.1). Tried " + "; ".join(errors))
+
+
+def nixl_available() -> bool:
+    """True when the NIXL Python bindings can be imported."""
+    try:
+        _import_nixl()
+    except NixlUnavailableError:
+        return False
+    return True
+
+
+def memory_type_for_device(device: object) -> tuple[str, int]:
+    """NIXL memory type and device id for a torch device string.
+
+    ``"cpu"`` / ``"host"`` -> ``("DRAM", 0)``; ``"cuda:N"`` -> ``("VRAM", N)``.
+    """
+    text = str(device).strip().lower()
+    kind, _, idx = text.partition(":")
+    if kind in ("cpu", "host"):
+        return "DRAM", 0
+    if kind in ("cuda", "gpu", "hip", "rocm"):
+        try:
+            return "VRAM", int(idx) if idx else 0
+        except ValueError:
+            raise ValueError(f"bad device index in {device!r}: expected e.g. 'cuda:0'") from None
+    raise ValueError(f"no NIXL memory type for device {device!r} (expected 'cpu' or 'cuda:N')")
+
+
+# -- descriptors ---------------------------------------------------------------------------------
+
+def _block_ids(ids: Iterable[int] | np.ndarray, what: str) -> np.ndarray:
+    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of block ids")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def region_descriptors(regions: Sequence[Any], block_ids: Iterable[int] | None = None, *,
+                       device_id: int | None = None) -> np.ndarray:
+    """Transfer descriptors for blocks of committed regions: an ``N x 3`` uint64 array of
+    ``(address, length, device_id)`` rows, region-major.
+
+    With ``block_ids``, row ``r * len(block_ids) + i`` is block ``block_ids[i]`` of
+    ``regions[r]``; every id must be below that region's ``num_blocks``. Without it, each region
+    contributes all its ``num_blocks`` blocks in order (regions may then differ in block count).
+    ``device_id`` defaults to the id implied by each region's ``device`` (0 for DRAM, the GPU
+    index for CUDA). Lengths are ``block_len`` bytes; addresses advance by ``block_stride``.
+    """
+    parts = []
+    ids = None if block_ids is None else _block_ids(block_ids, "block_ids")
+    for region in regions:
+        nblocks = int(region.num_blocks)
+        if ids is None:
+            these = np.arange(nblocks, dtype=np.int64)
+        else:
+            these = ids
+            if these.size and (these.min() < 0 or these.max() >= nblocks):
+                bad = these[(these < 0) | (these >= nblocks)][0]
+                raise IndexError(f"block {int(bad)} outside the {nblocks} committed blocks of "
+                                 f"{region.layer_name}/{region.part}")
+        dev = memory_type_for_device(region.device)[1] if device_id is None else int(device_id)
+        rows = np.empty((these.size, 3), dtype=np.uint64)
+        rows[:, 0] = np.uint64(region.base_ptr) + these.astype(np.uint64) * np.uint64(
+            region.block_stride)
+        rows[:, 1] = np.uint64(region.block_len)
+        rows[:, 2] = np.uint64(dev)
+        parts.append(rows)
+    if not parts:
+        return np.empty((0, 3), dtype=np.uint64)
+    return np.concatenate(parts, axis=0)
+
+
+def transfer_regions(regions: Sequence[Any]) -> list[Any]:
+    """The regions whose blocks a transfer must move: regions that alias the same pages
+    (same ``base_ptr``, ``block_stride`` and device, as the layers sharing one KV tensor in a
+    hybrid model do) collapse into the first one with the largest ``block_len``, whose blocks
+    contain the others'. Order follows the first appearance of each page set.
+    """
+    best: dict[tuple[int, int, str], Any] = {}
+    order: list[tuple[int, int, str]] = []
+    for r in regions:
+        key = (int(r.base_ptr), int(r.block_stride), str(r.device))
+        if key not in best:
+            best[key] = r
+            order.append(key)
+        elif int(r.block_len) > int(best[key].block_len):
+            best[key] = r
+    return [best[k] for k in order]
+
+
+def _chunk_bounds(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted chunk starts and ends from ``Chunk`` objects or ``(va, size[, ...])`` tuples."""
+    pairs = []
+    for c in chunks:
+        if hasattr(c, "va"):
+            pairs.append((int(c.va), int(c.size)))
+        else:
+            pairs.append((int(c[0]), int(c[1])))
+    pairs.sort()
+    starts = np.array([p[0] for p in pairs], dtype=np.uint64)
+    ends = np.array([p[0] + p[1] for p in pairs], dtype=np.uint64)
+    if len(pairs) > 1 and np.any(starts[1:] < ends[:-1]):
+        raise ValueError("physical chunks overlap")
+    return starts, ends
+
+
+def check_descriptors_in_chunks(descs: np.ndarray, chunks: Sequence[Any], *,
+                                what: str = "descriptor") -> np.ndarray:
+    """Check that every ``(addr, len, dev)`` row lies wholly inside one chunk.
+
+    ``chunks`` are ``Chunk`` objects (``va``, ``size``) or ``(va, size, ...)`` tuples, in bytes.
+    Returns the index (into the address-sorted chunk list) of each row's chunk. Raises
+    :class:`KVConnectorError` naming the first offending row when one crosses a chunk boundary
+    (ucx #11283) or lies outside every chunk (uncommitted memory).
+    """
+    descs = np.asarray(descs, dtype=np.uint64).reshape(-1, 3)
+    starts, ends = _chunk_bounds(chunks)
+    if descs.shape[0] == 0:
+        return np.empty(0, dtype=np.int64)
+    if starts.size == 0:
+        raise KVConnectorError(f"no physical chunks: {descs.shape[0]} {what}s lie in "
+                               "uncommitted memory")
+    addr = descs[:, 0]
+    end = addr + descs[:, 1]
+    idx = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+    inside = idx >= 0
+    safe = np.where(inside, idx, 0)
+    inside &= addr < ends[safe]
+    whole = inside & (end <= ends[safe])
+    if not np.all(whole):
+        row = int(np.argmin(whole))
+        a, n = int(addr[row]), int(descs[row, 1])
+        if not inside[row]:
+            raise KVConnectorError(
+                f"{what} {row} ([{a:#x}, {a + n:#x}), {n} bytes) lies outside every committed "
+                "physical chunk: it would touch uncommitted memory")
+        c = int(safe[row])
+        raise KVConnectorError(
+            f"{what} {row} ([{a:#x}, {a + n:#x}), {n} bytes) crosses the end of physical chunk "
+            f"[{int(starts[c]):#x}, {int(ends[c]):#x}); {_UCX_ISSUE}")
+    return idx
+
+
+def registration_extents(regions: Sequence[Any], chunks: Sequence[Any]) -> list[tuple[int, int, int]]:
+    """The extents to register: one ``(addr, length, device_id)`` per physical chunk holding
+    committed blocks, spanning exactly from the first committed block byte in that chunk to the
+    last (never the chunk's or the storage's full size).
+
+    Raises :class:`KVConnectorError` if any block of any region crosses a chunk boundary or
+    lies outside the chunks.
+    """
+    descs = region_descriptors(regions)
+    idx = check_descriptors_in_chunks(descs, chunks, what="block descriptor")
+    out = []
+    for c in np.unique(idx):
+        sel = descs[idx == c]
+        lo = int(sel[:, 0].min())
+        hi = int((sel[:, 0] + sel[:, 1]).max())
+        devs = np.unique(sel[:, 2])
+        if devs.size != 1:
+            raise KVConnectorError(f"regions on different devices share the chunk at {lo:#x}")
+        out.append((lo, hi - lo, int(devs[0])))
+    return out
+
+
+# -- results -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Outcome of one :meth:`NixlConnectorWorker.read_blocks`.
+
+    ``bytes`` moved, wall ``seconds`` from posting the prepared request to seeing it complete
+    (the first read from a peer includes UCX connection set-up), ``descriptors`` (blocks x
+    transfer regions),
+    ``backend`` as NIXL reports it (``query_xfer_backend``), ``transport``: the UCX transport when
+    known, else the backend name (NIXL 1.5 does not expose UCX's lane choice).
+    """
+
+    peer: str
+    num_blocks: int
+    bytes: int
+    seconds: float
+    descriptors: int
+    backend: str
+    transport: str
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class _Peer:
+    metadata: HandshakeMetadata
+    agent_name: str
+    prep: Any
+    #: for each local region (local order): first row of that region in the remote dlist
+    offsets: np.ndarray
+    #: for each local region (local order): remote committed block count
+    num_blocks: np.ndarray
+
+
+@dataclass(frozen=True)
+class _RemoteRegion:
+    layer_name: str
+    part: str
+    base_ptr: int
+    block_len: int
+    block_stride: int
+    device: str
+
+
+def _first_diff(ours: list[str], theirs: list[str]) -> str:
+    only_ours = sorted(set(ours) - set(theirs))
+    only_theirs = sorted(set(theirs) - set(ours))
+    return f"(only local: {only_ours[:4]}, only remote: {only_theirs[:4]})"
+
+
+@dataclass
+class _StaticSource:
+    """Regions + chunks given by hand (no cache object)."""
+
+    regions: list[Any]
+    chunks: list[Any]
+    is_final: bool = True
+
+
+def _cache_regions_and_chunks(cache: Any) -> tuple[list[Any], list[Any]]:
+    regions = list(cache.committed_regions())
+    chunks = [c for t in cache.tensors for c in t.physical_chunks()]
+    return regions, chunks
+
+
+def layout_info_from_config(config: Any) -> dict[str, Any]:
+    """Fingerprint facts of a :class:`kvconnect.layout.KVCacheConfig`: ``block_size`` (tokens,
+    of the first group), ``dtype`` (every spec dtype, in order, joined by ``","``), ``layout``
+    and ``kernel_block_size``. Missing attributes give ``None``."""
+    if config is None:
+        return {}
+    block_size = None
+    dtypes: list[str] = []
+    for group in getattr(config, "kv_cache_groups", ()) or ():
+        spec = getattr(group, "kv_cache_spec", None)
+        if block_size is None and getattr(spec, "block_size", None) is not None:
+            block_size = int(spec.block_size)
+        found = list(getattr(spec, "dtypes", ()) or ())
+        if getattr(spec, "dtype", None) is not None:
+            found.insert(0, spec.dtype)
+        for dt in found:
+            name = str(dt).removeprefix("torch.")
+            if name not in dtypes:
+                dtypes.append(name)
+    kbs = getattr(config, "kernel_block_size", None)
+    layout = getattr(config, "layout", None)
+    return {
+        "block_size": block_size,
+        "dtype": ",".join(dtypes) or None,
+        "layout": None if layout is None else str(layout),
+        "kernel_block_size": None if kbs is None else int(kbs),
+    }
+
+
+class NixlConnectorWorker:
+    """One NIXL agent registering one KV cache's committed extents and reading peers' blocks.
+
+    ``engine_id`` names this side in metadata and errors; ``agent_name`` defaults to a unique
+    name derived from it. ``backends`` are NIXL backend names (``("UCX",)``).
+
+    ``progress_thread``: NIXL's own progress thread serves peers' reads of our memory without
+    any call from us, but NIXL 1.5's Python API runs it with zero delay, so it keeps one CPU
+    core busy per agent. With ``progress_thread=False`` the reading side progresses while it
+    waits in :meth:`read_blocks`, and a side that is *read from* must call :meth:`progress`
+    (or :meth:`wait_for_notification`) every few milliseconds, or its peers' reads stall
+    until their deadline.
+    """
+
+    def __init__(self, engine_id: str, *, agent_name: str | None = None,
+                 backends: Sequence[str] = ("UCX",),
+                 default_timeout: float = DEFAULT_TIMEOUT_S,
+                 progress_thread: bool = True) -> None:
+        self.engine_id = str(engine_id)
+        self.agent_name = agent_name or f"{self.engine_id}-{uuid.uuid4().hex[:12]}"
+        self.backends = tuple(backends)
+        if not self.backends:
+            raise ValueError("at least one NIXL backend is needed, e.g. backends=('UCX',)")
+        self.default_timeout = float(default_timeout)
+        self.progress_thread = bool(progress_thread)
+        #: the NIXL agent, created on first registration (start-up costs ~0.5-2 s)
+        self._agent: Any = None
+        self._closed = False
+        self._layout_info: dict[str, Any] = {}
+        self._source: Any = None
+        self._regions: list[Any] = []
+        #: the regions transfers move (aliases collapsed, see transfer_regions), local order
+        self._xfer_regions: list[Any] = []
+        self._reg_dlists: list[Any] = []
+        self._extents: list[tuple[int, int, int]] = []
+        self._memory_type = ""
+        self._local_prep: Any = None
+        self._local_offsets = np.zeros(0, dtype=np.int64)
+        self._fingerprint: LayoutFingerprint | None = None
+        self._metadata: HandshakeMetadata | None = None
+        self._generation = 0
+        self._peers: dict[str, _Peer] = {}
+        self._stuck_xfers: list[Any] = []
+        self._notifs: dict[str, list[bytes]] = {}
+
+    # -- properties ----------------------------------------------------------
+    @property
+    def is_registered(self) -> bool:
+        """True while KV memory is registered with NIXL."""
+        return bool(self._reg_dlists)
+
+    @property
+    def num_registrations(self) -> int:
+        """Number of live NIXL registrations (one per physical chunk holding committed blocks)."""
+        return len(self._reg_dlists)
+
+    @property
+    def registered_extents(self) -> list[tuple[int, int, int]]:
+        """``(addr, length, device_id)`` of each live registration, in bytes."""
+        return list(self._extents)
+
+    @property
+    def regions(self) -> list[Any]:
+        """The committed regions currently registered (local region order)."""
+        return list(self._regions)
+
+    @property
+    def memory_type(self) -> str:
+        """``"DRAM"`` or ``"VRAM"`` once registered, ``""`` before."""
+        return self._memory_type
+
+    @property
+    def generation(self) -> int:
+        """Registration generation; grows by one on every (re-)registration."""
+        return self._generation
+
+    @property
+    def peers(self) -> list[str]:
+        """Engine ids of the loaded peers."""
+        return list(self._peers)
+
+    @property
+    def fingerprint(self) -> LayoutFingerprint:
+        if self._fingerprint is None:
+            raise KVConnectorError(f"{self.engine_id}: nothing registered yet")
+        return self._fingerprint
+
+    # -- registration --------------------------------------------------------
+    def register_kv_cache(self, cache: Any) -> HandshakeMetadata:
+        """Register the committed regions of an :class:`~kvconnect.kv_cache.ExtensibleKVCache`.
+
+        Only legal after the final commit (``cache.is_final``); raises
+        :class:`KVConnectorError` before. The layout fingerprint comes from ``cache.config``.
+        Returns the new handshake metadata.
+        """
+        self._check_open()
+        if not getattr(cache, "is_final", False):
+            raise KVConnectorError(
+                f"{self.engine_id}: cannot register the KV cache before its final commit "
+                "(cache.is_final is False): registration is deferred until "
+                "cache.extend_kv_cache(num_blocks) has committed the final size")
+        self._check_unregistered()
+        self._layout_info = layout_info_from_config(getattr(cache, "config", None))
+        self._source = cache
+        return self._register()
+
+    def register_regions(self, regions: Sequence[Any], chunks: Sequence[Any], *,
+                         config: Any = None, **layout_info: Any) -> HandshakeMetadata:
+        """Register committed regions whose memory lies in ``chunks`` (``Chunk`` objects or
+        ``(va, size)`` tuples, one per physical allocation), without a cache object.
+
+        The caller vouches that the memory is in its final committed state. Fingerprint facts
+        come from ``config`` (a ``KVCacheConfig``) and/or keywords ``block_size``, ``dtype``,
+        ``layout``, ``kernel_block_size``.
+        """
+        self._check_open()
+        self._check_unregistered()
+        unknown = set(layout_info) - {"block_size", "dtype", "layout", "kernel_block_size"}
+        if unknown:
+            raise TypeError(f"unknown layout facts {sorted(unknown)}")
+        info = layout_info_from_config(config)
+        info.update({k: v for k, v in layout_info.items() if v is not None})
+        self._layout_info = info
+        self._source = _StaticSource(list(regions), list(chunks))
+        return self._register()
+
+    def reregister(self) -> HandshakeMetadata:
+        """Deregister and register again from the same source (after ``cache.recommit()``).
+
+        Returns the new metadata; every peer must load it with :meth:`update_peer` (nixl #1126).
+        """
+        self._check_open()
+        if self._source is None:
+            raise KVConnectorError(f"{self.engine_id}: reregister() before any registration")
+        self.deregister()
+        return self._register()
+
+    def deregister(self) -> None:
+        """Release the local prepared descriptor list and all registrations (idempotent).
+
+        Call it before ``cache.release_physical()`` when the cache goes to sleep.
+        """
+        self._release_local_prep()
+        errors: list[BaseException] = []
+        while self._reg_dlists:
+            dlist = self._reg_dlists.pop()
+            try:
+                self._agent.deregister_memory(dlist)
+            except Exception as exc:  # noqa: BLE001 - keep releasing the others
+                errors.append(exc)
+        self._extents = []
+        self._metadata = None
+        if errors:
+            raise KVConnectorError(f"{self.engine_id}: deregistration failed: {errors[0]}")
+
+    def _register(self) -> HandshakeMetadata:
+        src = self._source
+        if isinstance(src, _StaticSource):
+            regions, chunks = list(src.regions), list(src.chunks)
+        else:
+            if not getattr(src, "is_final", False):
+                raise KVConnectorError(f"{self.engine_id}: the KV cache is no longer final")
+            if getattr(src, "is_released", False) or any(
+                    getattr(t, "is_released", False) for t in getattr(src, "tensors", ())):
+                raise KVConnectorError(
+                    f"{self.engine_id}: the KV cache's physical memory is released (asleep); "
+                    "call cache.recommit() before registering")
+            regions, chunks = _cache_regions_and_chunks(src)
+        if not regions:
+            raise KVConnectorError(f"{self.engine_id}: no committed regions to register")
+        keys = [f"{r.layer_name}/{r.part}" for r in regions]
+        if len(set(keys)) != len(keys):
+            dup = sorted({k for k in keys if keys.count(k) > 1})
+            raise KVConnectorError(f"{self.engine_id}: duplicate regions {dup[:4]}")
+        kinds = {memory_type_for_device(r.device) for r in regions}
+        if len(kinds) != 1:
+            raise KVConnectorError(f"{self.engine_id}: regions span several devices: {sorted(kinds)}")
+        mem_type, _dev = kinds.pop()
+        if any(int(r.num_blocks) <= 0 for r in regions):
+            raise KVConnectorError(f"{self.engine_id}: a region has no committed blocks")
+        # Every block descriptor must lie inside one chunk (checked here, before registering).
+        extents = registration_extents(regions, chunks)
+        xfer_regions = transfer_regions(regions)
+        local_descs = region_descriptors(xfer_regions)
+        self._ensure_agent()
+        reg_dlists = []
+        try:
+            for addr, length, dev in extents:
+                reg_dlists.append(
+                    self._agent.register_memory([(addr, length, dev, "")], mem_type))
+            prep = self._agent.prep_xfer_dlist(_LOCAL_AGENT, local_descs, mem_type)
+        except Exception as exc:
+            for dl in reversed(reg_dlists):
+                try:
+                    self._agent.deregister_memory(dl)
+                except Exception:  # noqa: BLE001
+                    logger.warning("%s: deregistration after a failed registration failed",
+                                   self.engine_id, exc_info=True)
+            raise KVConnectorError(f"{self.engine_id}: NIXL registration failed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        self._reg_dlists = reg_dlists
+        self._extents = extents
+        self._regions = regions
+        self._xfer_regions = xfer_regions
+        self._memory_type = mem_type
+        self._local_prep = prep
+        counts = np.array([int(r.num_blocks) for r in xfer_regions], dtype=np.int64)
+        self._local_offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        fingerprint = layout_fingerprint(regions, **self._layout_info)
+        if self._fingerprint is not None and fingerprint != self._fingerprint and self._peers:
+            logger.warning("%s: the layout changed on re-registration; dropping peers %s "
+                           "(add them again)", self.engine_id, sorted(self._peers))
+            for name in list(self._peers):
+                self.remove_peer(name)
+        self._fingerprint = fingerprint
+        self._generation += 1
+        # Agent metadata only covers memory registered before the call: fetch it now.
+        self._metadata = HandshakeMetadata(
+            engine_id=self.engine_id,
+            agent_name=self.agent_name,
+            agent_metadata=bytes(self._agent.get_agent_metadata()),
+            memory_type=mem_type,
+            fingerprint=self._fingerprint,
+            regions=tuple(RegionAddress(int(r.base_ptr), int(r.num_blocks),
+                                        memory_type_for_device(r.device)[1]) for r in regions),
+            registrations=tuple(extents),
+            generation=self._generation,
+        )
+        return self._metadata
+
+    def start(self) -> None:
+        """Create the NIXL agent now (idempotent). Registration does it when needed; call this
+        to pay the start-up (~0.5-2 s) early or to time it."""
+        self._check_open()
+        self._ensure_agent()
+
+    @property
+    def is_started(self) -> bool:
+        """True once the NIXL agent exists (and until :meth:`close`)."""
+        return self._agent is not None
+
+    def _ensure_agent(self) -> None:
+        if self._agent is None:
+            nixl_agent, nixl_agent_config = _import_nixl()
+            try:
+                self._agent = nixl_agent(self.agent_name,
+                                         nixl_agent_config(backends=list(self.backends),
+                                                           enable_prog_thread=self.progress_thread))
+            except Exception as exc:
+                raise KVConnectorError(f"{self.engine_id}: creating NIXL agent "
+                                       f"{self.agent_name!r} failed: {exc}") from exc
+            missing = [b for b in self.backends if b not in self._agent.backends]
+            if missing:
+                self._agent = None
+                raise KVConnectorError(f"{self.engine_id}: NIXL backends {missing} are not "
+                                       "available (plugin missing)")
+
+    def _check_unregistered(self) -> None:
+        if self.is_registered:
+            raise KVConnectorError(f"{self.engine_id}: already registered; use reregister() "
+                                   "after the cache's memory was recommitted")
+
+    # -- metadata / peers ----------------------------------------------------
+    def metadata(self) -> HandshakeMetadata:
+        """This side's current handshake metadata (after registration)."""
+        self._check_open()
+        if self._metadata is None:
+            raise KVConnectorError(f"{self.engine_id}: no metadata before registration")
+        return self._metadata
+
+    def metadata_json(self) -> bytes:
+        """:meth:`metadata` as UTF-8 JSON bytes, ready to send to a peer."""
+        return self.metadata().to_json()
+
+    def check_peer(self, metadata: bytes | str | HandshakeMetadata) -> HandshakeMetadata:
+        """Parse a peer's metadata and check its layout against ours.
+
+        Raises :class:`IncompatiblePeerError` listing every difference; loads nothing.
+        """
+        self._check_open()
+        md = metadata if isinstance(metadata, HandshakeMetadata) else \
+            HandshakeMetadata.from_json(metadata)
+        diffs = self.fingerprint.differences(md.fingerprint)
+        if diffs:
+            raise IncompatiblePeerError(diffs, peer=md.engine_id)
+        return md
+
+    def add_peer(self, metadata: bytes | str | HandshakeMetadata) -> str:
+        """Load a peer's metadata (JSON from :meth:`metadata_json`); returns its engine id.
+
+        The layout is checked first (:class:`IncompatiblePeerError` before any NIXL call);
+        then the remote agent is added and its descriptor list prepared once.
+        """
+        md = self.check_peer(metadata)
+        if md.engine_id in self._peers:
+            raise KVConnectorError(f"{self.engine_id}: peer {md.engine_id!r} already loaded; "
+                                   "use update_peer() to load new metadata")
+        if md.agent_name == self.agent_name:
+            raise KVConnectorError(f"{self.engine_id}: peer uses our own agent name")
+        self._load_peer(md)
+        return md.engine_id
+
+    def update_peer(self, metadata: bytes | str | HandshakeMetadata) -> str:
+        """Replace a peer's metadata (after it re-registered): remove its agent, load the new
+        metadata, prepare descriptors again. Adds the peer when it is not loaded yet. If
+        loading the new metadata fails, the peer is left removed."""
+        md = self.check_peer(metadata)
+        old = self._peers.get(md.engine_id)
+        if old is None:
+            return self.add_peer(md)
+        self._load_peer(md, replace=old)
+        return md.engine_id
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer: release its prepared descriptors and remove its agent (idempotent)."""
+        entry = self._peers.pop(peer, None)
+        if entry is not None:
+            self._drop_peer(entry)
+
+    def _drop_peer(self, entry: _Peer) -> None:
+        if entry.prep is not None:
+            try:
+                self._agent.release_dlist_handle(entry.prep)
+            except Exception:  # noqa: BLE001
+                logger.warning("%s: releasing the descriptor list of %s failed", self.engine_id,
+                               entry.metadata.engine_id, exc_info=True)
+            entry.prep = None
+        try:
+            self._agent.remove_remote_agent(entry.agent_name)
+        except Exception:  # noqa: BLE001
+            logger.warning("%s: removing remote agent %s failed", self.engine_id,
+                           entry.agent_name, exc_info=True)
+
+    def _load_peer(self, md: HandshakeMetadata, replace: _Peer | None = None) -> None:
+        # Pair remote regions with ours by layer/part, in local transfer-region order.
+        index = {r.key: i for i, r in enumerate(md.fingerprint.regions)}
+        remote_regions = [
+            _RemoteRegion(fp.layer_name, fp.part, a.base_ptr, fp.block_len, fp.block_stride,
+                          a.device_id)
+            for fp, a in zip(md.fingerprint.regions, md.regions, strict=True)]
+        theirs = [f"{r.layer_name}/{r.part}" for r in transfer_regions(remote_regions)]
+        ours = [f"{r.layer_name}/{r.part}" for r in self._xfer_regions]
+        if sorted(theirs) != sorted(ours):
+            raise IncompatiblePeerError(
+                [f"page aliasing differs: regions moved locally {_first_diff(ours, theirs)} "
+                 "vs remotely"], peer=md.engine_id)
+        order = [index[k] for k in ours]
+        remote_counts = np.array([md.regions[j].num_blocks for j in order], dtype=np.int64)
+        if np.any(remote_counts <= 0):
+            raise KVConnectorError(f"peer {md.engine_id!r} advertises a region with no blocks")
+        if int(remote_counts.sum()) > MAX_PEER_DESCRIPTORS:
+            raise KVConnectorError(
+                f"peer {md.engine_id!r} advertises {int(remote_counts.sum())} block descriptors, "
+                f"above the limit of {MAX_PEER_DESCRIPTORS}")
+        descs = []
+        for j in order:
+            fp, addr = md.fingerprint.regions[j], md.regions[j]
+            rows = np.empty((addr.num_blocks, 3), dtype=np.uint64)
+            rows[:, 0] = np.uint64(addr.base_ptr) + np.arange(addr.num_blocks, dtype=np.uint64) \
+                * np.uint64(fp.block_stride)
+            rows[:, 1] = np.uint64(fp.block_len)
+            rows[:, 2] = np.uint64(addr.device_id)
+            descs.append(rows)
+        remote_descs = np.concatenate(descs, axis=0)
+        # The peer's blocks must lie inside its registrations (one per physical chunk).
+        check_descriptors_in_chunks(remote_descs, md.registrations,
+                                    what=f"remote descriptor of {md.engine_id!r}")
+        if replace is not None:
+            self._peers.pop(replace.metadata.engine_id, None)
+            self._drop_peer(replace)
+        try:
+            name = self._agent.add_remote_agent(md.agent_metadata)
+        except Exception as exc:
+            raise KVConnectorError(f"{self.engine_id}: loading the NIXL metadata of peer "
+                                   f"{md.engine_id!r} failed: {type(exc).__name__}: {exc}") from exc
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != md.agent_name:
+            self._agent.remove_remote_agent(name)
+            raise KVConnectorError(f"peer {md.engine_id!r}: agent metadata names {name!r}, "
+                                   f"the handshake says {md.agent_name!r}")
+        try:
+            prep = self._agent.prep_xfer_dlist(md.agent_name, remote_descs, md.memory_type)
+        except Exception as exc:
+            self._agent.remove_remote_agent(md.agent_name)
+            raise KVConnectorError(f"{self.engine_id}: preparing descriptors of peer "
+                                   f"{md.engine_id!r} failed: {type(exc).__name__}: {exc}") from exc
+        offsets = np.concatenate([[0], np.cumsum(remote_counts)[:-1]]).astype(np.int64)
+        self._peers[md.engine_id] = _Peer(md, md.agent_name, prep, offsets, remote_counts)
+
+    # -- transfers -----------------------------------------------------------
+    def read_blocks(self, peer: str, remote_block_ids: Sequence[int] | np.ndarray,
+                    local_block_ids: Sequence[int] | np.ndarray, *,
+                    timeout: float | None = None, notif: bytes | None = None) -> TransferResult:
+        """READ blocks ``remote_block_ids`` of ``peer`` into local ``local_block_ids`` (pairwise),
+        for every region; block until done or ``timeout`` seconds pass.
+
+        ``peer`` is an engine id returned by :meth:`add_peer`. The peer is notified on
+        completion with ``notif`` (default: a small JSON message naming us and the block count).
+        Any failure (an ``"ERR"`` state, a NIXL exception, the deadline) raises
+        :class:`KVTransferError` naming the peer, the local blocks and the cause.
+        """
+        self._check_open()
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise KVConnectorError(f"{self.engine_id}: unknown peer {peer!r}; loaded: "
+                                   f"{sorted(self._peers)}")
+        if self._local_prep is None:
+            raise KVConnectorError(f"{self.engine_id}: not registered")
+        remote = _block_ids(remote_block_ids, "remote_block_ids")
+        local = _block_ids(local_block_ids, "local_block_ids")
+        if remote.size != local.size:
+            raise ValueError(f"{remote.size} remote block ids but {local.size} local ones")
+        if remote.size == 0:
+            raise ValueError("read_blocks needs at least one block")
+        local_counts = np.array([int(r.num_blocks) for r in self._xfer_regions], dtype=np.int64)
+        if local.min() < 0 or local.max() >= local_counts.min():
+            raise IndexError(f"local block ids must lie in [0, {int(local_counts.min())}), got "
+                             f"{int(local.min())}..{int(local.max())}")
+        if remote.min() < 0 or remote.max() >= entry.num_blocks.min():
+            raise IndexError(f"remote block ids of {peer!r} must lie in "
+                             f"[0, {int(entry.num_blocks.min())}), got "
+                             f"{int(remote.min())}..{int(remote.max())}")
+        local_idx = (self._local_offsets[:, None] + local[None, :]).reshape(-1)
+        remote_idx = (entry.offsets[:, None] + remote[None, :]).reshape(-1)
+        nbytes = int(sum(int(r.block_len) for r in self._xfer_regions)) * int(local.size)
+        if notif is None:
+            notif = json.dumps({"kvconnect": "read", "engine_id": self.engine_id[:200],
+                                "num_blocks": int(local.size)}).encode()
+        timeout = self.default_timeout if timeout is None else float(timeout)
+        block_list = local.tolist()
+        handle = None
+        deadline = time.monotonic() + timeout
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "READ", self._local_prep, local_idx.tolist(), entry.prep, remote_idx.tolist(),
+                notif)
+            backend = self._query_backend(handle)
+            t0 = time.perf_counter()
+            state = self._agent.transfer(handle)
+            pause = 2e-5
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise KVTransferError(peer, block_list,
+                                          f"timed out after {timeout:.3g} s (state PROC)")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+                state = self._agent.check_xfer_state(handle)
+            seconds = time.perf_counter() - t0
+            if state != "DONE":
+                raise KVTransferError(peer, block_list, f"NIXL transfer state {state!r}")
+        except KVTransferError:
+            raise
+        except Exception as exc:
+            raise KVTransferError(peer, block_list, exc) from exc
+        finally:
+            if handle is not None:
+                self._release_xfer(handle)
+        return TransferResult(peer=peer, num_blocks=int(local.size), bytes=nbytes,
+                              seconds=seconds, descriptors=int(local_idx.size),
+                              backend=backend, transport=backend)
+
+    def _query_backend(self, handle: Any) -> str:
+        try:
+            name = self._agent.query_xfer_backend(handle)
+        except Exception:  # noqa: BLE001 - attribution only
+            logger.debug("query_xfer_backend failed", exc_info=True)
+            return self.backends[0] if self.backends else "unknown"
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def _release_xfer(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - e.g. still in flight after a timeout
+            logger.warning("%s: releasing a transfer handle failed; retrying at close()",
+                           self.engine_id, exc_info=True)
+            self._stuck_xfers.append(handle)
+
+    # -- notifications -------------------------------------------------------
+    def get_notifications(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by remote agent name."""
+        self._check_open()
+        self._poll_notifs()
+        out, self._notifs = self._notifs, {}
+        return out
+
+    def progress(self) -> int:
+        """Drive NIXL/UCX progress once (serves peers' reads when ``progress_thread=False``)
+        and buffer new notifications; returns how many arrived. Cheap; call it in a loop."""
+        self._check_open()
+        return self._poll_notifs()
+
+    def _poll_notifs(self) -> int:
+        if self._agent is None:
+            return 0
+        new = self._agent.get_new_notifs() or {}
+        count = 0
+        for agent, msgs in new.items():
+            key = agent.decode() if isinstance(agent, bytes) else str(agent)
+            self._notifs.setdefault(key, []).extend(bytes(m) for m in msgs)
+            count += len(msgs)
+        return count
+
+    def wait_for_notification(self, timeout: float | None = None,
+                              from_agent: str | None = None) -> tuple[str, bytes]:
+        """Wait (with a deadline, seconds) for one notification, optionally from one agent.
+
+        Returns ``(agent_name, message)``; raises :class:`TimeoutError` when none arrives.
+        """
+        self._check_open()
+        timeout = self.default_timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout
+        pause = 1e-4
+        while True:
+            self._poll_notifs()
+            for agent, msgs in self._notifs.items():
+                if msgs and (from_agent is None or agent == from_agent):
+                    return agent, msgs.pop(0)
+            if time.monotonic() > deadline:
+                who = f" from {from_agent!r}" if from_agent else ""
+                raise TimeoutError(f"{self.engine_id}: no NIXL notification{who} within "
+                                   f"{timeout:.3g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    # -- shutdown ------------------------------------------------------------
+    def _release_local_prep(self) -> None:
+        if self._local_prep is not None:
+            prep, self._local_prep = self._local_prep, None
+            try:
+                self._agent.release_dlist_handle(prep)
+            except Exception:  # noqa: BLE001
+                logger.warning("%s: releasing the local descriptor list failed", self.engine_id,
+                               exc_info=True)
+
+    def close(self) -> None:
+        """Release transfer and descriptor handles, deregister, remove remote agents
+        (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._stuck_xfers:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001
+                logger.warning("%s: a transfer handle could not be released", self.engine_id,
+                               exc_info=True)
+        self._stuck_xfers = []
+        for name in list(self._peers):
+            self.remove_peer(name)
+        try:
+            self.deregister()
+        finally:
+            self._source = None
+            self._regions = []
+            self._xfer_regions = []
+            self._agent = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVConnectorError(f"{self.engine_id}: the NIXL connector worker is closed")
+
+    def __enter__(self) -> NixlConnectorWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else (
+            f"{self.num_registrations} registrations, {len(self._peers)} peers")
+        return f"<NixlConnectorWorker {self.engine_id!r} agent={self.agent_name!r} {state}>"
