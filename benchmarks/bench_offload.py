@@ -1,0 +1,293 @@
+"""Benchmark: CPU offload save + load bandwidth on an extensible KV cache vs a plain copy.
+
+Measures, in one run on one device:
+
+- ``save``: :meth:`CPUOffloadConnector.save` of ``--batch`` non-contiguous blocks, waited for;
+- ``load``: :meth:`CPUOffloadConnector.load` of the same keys into other blocks, waited for;
+- the reference: ONE contiguous torch copy of the same number of bytes between the same
+  memories (device -> pinned host and back on CUDA; host -> host on the host backend).
+
+Bandwidth is payload bytes / seconds (1 GB = 1e9 bytes), median over ``--iters`` runs after
+``--warmup``. Every run checks once that loaded blocks equal the saved ones (through the model-
+shaped tensors, not the connector's own geometry) and exits non-zero if they do not.
+
+    python benchmarks/bench_offload.py --device cuda:0 --out benchmarks/results/offload.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from kvconnect.connectors.cpu_offload import CPUOffloadConnector
+from kvconnect.kv_cache import ExtensibleKVCache
+from kvconnect.layout import PRESETS, preset
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fill(cache: ExtensibleKVCache, seed: int) -> None:
+    """Position-dependent bytes over the committed block prefix of every segment."""
+    per_segment = iter(cache.segment_bytes_per_block)
+    for ti, t in enumerate(cache.tensors):
+        for s in range(t.num_segments):
+            used = cache.num_blocks * next(per_segment)
+            words = t.segment_view(s)[:used].view(torch.int64)
+            h = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
+            h += (seed << 48) + (ti << 36) + (s << 32)
+            h *= -7046029254386353131
+            h ^= h >> 29
+            words.copy_(h)
+
+
+def _gather_blocks(cache: ExtensibleKVCache, ids: list[int]) -> list[torch.Tensor]:
+    """Blocks ``ids`` of every layer through the narrowed model-shaped tensors (one op per
+    view; index_select may copy its whole input, so never give it the reservation-wide view)."""
+    out = []
+    kv = cache.narrowed_kv_caches()  # bounded: ops that copy whole inputs stay in bounds
+    for name, lp in cache.plan.layers.items():
+        tensors = kv[name] if lp.is_list else [kv[name]]
+        for t, g in zip(tensors, lp.views, strict=True):
+            k = g.blocks_per_block
+            idx = torch.tensor([b * k + j for b in ids for j in range(k)], device=t.device)
+            out.append(t.index_select(g.block_dim, idx).contiguous().view(torch.uint8))
+    return out
+
+
+def _time(fn: Any, device: torch.device, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _machine(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        info["cpu_model"] = models[0] if models else ""
+    except OSError:
+        info["cpu_model"] = ""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_memory_bytes"] = props.total_memory
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def _versions() -> dict[str, Any]:
+    def ver(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "kvconnect": ver("kvconnect"),
+        "numpy": ver("numpy"),
+    }
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> dict[str, float]:
+    med = statistics.median(seconds)
+    return {"median_s": med, "best_s": min(seconds), "median_gbps": nbytes / med / 1e9,
+            "best_gbps": nbytes / min(seconds) / 1e9}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    overrides: dict[str, Any] = {}
+    if args.num_layers:
+        overrides["num_layers"] = args.num_layers
+    if args.layout:
+        overrides["layout"] = args.layout
+    cfg = preset(args.preset, num_blocks=args.num_blocks, **overrides)
+    cache = ExtensibleKVCache(cfg, args.device, capacity_blocks=args.capacity_blocks)
+    conn = None
+    try:
+        cache.allocate()
+        cache.extend_kv_cache(args.num_blocks)
+        _fill(cache, seed=1)
+        n = args.batch
+        if not 0 < n <= args.num_blocks // 2:
+            raise SystemExit(f"--batch must be in 1..num_blocks/2 ({args.num_blocks // 2})")
+        gen = torch.Generator().manual_seed(0)
+        perm = torch.randperm(args.num_blocks, generator=gen).tolist()
+        src_ids, dst_ids = perm[:n], perm[n:2 * n]  # non-contiguous, unordered block sets
+        keys = [f"blk{b}" for b in src_ids]
+        pool_blocks = 2 * n if args.slots == "scattered" else n
+        conn = CPUOffloadConnector(cache, pool_blocks, max_copy_runs=args.max_copy_runs)
+        if args.slots == "scattered":  # leave every other slot free
+            conn.save(list(range(2 * n)), keys=[("pad", i) for i in range(2 * n)]).wait()
+            conn.discard([("pad", i) for i in range(0, 2 * n, 2)])
+        nbytes = n * conn.bytes_per_block
+
+        # correctness, once: save, clobber everything, load into other blocks, compare
+        want = _gather_blocks(cache, src_ids)
+        conn.save(src_ids, keys=keys).wait()
+        _fill(cache, seed=2)
+        conn.load(dst_ids, keys=keys).wait()
+        got = _gather_blocks(cache, dst_ids)
+        ok = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+        save_t = _time(lambda: conn.save(src_ids, keys=keys).wait(), device, args.iters,
+                       args.warmup)
+        load_t = _time(lambda: conn.load(dst_ids, keys=keys).wait(), device, args.iters,
+                       args.warmup)
+
+        # reference: one contiguous copy of the same bytes between the same memories
+        pinned = device.type == "cuda"
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dev.fill_(7)
+        out_t = _time(lambda: host.copy_(dev, non_blocking=True), device, args.iters,
+                      args.warmup)
+        in_t = _time(lambda: dev.copy_(host, non_blocking=True), device, args.iters,
+                     args.warmup)
+
+        results = {
+            "correct": ok,
+            "payload_bytes": nbytes,
+            "bytes_per_block": conn.bytes_per_block,
+            "regions": len(conn.row_layout),
+            "save": _gbps(nbytes, save_t),
+            "load": _gbps(nbytes, load_t),
+            "reference_to_cpu": _gbps(nbytes, out_t),
+            "reference_from_cpu": _gbps(nbytes, in_t),
+        }
+        results["save_vs_reference"] = (results["save"]["median_gbps"]
+                                        / results["reference_to_cpu"]["median_gbps"])
+        results["load_vs_reference"] = (results["load"]["median_gbps"]
+                                        / results["reference_from_cpu"]["median_gbps"])
+        return {
+            "benchmark": "cpu_offload",
+            "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+            "machine": _machine(device),
+            "versions": _versions(),
+            "parameters": {
+                "device": args.device, "preset": args.preset, "layout": cfg.layout,
+                "num_layers": len(cfg.layer_names), "num_blocks": args.num_blocks,
+                "capacity_blocks": cache.capacity_blocks, "batch_blocks": n,
+                "slots": args.slots, "max_copy_runs": args.max_copy_runs,
+                "iters": args.iters, "warmup": args.warmup, "pinned_pool": conn.is_pinned,
+            },
+            "results": results,
+        }
+    finally:
+        if conn is not None:
+            conn.free()
+        cache.free()
+
+
+_ROWS = [("save (KV -> CPU pool)", "save"), ("reference: one copy -> CPU", "reference_to_cpu"),
+         ("load (CPU pool -> KV)", "load"), ("reference: one copy <- CPU", "reference_from_cpu")]
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    p, r, m, v = (report["parameters"], report["results"], report["machine"],
+                  report["versions"])
+    lines = [
+        f"# CPU offload bandwidth: {p['device']} ({m.get('gpu') or m.get('cpu_model') or 'host'})",
+        "",
+        f"- when: {report['timestamp']}",
+        f"- command: `{report['command']}`",
+        "- machine: " + ", ".join(f"{k}={val}" for k, val in m.items()),
+        "- versions: " + ", ".join(f"{k}={val}" for k, val in v.items()),
+        "- parameters: " + ", ".join(f"{k}={val}" for k, val in p.items()),
+        f"- payload: {r['payload_bytes']} bytes ({p['batch_blocks']} blocks x "
+        f"{r['bytes_per_block']} bytes, {r['regions']} regions); correct: {r['correct']}",
+        "",
+        "| operation | median GB/s | best GB/s | median s |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label, key in _ROWS:
+        lines.append(f"| {label} | {r[key]['median_gbps']:.2f} | {r[key]['best_gbps']:.2f} | "
+                     f"{r[key]['median_s']:.6f} |")
+    lines += ["", f"save / reference = {r['save_vs_reference']:.2f}, "
+              f"load / reference = {r['load_vs_reference']:.2f}", "",
+              "```json", json.dumps(report, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def _print(report: dict[str, Any]) -> None:
+    p, r = report["parameters"], report["results"]
+    print(f"cpu offload on {p['device']} ({report['machine'].get('gpu') or 'host'}): "
+          f"{p['preset']} {p['layout']}, {p['num_layers']} layers, {r['regions']} regions, "
+          f"{r['bytes_per_block']} B/block, batch {p['batch_blocks']} blocks = "
+          f"{r['payload_bytes'] / 2**20:.1f} MiB, capacity {p['capacity_blocks']} blocks, "
+          f"{p['slots']} slots, pinned={p['pinned_pool']}")
+    print(f"  correct: {r['correct']}")
+    for label, key in _ROWS:
+        print(f"  {label:<26} {r[key]['median_gbps']:8.2f} GB/s median "
+              f"({r[key]['best_gbps']:.2f} best)")
+    print(f"  save / reference = {r['save_vs_reference']:.2f}, "
+          f"load / reference = {r['load_vs_reference']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default="llama3-8b-like", choices=sorted(PRESETS))
+    ap.add_argument("--num-layers", type=int, default=0, help="override the preset (0: keep)")
+    ap.add_argument("--layout", default="", help="override the preset's layout")
+    ap.add_argument("--num-blocks", type=int, default=1024, help="committed blocks")
+    ap.add_argument("--capacity-blocks", type=int, default=None,
+                    help="reserved blocks (default: the cache's default, 4x)")
+    ap.add_argument("--batch", type=int, default=256, help="blocks per save / load")
+    ap.add_argument("--slots", choices=("runs", "scattered"), default="runs",
+                    help="pool slots consecutive, or every other slot (scattered)")
+    ap.add_argument("--max-copy-runs", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default="",
+                    help="write the report here: JSON for *.json, else Markdown (+ JSON block)")
+    args = ap.parse_args(argv)
+    report = run(args)
+    _print(report)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            if args.out.endswith(".json"):
+                json.dump(report, f, indent=2)
+            else:
+                f.write(_markdown(report))
+        print(f"wrote {args.out}")
+    return 0 if report["results"]["correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
