@@ -331,6 +331,24 @@ class ExtensibleTensor:
         finally:
             self.driver.release(m.handle)
 
+    def shrink_to(self, bytes_per_segment: tuple[int, ...] | list[int]) -> None:
+        """Undo later commits: unmap and release each segment's chunks that start at or past
+        ``bytes_per_segment[s]`` (a size this tensor had earlier). A chunk straddling that
+        size cannot be split and stays whole. Used to roll back a commit spread over several
+        tensors that failed part-way."""
+        self._check_alive()
+        if len(bytes_per_segment) != self._num_segments:
+            raise ValueError(f"need {self._num_segments} sizes, got {len(bytes_per_segment)}")
+        if tuple(bytes_per_segment) == self.committed_bytes:
+            return
+        self.driver.synchronize()
+        for s, keep in enumerate(bytes_per_segment):
+            seg_base = self.segment_base(s)
+            chunks = self._state.chunks[s]
+            while chunks and chunks[-1].va - seg_base >= keep:
+                self._unmap_one(chunks.pop())
+            self._committed[s] = chunks[-1].va + chunks[-1].size - seg_base if chunks else 0
+
     # -- sleep / wake / single handle -----------------------------------------
     def release_physical(self) -> None:
         """Synchronize, unmap and release every chunk; keep the VA reservation.

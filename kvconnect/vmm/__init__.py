@@ -26,8 +26,25 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DLPACK_CPU", "DLPACK_CUDA", "DLPACK_ROCM", "DeviceCapabilities", "GrantedFlags",
     "PhysicalHandle", "VmmDriver", "VmmError", "VmmProbe", "get_vmm_driver", "probe_vmm",
-    "parse_device", "round_up",
+    "parse_device", "round_up", "HostVmmDriver", "CudaVmmDriver", "HipVmmDriver",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Backends load lazily (their libraries are only opened when a driver is built)."""
+    if name == "HostVmmDriver":
+        from .host import HostVmmDriver
+
+        return HostVmmDriver
+    if name == "CudaVmmDriver":
+        from .cuda import CudaVmmDriver
+
+        return CudaVmmDriver
+    if name == "HipVmmDriver":
+        from .hip import HipVmmDriver
+
+        return HipVmmDriver
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,418 @@
+"""ExtensibleKVCache: a :class:`~kvconnect.layout.KVCacheConfig` backed by ExtensibleTensors.
+
+One :class:`~kvconnect.tensor.ExtensibleTensor` per KV cache tensor of the config (one for
+the packed layout), with the segment count its physical layout needs (K/V split: 2, each a
+block prefix; block-major, MLA, Mamba, packed: 1). The commit protocol::
+
+    cache = ExtensibleKVCache(cfg, "cuda:0", shareable=True)
+    cache.allocate()                    # reserve capacity, commit 1 block per segment
+    graphs = capture(cache.kv_caches()) # pointer-stable views over the whole reservation
+    cache.ensure_kv_cache_blocks(n)     # the prefix warm-up touches
+    cache.extend_kv_cache(final)        # the final size; one physical allocation per segment
+    regions = cache.committed_regions() # register these (and only these) with a connector
+    cache.release_physical(); cache.recommit()   # sleep / wake: zeroed, same addresses
+    cache.free()
+
+Units: blocks are logical blocks of the config; bytes unless a name says blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from .layout import KVCacheConfig, LayoutPlan, build_kv_caches, plan_layout
+from .tensor import ExtensibleTensor
+from .views import CommittedRegion, committed_regions, narrow_kv_caches_to_num_blocks
+from .vmm import VmmDriver, parse_device
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_CAPACITY_FACTOR", "ExtensibleKVCache", "KVCacheStateError"]
+
+#: capacity_blocks defaults to this many times the config's num_blocks (rounded up)
+DEFAULT_CAPACITY_FACTOR = 4
+
+
+class KVCacheStateError(RuntimeError):
+    """An operation that the cache's current state (not allocated, released, final, freed)
+    does not allow; the message says which state and what to call."""
+
+
+def _positive_blocks(what: str, n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{what} must be a positive int number of blocks, got {n!r}")
+    return n
+
+
+def capacity_step_blocks(plan: LayoutPlan, granule: int) -> int:
+    """Smallest block count ``c`` such that ``c * segment_bytes_per_block`` is a multiple of
+    ``granule`` for every KV tensor (capacities are rounded up to multiples of it)."""
+    step = 1
+    for tp in plan.tensors:
+        s = granule // math.gcd(granule, tp.segment_bytes_per_block)
+        step = step * s // math.gcd(step, s)
+    return step
+
+
+class ExtensibleKVCache:
+    """A KV cache whose tensors keep their addresses while their committed block count grows.
+
+    ``capacity_blocks`` (default: ``DEFAULT_CAPACITY_FACTOR * cfg.num_blocks``) is rounded up
+    so every segment's capacity is a granule multiple; the reservation is virtual. The
+    geometry at ``capacity_blocks`` committed blocks equals an ordinary allocation of the
+    same layout with that many blocks (:func:`kvconnect.layout.allocate_kv_caches`).
+    ``device`` is ``"cpu"`` (host VMM backend), ``"cuda:N"`` or a VmmDriver.
+    """
+
+    def __init__(self, cfg: KVCacheConfig, device: Any = "cpu",
+                 capacity_blocks: int | None = None, shareable: bool = False,
+                 rdma_capable: bool = False) -> None:
+        self._plan = plan_layout(cfg)
+        self._config = cfg
+        self._device_arg = device
+        self._shareable = bool(shareable)
+        self._rdma_capable = bool(rdma_capable)
+        self._granule = ExtensibleTensor.commit_granule(device, shareable=shareable,
+                                                        rdma_capable=rdma_capable)
+        wanted = (DEFAULT_CAPACITY_FACTOR * cfg.num_blocks if capacity_blocks is None
+                  else _positive_blocks("capacity_blocks", capacity_blocks))
+        step = capacity_step_blocks(self._plan, self._granule)
+        self._capacity_blocks = -(-wanted // step) * step
+        if self._capacity_blocks != wanted:
+            logger.debug("capacity_blocks %d rounded up to %d (multiple of %d blocks keeps "
+                         "every segment a %d-byte granule multiple)", wanted,
+                         self._capacity_blocks, step, self._granule)
+        self._tensors: list[ExtensibleTensor] = []
+        self._kv_caches: dict[str, torch.Tensor | list[torch.Tensor]] | None = None
+        self._num_blocks = 0
+        self._final = False
+        self._released = False
+        self._freed = False
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def config(self) -> KVCacheConfig:
+        """The config this cache was built from (its ``num_blocks`` is the planned count)."""
+        return self._config
+
+    @property
+    def plan(self) -> LayoutPlan:
+        return self._plan
+
+    @property
+    def tensors(self) -> list[ExtensibleTensor]:
+        """One ExtensibleTensor per planned KV tensor (``CommittedRegion.tensor_index``)."""
+        return list(self._tensors)
+
+    @property
+    def num_blocks(self) -> int:
+        """Logical blocks committed (usable) now; 0 before :meth:`allocate`."""
+        return self._num_blocks
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one logical block over every layer and KV tensor."""
+        return self._plan.bytes_per_block
+
+    @property
+    def segment_bytes_per_block(self) -> list[int]:
+        """Per segment of every KV tensor (tensor order, then segment order): bytes one
+        block adds to it. ``sum(...) == bytes_per_block``."""
+        return [tp.segment_bytes_per_block for tp in self._plan.tensors
+                for _ in range(tp.num_segments)]
+
+    @property
+    def granule(self) -> int:
+        """Bytes every segment commit rounds up to."""
+        return self._granule
+
+    @property
+    def committed_bytes(self) -> int:
+        """Physical bytes committed over all tensors and segments (granule-rounded)."""
+        return sum(sum(t.committed_bytes) for t in self._tensors)
+
+    @property
+    def num_physical_chunks(self) -> int:
+        return sum(t.num_physical_chunks for t in self._tensors)
+
+    @property
+    def is_allocated(self) -> bool:
+        return bool(self._tensors) and not self._freed
+
+    @property
+    def is_final(self) -> bool:
+        """True once :meth:`extend_kv_cache` committed the final size."""
+        return self._final
+
+    @property
+    def is_released(self) -> bool:
+        return self._released
+
+    @property
+    def device(self) -> torch.device:
+        if self._tensors:
+            return self._tensors[0].device
+        if isinstance(self._device_arg, VmmDriver):
+            return torch.device(self._device_arg.torch_device)
+        kind, index = parse_device(self._device_arg)
+        return torch.device("cpu" if kind == "host" else f"cuda:{index}")
+
+    def committed_config(self) -> KVCacheConfig:
+        """The config sized for the blocks committed now (what to hand a connector)."""
+        self._check_ready()
+        return self._config.with_num_blocks(self._num_blocks)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def allocate(self) -> None:
+        """Reserve ``capacity_blocks`` for every KV tensor and commit one block per segment.
+        On failure everything reserved so far is freed."""
+        if self._freed:
+            raise KVCacheStateError("allocate() after free(): build a new ExtensibleKVCache")
+        if self._tensors:
+            raise KVCacheStateError("allocate() called twice")
+        made: list[ExtensibleTensor] = []
+        try:
+            for tp in self._plan.tensors:
+                t = ExtensibleTensor(self._capacity_blocks * tp.bytes_per_block,
+                                     self._device_arg, num_segments=tp.num_segments,
+                                     shareable=self._shareable, rdma_capable=self._rdma_capable)
+                made.append(t)
+                t.commit(tp.segment_bytes_per_block)
+            kv = build_kv_caches(self._plan, [t.full_view() for t in made],
+                                 self._capacity_blocks)
+        except BaseException:
+            for t in made:
+                t.free()
+            raise
+        self._tensors = made
+        self._kv_caches = kv
+        self._num_blocks = 1
+
+    def ensure_kv_cache_blocks(self, num_blocks: int) -> None:
+        """Commit at least ``num_blocks`` blocks (the prefix warm-up touches). Grow-only: a
+        smaller count is a no-op. Raises past ``capacity_blocks`` or after the final commit;
+        a failed commit leaves ``num_blocks`` and every mapping as they were."""
+        self._check_ready()
+        num_blocks = _positive_blocks("num_blocks", num_blocks)
+        if num_blocks <= self._num_blocks:
+            return
+        if self._final:
+            raise KVCacheStateError(
+                f"the KV cache is final at {self._num_blocks} blocks (extend_kv_cache ran and "
+                f"connectors may have registered it); cannot grow to {num_blocks}")
+        self._grow(num_blocks)
+
+    def extend_kv_cache(self, num_blocks: int, single_handle: bool = True) -> None:
+        """Commit the final ``num_blocks`` blocks and mark the cache final.
+
+        With ``single_handle`` (what a connector needs), the warm-up chunks are released and
+        each segment's final prefix is committed as ONE physical allocation
+        (``ExtensibleTensor.commit(..., single_handle=True)``); contents are discarded (only
+        warm-up garbage lives there; undefined on GPUs, zeros on the host backend). On failure
+        the block count is restored (a segment may keep more committed bytes than it needs).
+        Register with connectors only after this returns.
+        """
+        self._check_ready()
+        num_blocks = _positive_blocks("num_blocks", num_blocks)
+        if self._final:
+            if num_blocks == self._num_blocks:
+                return
+            raise KVCacheStateError(f"extend_kv_cache({num_blocks}): the cache is already final "
+                                    f"at {self._num_blocks} blocks")
+        if num_blocks < self._num_blocks:
+            raise ValueError(f"extend_kv_cache({num_blocks}) is below the {self._num_blocks} "
+                             f"blocks already committed; the cache never shrinks")
+        if not single_handle:
+            self._grow(num_blocks)
+            self._final = True
+            return
+        self._check_capacity(num_blocks)
+        before_blocks = self._num_blocks
+        before = [t.committed_bytes for t in self._tensors]
+        try:
+            # One fused step per tensor: release the warm-up chunks, commit the final prefix
+            # as one allocation. Committing first and re-creating afterwards costs ~100x more
+            # on CUDA (the driver scrubs memory just freed): benchmarks/results/.
+            for t, tp in zip(self._tensors, self._plan.tensors, strict=True):
+                t.commit(num_blocks * tp.segment_bytes_per_block, single_handle=True)
+        except BaseException:
+            self._undo_extend(before_blocks, before)
+            raise
+        self._num_blocks = num_blocks
+        self._final = True
+
+    def _undo_extend(self, blocks: int, sizes: list[tuple[int, ...]]) -> None:
+        """After a failed single-handle recommit (which leaves a tensor released): map back
+        what it dropped, zeroed, then shrink to the sizes held before extend_kv_cache (best
+        effort; logged if that fails too)."""
+        try:
+            for t, tp in zip(self._tensors, self._plan.tensors, strict=True):
+                if t.is_released:
+                    t.recommit()
+                self._top_up(t, tp.segment_bytes_per_block)
+            for t, kept in zip(self._tensors, sizes, strict=True):
+                t.shrink_to(kept)
+            self._num_blocks = blocks
+        except Exception:  # the original error is what the caller must see
+            for t in self._tensors:
+                if not t.is_released:
+                    t.release_physical()
+            self._released = True
+            logger.exception("could not restore the KV cache after a failed extend_kv_cache: "
+                             "it is left released at %d blocks; call recommit() to retry",
+                             self._num_blocks)
+
+    def release_physical(self) -> None:
+        """Sleep: unmap and release every physical allocation, keep the addresses. Touching
+        the KV memory faults until :meth:`recommit`; connectors must deregister first."""
+        self._check_alive()
+        if self._released:
+            return
+        for t in self._tensors:
+            t.release_physical()
+        self._released = True
+
+    def recommit(self) -> None:
+        """Wake: commit the same block count again, zero-filled, at the same addresses, one
+        physical allocation per segment. Connectors must re-derive regions and re-register.
+        On failure the cache stays released (and a later recommit() can be retried)."""
+        self._check_alive()
+        if not self._released:
+            raise KVCacheStateError("recommit() without release_physical()")
+        try:
+            for t, tp in zip(self._tensors, self._plan.tensors, strict=True):
+                if t.is_released:
+                    t.recommit()
+                self._top_up(t, tp.segment_bytes_per_block)
+        except BaseException:
+            # Whatever was mapped goes again; a tensor interrupted mid-recommit records the
+            # sizes it reached, and _top_up completes them on the next attempt.
+            for t in self._tensors:
+                if not t.is_released:
+                    t.release_physical()
+            raise
+        self._released = False
+
+    def _top_up(self, t: ExtensibleTensor, segment_bytes_per_block: int) -> None:
+        """Map whatever a segment lacks for ``num_blocks`` blocks (after an interrupted wake)
+        as one zeroed allocation."""
+        need = self._num_blocks * segment_bytes_per_block
+        short = [s for s, c in enumerate(t.committed_bytes) if c < need]
+        if not short:
+            return
+        have = [t.committed_bytes[s] for s in short]
+        t.commit(need)
+        for s, h in zip(short, have, strict=True):
+            t.committed_view(s * t.segment_capacity + h, t.committed_bytes[s] - h).zero_()
+        if self._final:
+            t.recommit_single_handle()
+
+    def free(self) -> None:
+        """Release everything (idempotent). Views from :meth:`kv_caches` keep the
+        reservations alive until they are dropped, but touching them is undefined."""
+        if self._freed:
+            return
+        self._freed = True
+        self._kv_caches = None
+        for t in self._tensors:
+            t.free()
+
+    def __enter__(self) -> ExtensibleKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    # -- views -----------------------------------------------------------------------------
+    def kv_caches(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """Per-layer tensors in the model's shape over the WHOLE reservation
+        (``capacity_blocks`` blocks; pointer-stable: what CUDA graphs capture). Only the
+        first :attr:`num_blocks` blocks are backed; give connectors
+        :meth:`narrowed_kv_caches` or :meth:`committed_regions` instead."""
+        self._check_alive()
+        if self._kv_caches is None:
+            raise KVCacheStateError("kv_caches() before allocate()")
+        return dict(self._kv_caches)
+
+    def narrowed_kv_caches(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """:func:`~kvconnect.views.narrow_kv_caches_to_num_blocks` at :attr:`num_blocks`."""
+        self._check_ready()
+        return narrow_kv_caches_to_num_blocks(self.kv_caches(), self._num_blocks, self._plan)
+
+    def committed_regions(self) -> list[CommittedRegion]:
+        """Registration regions of the committed blocks (see
+        :func:`kvconnect.views.committed_regions`), each checked to lie inside its segment's
+        committed prefix. Derive them again after every wake."""
+        self._check_ready()
+        regions = committed_regions(self.kv_caches(), self._num_blocks, self._plan)
+        for r in regions:
+            self._check_region(r)
+        return regions
+
+    def region_view(self, region: CommittedRegion) -> torch.Tensor:
+        """uint8 tensor over ``region.span`` bytes from ``region.base_ptr``; raises unless
+        the whole span is committed memory of this cache."""
+        self._check_ready()
+        t = self._check_region(region)
+        return t.committed_view(region.base_ptr - t.base_ptr, region.span)
+
+    # -- internals -------------------------------------------------------------------------
+    def _check_region(self, r: CommittedRegion) -> ExtensibleTensor:
+        if not 0 <= r.tensor_index < len(self._tensors):
+            raise ValueError(f"region {r.layer_name}/{r.part}: tensor_index {r.tensor_index} "
+                             f"is not a tensor of this cache")
+        t = self._tensors[r.tensor_index]
+        tp = self._plan.tensors[r.tensor_index]
+        start = r.base_ptr - t.segment_base(r.segment)
+        end = start + r.span
+        logical = self._num_blocks * tp.segment_bytes_per_block
+        if start < 0 or end > min(logical, t.committed_bytes[r.segment]):
+            raise ValueError(
+                f"region {r.layer_name}/{r.part} [{start}, {end}) of segment {r.segment} of "
+                f"tensor {r.tensor_index} lies outside its committed {logical} bytes "
+                f"({self._num_blocks} blocks)")
+        return t
+
+    def _check_capacity(self, num_blocks: int) -> None:
+        if num_blocks > self._capacity_blocks:
+            raise ValueError(
+                f"cannot commit {num_blocks} blocks: the reservation holds capacity_blocks="
+                f"{self._capacity_blocks}; build the cache with a larger capacity_blocks")
+
+    def _grow(self, num_blocks: int) -> None:
+        self._check_capacity(num_blocks)
+        before = [t.committed_bytes for t in self._tensors]
+        try:
+            for t, tp in zip(self._tensors, self._plan.tensors, strict=True):
+                t.commit(num_blocks * tp.segment_bytes_per_block)
+        except BaseException:
+            for t, sizes in zip(self._tensors, before, strict=True):
+                t.shrink_to(sizes)
+            raise
+        self._num_blocks = num_blocks
+
+    def _check_alive(self) -> None:
+        if self._freed:
+            raise KVCacheStateError("the KV cache was freed")
+        if not self._tensors:
+            raise KVCacheStateError("the KV cache is not allocated: call allocate() first")
+
+    def _check_ready(self) -> None:
+        self._check_alive()
+        if self._released:
+            raise KVCacheStateError("the KV cache's physical memory is released (sleeping): "
+                                    "call recommit() first")
+
+    def __repr__(self) -> str:
+        return (f"ExtensibleKVCache({self._config.layout}, tensors={len(self._plan.tensors)}, "
+                f"num_blocks={self._num_blocks}, capacity_blocks={self._capacity_blocks}, "
+                f"bytes_per_block={self.bytes_per_block}, final={self._final}, "
+                f"released={self._released})")
