@@ -1,1 +1,13 @@
-"""kvconnect package."""
+"""kvconnect.harness: the 1PnD validation harness behind ``kvconnect-validate``.
+
+Modules, one concept each: :mod:`.cli` (arguments, exit codes), :mod:`.config` (the run
+config every worker gets), :mod:`.report` (checks, transfers, JSON / JUnit), :mod:`.display`
+(live progress, final tables), :mod:`.environment` (versions, devices, boot id),
+:mod:`.orchestrator` (local runs: spawn, watch, clean up), :mod:`.rendezvous` (multi-host
+runs over a TCPStore), :mod:`.control` (what a worker uses to talk to the run),
+:mod:`.worker` (worker process entry), :mod:`.scenario` (the steps per worker),
+:mod:`.content` (block contents and digests), :mod:`.transports` (ipc and nixl fetches),
+:mod:`.ucx_lanes` (which UCX lane carried a NIXL READ).
+
+Nothing below the harness imports it.
+"""

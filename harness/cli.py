@@ -1,0 +1,343 @@
+"""``kvconnect-validate``: do KV blocks move between prefill and decode byte-exact and fast?
+
+Exit codes: 0 every check passed; 1 a check failed or a bandwidth floor was missed;
+2 bad arguments or configuration; 3 the environment cannot run what was asked (the message
+says what is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import NoReturn
+
+from .config import PREFILL, ROLES, TRANSPORTS, RunConfig
+from .display import Display
+from .environment import (
+    EnvironmentProblem,
+    describe,
+    nixl_available,
+    resolve_device,
+)
+from .rendezvous import Membership, membership_from_env, parse_hostport
+from .report import EXIT_USAGE, Report
+
+log = logging.getLogger("kvconnect.harness")
+
+DEFAULT_LAYOUT = "llama3-8b-like"
+MAX_WORKERS_PER_ROLE = 64
+
+
+class UsageError(ValueError):
+    """Bad arguments or configuration (exit code 2)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _transports(text: str) -> list[str]:
+    items = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("needs at least one of: " + ", ".join(TRANSPORTS))
+    bad = [t for t in items if t not in TRANSPORTS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown transport(s) {', '.join(bad)}; choose from {', '.join(TRANSPORTS)}")
+    if len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"transport listed twice in {text!r}")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvconnect-validate",
+        description="Start N prefill and M decode workers, move KV blocks between every "
+                    "prefill/decode pair over each transport, and check they arrive byte-exact "
+                    "and fast. Exit 0 passed, 1 failed, 2 bad arguments, 3 environment lacking.",
+    )
+    p.add_argument("--prefill", type=_positive_int, default=1, metavar="N",
+                   help="prefill workers (default 1)")
+    p.add_argument("--decode", type=_positive_int, default=1, metavar="M",
+                   help="decode workers (default 1)")
+    p.add_argument("--device", choices=("auto", "cuda", "host", "cpu"), default="auto",
+                   help="auto: CUDA when a GPU with VMM works, else host memory (default auto)")
+    p.add_argument("--layout", default=DEFAULT_LAYOUT, metavar="PRESET",
+                   help=f"KV cache layout preset (default {DEFAULT_LAYOUT})")
+    p.add_argument("--num-blocks", type=_positive_int, default=160, metavar="K",
+                   help="committed KV blocks per worker (default 160)")
+    p.add_argument("--num-layers", type=_positive_int, default=4, metavar="L",
+                   help="layers of the model preset (default 4)")
+    p.add_argument("--transfer-blocks", type=_positive_int, default=None, metavar="B",
+                   help="blocks per transfer, a random non-contiguous subset "
+                        "(default: half of --num-blocks, at most 24)")
+    p.add_argument("--transports", type=_transports, default=None, metavar="LIST",
+                   help="comma-separated: ipc,nixl (default: both; nixl skipped with the "
+                        "reason when NIXL is not installed)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--junit", metavar="PATH", help="write JUnit XML, one testcase per check")
+    p.add_argument("--min-gbps", type=_positive_float, default=None, metavar="X",
+                   help="fail any transfer slower than X GB/s (1e9 bytes/s)")
+    p.add_argument("--timeout", type=_positive_float, default=60.0, metavar="S",
+                   help="deadline in seconds for every wait: start-up, each peer, each "
+                        "transfer (default 60)")
+    p.add_argument("--corrupt", action="store_true",
+                   help="negative control: flip one byte on prefill after digesting; the run "
+                        "must fail naming that block")
+    p.add_argument("--seed", type=_non_negative_int, default=0, metavar="S",
+                   help="seed of the block contents and block choice (default 0)")
+    mh = p.add_argument_group(
+        "multi-host", "one process per worker, rendezvous through torch.distributed.TCPStore "
+        "(also taken from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun or srun set)")
+    mh.add_argument("--rendezvous", metavar="HOST:PORT",
+                    help="TCPStore address; prefill rank 0 hosts it")
+    mh.add_argument("--role", choices=ROLES, help="this process's role")
+    mh.add_argument("--rank", type=_non_negative_int, metavar="R",
+                    help="this process's rank within its role")
+    p.add_argument("--plain", action="store_true",
+                   help="plain progress lines even on a terminal")
+    p.add_argument("-q", "--quiet", action="store_true", help="only the final table")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def _check_output_path(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory, expected a file path")
+    if not os.path.isdir(directory):
+        raise UsageError(f"{flag} {path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"{flag} {path}: directory {directory} is not writable")
+
+
+def _check_layout(cfg: RunConfig) -> None:
+    """Reject unknown presets (listing the known ones) and configs the preset cannot build."""
+    from kvconnect import layout
+
+    names = _preset_names(layout)
+    if names and cfg.layout not in names:
+        raise UsageError(f"--layout {cfg.layout!r} is not a known preset; choose from "
+                         + ", ".join(sorted(names)))
+    try:
+        layout.preset(cfg.layout, num_blocks=cfg.num_blocks, num_layers=cfg.num_layers)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--layout {cfg.layout} with --num-layers {cfg.num_layers} and "
+                         f"--num-blocks {cfg.num_blocks}: {exc}") from None
+
+
+def _preset_names(layout_module: object) -> list[str]:
+    for attr in ("PRESETS", "PRESET_NAMES"):
+        value = getattr(layout_module, attr, None)
+        if value:
+            return list(value)
+    fn = getattr(layout_module, "preset_names", None)
+    if callable(fn):
+        return list(fn())
+    return []
+
+
+def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None]:
+    """Turn parsed arguments into a RunConfig (+ multi-host membership). UsageError if bad."""
+    if args.prefill > MAX_WORKERS_PER_ROLE or args.decode > MAX_WORKERS_PER_ROLE:
+        raise UsageError(f"--prefill and --decode are limited to {MAX_WORKERS_PER_ROLE} each")
+    if args.num_blocks < 4:
+        raise UsageError(f"--num-blocks must be at least 4 (a non-contiguous block set needs "
+                         f"room), got {args.num_blocks}")
+    if args.num_blocks > 1_000_000:
+        raise UsageError(f"--num-blocks {args.num_blocks} is unreasonably large (max 1000000)")
+    transfer = args.transfer_blocks
+    if transfer is None:
+        transfer = min(24, args.num_blocks // 2)
+    if not 2 <= transfer <= args.num_blocks - 1:
+        raise UsageError(f"--transfer-blocks must be between 2 and --num-blocks - 1 = "
+                         f"{args.num_blocks - 1} (so the set can be non-contiguous), "
+                         f"got {transfer}")
+    _check_output_path("--json", args.json)
+    _check_output_path("--junit", args.junit)
+    if args.json and args.junit and os.path.abspath(args.json) == os.path.abspath(args.junit):
+        raise UsageError("--json and --junit name the same file")
+    membership = _membership(args)
+    cfg = RunConfig(
+        num_prefill=args.prefill, num_decode=args.decode, layout=args.layout,
+        num_blocks=args.num_blocks, num_layers=args.num_layers, transfer_blocks=transfer,
+        transports=list(args.transports or TRANSPORTS), timeout=args.timeout,
+        heartbeat_timeout=min(10.0, max(2.0, args.timeout / 2)),
+        corrupt=args.corrupt, seed=args.seed, min_gbps=args.min_gbps,
+    )
+    return cfg, membership
+
+
+def _membership(args: argparse.Namespace) -> Membership | None:
+    given = [flag for flag, v in (("--rendezvous", args.rendezvous), ("--role", args.role),
+                                  ("--rank", args.rank)) if v is not None]
+    if given and len(given) < 3:
+        missing = sorted({"--rendezvous", "--role", "--rank"} - set(given))
+        raise UsageError(f"multi-host mode needs --rendezvous, --role and --rank together; "
+                         f"missing {', '.join(missing)}")
+    world = args.prefill + args.decode
+    if args.rendezvous:
+        try:
+            host, port = parse_hostport(args.rendezvous)
+        except ValueError as exc:
+            raise UsageError(f"--rendezvous: {exc}") from None
+        limit = args.prefill if args.role == PREFILL else args.decode
+        if args.rank >= limit:
+            raise UsageError(f"--rank {args.rank} is out of range for --role {args.role}: "
+                             f"there are {limit} {args.role} workers (ranks 0..{limit - 1})")
+        return Membership(host=host, port=port, role=args.role, rank=args.rank,
+                          num_prefill=args.prefill, num_decode=args.decode, source="cli")
+    try:
+        m = membership_from_env(os.environ, args.prefill, args.decode)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if m is not None and m.world_size != world:
+        raise UsageError(f"WORLD_SIZE {m.world_size} from the launcher does not match "
+                         f"--prefill {args.prefill} + --decode {args.decode} = {world}")
+    return m
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point: exit code 0 pass, 1 fail, 2 usage, 3 environment.
+
+    With ``argv`` given (programmatic use, tests) the code is returned. As the console script
+    (``argv`` None) the process exits right after flushing its output, skipping the
+    interpreter's teardown of torch and friends (seconds on small machines).
+    """
+    if argv is None:
+        exit_now(_main(None))
+    return _main(argv)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush logging and stdio, then leave without interpreter teardown. Only for process
+    entry points whose resources are all released already."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a message on bad syntax
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg, membership = build_config(args)
+        _check_layout(cfg)
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"kvconnect-validate: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    started = time.monotonic()
+    report = Report(config=cfg.to_json())
+    display = Display(live=False if (args.plain or args.quiet) else None, quiet=args.quiet)
+    try:
+        try:
+            device = resolve_device(args.device)
+            cfg.device, cfg.num_gpus = device.kind, device.num_gpus
+            _select_transports(cfg, explicit=args.transports is not None)
+            report.config = cfg.to_json()
+            if device.note:
+                display.message(device.note)
+        except EnvironmentProblem as exc:
+            report.environment = describe()
+            report.environment_error = str(exc)
+            print(f"kvconnect-validate: cannot run: {exc}", file=sys.stderr)
+            return _finish(report, args, display, started)
+        for name, reason in cfg.skipped_transports.items():
+            report.add_check(f"transport/{name}", "skip", reason)
+        try:
+            if membership is None:
+                from .orchestrator import run_local
+
+                run_local(cfg, report, display)  # starts the live display after forking
+            else:
+                from .rendezvous import run_member
+
+                display.start()
+                run_member(cfg, membership, report, display)
+        finally:
+            display.close()
+        # after the workers exist: describe() loads UCX, which must not be inherited by fork
+        report.environment = describe(device, with_gpus=device.kind == "cuda")
+        report.apply_bandwidth_floor(cfg.min_gbps)
+        return _finish(report, args, display, started)
+    except KeyboardInterrupt:
+        report.add_check("run", "fail", "interrupted (SIGINT) before the run finished")
+        _finish(report, args, display, started)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a harness bug still gets a report
+        log.exception("kvconnect-validate failed")
+        report.add_check("run", "fail", f"the harness itself failed: {type(exc).__name__}: "
+                                        f"{exc}\n{traceback.format_exc(limit=6)}")
+        return _finish(report, args, display, started)
+
+
+def _select_transports(cfg: RunConfig, explicit: bool) -> None:
+    """Drop NIXL when it is not installed: exit 3 if asked for explicitly, else skip it."""
+    if "nixl" in cfg.transports:
+        ok, reason = nixl_available()
+        if not ok:
+            if explicit:
+                raise EnvironmentProblem(f"--transports nixl was asked for but {reason}")
+            cfg.transports.remove("nixl")
+            cfg.skipped_transports["nixl"] = reason
+    if not cfg.transports:
+        raise EnvironmentProblem("no transport can run here: "
+                                 + "; ".join(cfg.skipped_transports.values()))
+
+
+def _finish(report: Report, args: argparse.Namespace, display: Display, started: float) -> int:
+    report.wall_seconds = time.monotonic() - started
+    display.final(report)
+    for flag, path, write in (("--json", args.json, report.write_json),
+                              ("--junit", args.junit, report.write_junit)):
+        if path:
+            try:
+                write(path)
+            except OSError as exc:
+                print(f"kvconnect-validate: cannot write {flag} {path}: {exc}", file=sys.stderr)
+                return max(report.exit_code, 1)
+    return report.exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The control plane a worker sees: publish / wait for JSON values, report phases and results.
+
+Two implementations share :class:`Control`'s contract:
+
+- :class:`SocketControl` (local runs): a Unix-socket connection to the coordinator
+  (:mod:`.orchestrator`), which holds the key/value table, watches every worker and aborts
+  the run when one dies or hangs.
+- ``StoreControl`` (multi-host runs, :mod:`.rendezvous`): a ``torch.distributed.TCPStore``.
+
+Keys are ``"<owner>/<name>"`` where owner is the worker that publishes them (``prefill0``),
+so a waiter always knows whom it waits for. Values are JSON (never pickle). Every wait has
+a deadline; a dead, hung or failed peer surfaces as :class:`PeerFailure` naming the peer and
+its phase.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from .config import RunConfig
+from .report import FAIL, PASS, SKIP, Check, Transfer
+
+log = logging.getLogger(__name__)
+
+#: test hooks: ``"<worker>:<phase prefix>"``; SIGKILL / SIGSTOP that worker on entering the phase
+KILL_HOOK_ENV = "KVCONNECT_TEST_KILL"
+STOP_HOOK_ENV = "KVCONNECT_TEST_STOP"
+#: seconds between heartbeats
+HEARTBEAT_S = 0.5
+
+
+class PeerFailure(RuntimeError):
+    """A peer died, hung, failed, or the run was aborted; the message says who and where."""
+
+
+class Control(abc.ABC):
+    """What a worker uses to talk to the rest of the run (one per worker process)."""
+
+    def __init__(self, name: str, config: RunConfig) -> None:
+        self.name = name
+        self.config = config
+        self.current_phase = "start"
+        self._phase_started = time.monotonic()
+
+    # -- progress ----------------------------------------------------------------------------
+    def phase(self, phase: str) -> None:
+        """Enter ``phase`` (reported to the coordinator; named in every failure message)."""
+        self.current_phase = phase
+        self._phase_started = time.monotonic()
+        self._send_phase(phase)
+        _run_test_hooks(self.name, phase)
+
+    def check(self, name: str, status: str, detail: str = "", seconds: float = 0.0) -> Check:
+        c = Check(name=name, status=status, detail=detail, worker=self.name, seconds=seconds)
+        self._send_check(c)
+        return c
+
+    def passed(self, name: str, detail: str = "", seconds: float = 0.0) -> Check:
+        return self.check(name, PASS, detail, seconds)
+
+    def failed(self, name: str, detail: str, seconds: float = 0.0) -> Check:
+        return self.check(name, FAIL, detail, seconds)
+
+    def skipped(self, name: str, reason: str) -> Check:
+        return self.check(name, SKIP, reason)
+
+    def transfer(self, t: Transfer) -> None:
+        self._send_transfer(t)
+
+    # -- key/value ---------------------------------------------------------------------------
+    def publish(self, key: str, value: Any) -> None:
+        """Publish ``value`` (JSON-able) as ``"<self.name>/<key>"``."""
+        self._set(f"{self.name}/{key}", value)
+
+    def wait(self, owner: str, key: str, timeout: float | None = None) -> Any:
+        """The value ``owner`` published as ``key``; PeerFailure past ``timeout`` seconds
+        (default: the run's ``--timeout``), or as soon as ``owner`` dies or the run aborts."""
+        return self._get(f"{owner}/{key}", owner, self.config.timeout if timeout is None
+                         else timeout)
+
+    # -- implementation ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _send_phase(self, phase: str) -> None: ...
+
+    @abc.abstractmethod
+    def _send_check(self, check: Check) -> None: ...
+
+    @abc.abstractmethod
+    def _send_transfer(self, t: Transfer) -> None: ...
+
+    @abc.abstractmethod
+    def _set(self, key: str, value: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _get(self, key: str, owner: str, timeout: float) -> Any: ...
+
+    @abc.abstractmethod
+    def finish(self, error: str | None = None) -> None:
+        """Report the end of this worker: cleanly (``None``) or with a fatal error."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+def _run_test_hooks(worker: str, phase: str) -> None:
+    """Hidden test hooks: make this worker die (SIGKILL) or hang (SIGSTOP) in a phase."""
+    for env, sig in ((KILL_HOOK_ENV, signal.SIGKILL), (STOP_HOOK_ENV, signal.SIGSTOP)):
+        spec = os.environ.get(env)
+        if not spec:
+            continue
+        who, _, when = spec.partition(":")
+        if who == worker and phase.startswith(when):
+            log.warning("test hook %s=%s: sending %s to myself", env, spec, sig.name)
+            os.kill(os.getpid(), sig)
+
+
+class SocketControl(Control):
+    """Worker side of the coordinator connection (local runs).
+
+    A reader thread dispatches replies and aborts; a heartbeat thread proves the process is
+    alive (a process stopped or stuck while holding the GIL stops sending them). If the
+    coordinator goes away the worker exits at once (there is nobody left to report to).
+    """
+
+    def __init__(self, sock: socket.socket, name: str, config: RunConfig) -> None:
+        super().__init__(name, config)
+        from kvconnect.ipc import send_message
+
+        self._send_message = send_message
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._abort: str | None = None
+        self._next_id = 0
+        self._closing = False
+        self._reader = threading.Thread(target=self._read_loop, name="kvv-reader", daemon=True)
+        self._beater = threading.Thread(target=self._beat_loop, name="kvv-heartbeat", daemon=True)
+        self._reader.start()
+        self._beater.start()
+
+    @classmethod
+    def connect(cls, path: str, role: str, rank: int, info: dict[str, Any],
+                timeout: float) -> SocketControl:
+        """Connect to the coordinator at ``path``, say hello, receive the run config."""
+        from kvconnect.ipc import peer_credentials, recv_message, send_message
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            creds = peer_credentials(sock)
+            if creds.pid != os.getppid() or creds.uid != os.getuid():
+                raise PeerFailure(f"the socket {path} is not served by our parent process "
+                                  f"(peer pid {creds.pid} uid {creds.uid}, parent "
+                                  f"{os.getppid()})")
+            send_message(sock, {"op": "hello", "role": role, "rank": rank, "pid": os.getpid(),
+                                "info": info})
+            reply, fds = recv_message(sock, timeout=timeout, max_fds=0)
+            for fd in fds:
+                os.close(fd)
+            if reply.get("op") != "config":
+                raise PeerFailure(f"coordinator answered hello with {reply.get('op')!r}: "
+                                  f"{reply.get('message', '')}")
+            config = RunConfig.from_json(reply["config"])
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, f"{role}{rank}", config)
+
+    # -- sending ---------------------------------------------------------------------------
+    def _send(self, msg: dict[str, Any]) -> None:
+        with self._send_lock:
+            self._send_message(self._sock, msg)
+
+    def _send_phase(self, phase: str) -> None:
+        self._send({"op": "phase", "phase": phase})
+
+    def _send_check(self, check: Check) -> None:
+        self._send({"op": "check", "check": asdict(check)})
+
+    def _send_transfer(self, t: Transfer) -> None:
+        self._send({"op": "transfer", "transfer": asdict(t)})
+
+    def _set(self, key: str, value: Any) -> None:
+        self._send({"op": "set", "key": key, "value": value})
+
+    def _get(self, key: str, owner: str, timeout: float) -> Any:
+        with self._cond:
+            self._next_id += 1
+            rid = self._next_id
+        self._send({"op": "get", "id": rid, "key": key, "timeout": timeout})
+        # the coordinator enforces ``timeout`` with a better message; this is the backstop
+        deadline = time.monotonic() + timeout + 5.0
+        with self._cond:
+            while rid not in self._replies:
+                if self._abort is not None:
+                    raise PeerFailure(self._abort)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerFailure(f"no answer from the coordinator within {timeout:.0f} s "
+                                      f"while waiting for {key}")
+                self._cond.wait(min(left, 0.5))
+            reply = self._replies.pop(rid)
+        if reply["op"] == "value":
+            return reply["value"]
+        raise PeerFailure(str(reply.get("message", "wait failed")))
+
+    def finish(self, error: str | None = None) -> None:
+        msg: dict[str, Any] = {"op": "done"}
+        if error is not None:
+            msg = {"op": "error", "phase": self.current_phase, "message": error}
+        try:
+            self._send(msg)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closing = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._reader.join(timeout=2)
+        self._sock.close()
+
+    # -- threads ---------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        from kvconnect.ipc import IpcError, recv_message
+
+        while True:
+            try:
+                msg, fds = recv_message(self._sock, timeout=None, max_fds=0)
+                for fd in fds:
+                    os.close(fd)
+            except (IpcError, OSError, ValueError) as exc:
+                if self._closing:
+                    return
+                # The coordinator is gone: nobody to report to, and it may not reap us.
+                log.error("%s: lost the coordinator (%s); exiting", self.name, exc)
+                os._exit(70)
+            op = msg.get("op")
+            with self._cond:
+                if op in ("value", "fail"):
+                    self._replies[int(msg.get("id", -1))] = msg
+                elif op == "abort":
+                    self._abort = str(msg.get("message", "run aborted by the coordinator"))
+                self._cond.notify_all()
+
+    def _beat_loop(self) -> None:
+        while not self._closing:
+            try:
+                self._send({"op": "hb"})
+            except OSError:
+                return
+            time.sleep(HEARTBEAT_S)

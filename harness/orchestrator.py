@@ -1,0 +1,686 @@
+"""Local runs: spawn the workers, serve their key/value table, watch them, clean up.
+
+The coordinator (this module, in the ``kvconnect-validate`` process) listens on a Unix socket
+inside a private 0700 directory, spawns ``N`` prefill and ``M`` decode workers
+(``python -m kvconnect.harness.worker``), accepts only its own children (SO_PEERCRED pid
+and uid), and then runs one event loop:
+
+- worker messages (length-prefixed JSON, :mod:`kvconnect.ipc` framing) update phases,
+  collect checks and transfers, and implement publish / wait with per-wait deadlines;
+- a worker that dies (socket EOF, exit status), stops sending heartbeats (hung or stopped),
+  makes no progress for ``--timeout`` seconds outside a wait, or reports a fatal error
+  fails the run at once: the report names the worker, its role and rank, its phase, and the
+  tail of its log; every other worker is told to abort.
+
+On every exit path all workers are killed if still running and reaped, sockets closed, and
+the private directory removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import DECODE, PREFILL, RunConfig, worker_name
+from .display import Display
+from .report import FAIL, PASS, SKIP, Check, Report, Transfer
+from .ucx_lanes import PROTO_INFO_ENV
+
+log = logging.getLogger(__name__)
+
+#: seconds a worker gets to exit by itself after an abort before SIGKILL
+EXIT_GRACE_S = 3.0
+#: seconds a worker that reported "done" gets to exit (it releases NIXL, memory, sockets)
+DONE_GRACE_S = 15.0
+#: lines of a failed worker's log quoted in the report
+LOG_TAIL_LINES = 12
+
+
+@dataclass
+class _Worker:
+    role: str
+    rank: int
+    device: str
+    proc: Any  # subprocess.Popen or _ForkedWorker
+    log_path: str
+    sock: socket.socket | None = None
+    phase: str = "spawned"
+    state: str = "starting"  # starting | running | done | failed | dead
+    info: dict[str, Any] = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)
+    waiting: int = 0
+    reader: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        return worker_name(self.role, self.rank)
+
+    @property
+    def who(self) -> str:
+        return f"{self.role} rank {self.rank} ({self.name}, pid {self.proc.pid})"
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "failed", "dead")
+
+
+@dataclass
+class _Waiter:
+    worker: _Worker
+    rid: int
+    key: str
+    timeout: float
+    deadline: float
+
+
+def run_local(cfg: RunConfig, report: Report, display: Display) -> None:
+    """Run the whole validation with local worker processes, filling ``report``."""
+    prev = signal.getsignal(signal.SIGTERM)
+
+    def _on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_term)
+    fds_before = _open_fds()
+    coordinator = Coordinator(cfg, report, display)
+    try:
+        coordinator.run()
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, prev)
+    coordinator.check_cleanup(fds_before)
+
+
+class Coordinator:
+    """One local run. Single-threaded except one reader thread per worker socket."""
+
+    def __init__(self, cfg: RunConfig, report: Report, display: Display) -> None:
+        self.cfg = cfg
+        self.report = report
+        self.display = display
+        self.workers: list[_Worker] = []
+        self.store: dict[str, Any] = {}
+        self.waiters: list[_Waiter] = []
+        self.events: queue.Queue[tuple[str, _Worker, Any]] = queue.Queue()
+        self.aborted: str | None = None
+        self.abort_deadline: float | None = None
+        self.dir = ""
+        self.listener: socket.socket | None = None
+        #: a worker's own steps time out after ``timeout``; this backstop comes later so the
+        #: worker's specific error arrives first
+        self._progress_deadline = cfg.timeout * 1.5 + 5.0
+
+    # -- top level -----------------------------------------------------------------------------
+    def run(self) -> None:
+        with socket_dir() as directory:
+            self.dir = directory
+            path = os.path.join(directory, "coord.sock")
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self.listener.bind(path)
+                os.chmod(path, 0o600)
+                self.listener.listen(self.cfg.num_prefill + self.cfg.num_decode + 4)
+                self._spawn_all(path)
+                if self._accept_all():
+                    self._event_loop()
+            finally:
+                try:
+                    self._teardown()
+                finally:
+                    self.listener.close()
+        self._summarise()
+
+    # -- spawning ------------------------------------------------------------------------------
+    def _spawn_all(self, path: str) -> None:
+        method = launch_method(self.cfg)
+        if method == "fork":
+            _preload_worker_modules()
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault(PROTO_INFO_ENV, "y")  # UCX names its lanes: transfers are attributed
+        for role, count in ((PREFILL, self.cfg.num_prefill), (DECODE, self.cfg.num_decode)):
+            for rank in range(count):
+                name = worker_name(role, rank)
+                log_path = os.path.join(self.dir, f"{name}.log")
+                device = self.cfg.device_for(role, rank)
+                args = ["--connect", path, "--role", role, "--rank", str(rank)]
+                if method == "fork":
+                    proc: Any = _ForkedWorker.start(args, log_path, self.listener)
+                else:
+                    cmd = [sys.executable, "-m", "kvconnect.harness.worker", *args]
+                    with open(log_path, "wb") as logf:
+                        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf,
+                                                stderr=subprocess.STDOUT, env=env,
+                                                close_fds=True)
+                w = _Worker(role, rank, device, proc, log_path)
+                self.workers.append(w)
+                self.display.worker(name, proc.pid, device)
+        self.display.start()
+
+    def _accept_all(self) -> bool:
+        """Accept every worker's connection and hello; False (run failed) past the deadline
+        or when a worker dies first."""
+        from kvconnect.ipc import IpcError, peer_credentials, recv_message, send_message
+
+        by_pid = {w.proc.pid: w for w in self.workers}
+        deadline = time.monotonic() + self.cfg.timeout
+        pending = set(by_pid)
+        while pending:
+            for pid in list(pending):
+                w = by_pid[pid]
+                if w.proc.poll() is not None:
+                    self._fail_worker(w, f"{w.who} exited with {_exit_text(w.proc.returncode)} "
+                                         "during start-up, before connecting", state="dead")
+                    return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = ", ".join(by_pid[p].name for p in sorted(pending))
+                self.report.add_check("startup", FAIL,
+                                      f"workers {names} did not connect within --timeout "
+                                      f"{self.cfg.timeout:g} s (still importing? hung?)")
+                return False
+            ready, _, _ = select.select([self.listener], [], [], min(left, 0.2))
+            if not ready:
+                continue
+            conn, _ = self.listener.accept()
+            w = None
+            try:
+                creds = peer_credentials(conn)
+                w = by_pid.get(creds.pid)
+                if w is None or creds.uid != os.getuid() or w.sock is not None:
+                    log.warning("rejected a connection from pid %d uid %d: not one of our "
+                                "workers", creds.pid, creds.uid)
+                    conn.close()
+                    continue
+                hello, fds = recv_message(conn, timeout=max(1.0, min(left, 10.0)), max_fds=0)
+                for fd in fds:
+                    os.close(fd)
+                if (hello.get("op") != "hello" or hello.get("role") != w.role
+                        or hello.get("rank") != w.rank):
+                    raise IpcError(f"unexpected hello {hello!r}")
+                w.info = dict(hello.get("info") or {})
+                w.info["device"] = w.device
+                send_message(conn, {"op": "config", "config": self.cfg.to_json()})
+            except (IpcError, OSError, KeyError, ValueError) as exc:
+                conn.close()
+                if w is not None:
+                    self._fail_worker(w, f"{w.who}: bad start-up handshake: {exc}", state="dead")
+                    return False
+                continue
+            conn.settimeout(None)
+            w.sock = conn
+            w.state = "running"
+            w.phase = "connected"
+            w.last_seen = w.last_progress = time.monotonic()
+            w.reader = threading.Thread(target=self._read_loop, args=(w,), daemon=True,
+                                        name=f"kvv-read-{w.name}")
+            w.reader.start()
+            pending.discard(w.proc.pid)
+        return True
+
+    def _read_loop(self, w: _Worker) -> None:
+        from kvconnect.ipc import IpcError, recv_message
+
+        sock = w.sock
+        assert sock is not None
+        while True:
+            try:
+                msg, fds = recv_message(sock, timeout=None, max_fds=0)
+                for fd in fds:
+                    os.close(fd)
+            except (IpcError, OSError, ValueError) as exc:
+                self.events.put(("eof", w, str(exc)))
+                return
+            self.events.put(("msg", w, msg))
+
+    # -- the event loop --------------------------------------------------------------------------
+    def _event_loop(self) -> None:
+        while True:
+            if all(w.finished for w in self.workers):
+                return
+            if self.abort_deadline is not None and time.monotonic() > self.abort_deadline:
+                return
+            try:
+                kind, w, payload = self.events.get(timeout=0.1)
+            except queue.Empty:
+                kind = ""
+            if kind == "msg":
+                self._on_message(w, payload)
+            elif kind == "eof":
+                self._on_eof(w, payload)
+            self._tick()
+
+    def _on_message(self, w: _Worker, msg: dict[str, Any]) -> None:
+        now = time.monotonic()
+        w.last_seen = now
+        op = msg.get("op")
+        if op == "hb":
+            return
+        w.last_progress = now
+        try:
+            if op == "phase":
+                w.phase = str(msg["phase"])
+                self.display.phase(w.name, w.phase)
+            elif op == "check":
+                check = Check.from_json(msg["check"])
+                check.worker = w.name
+                self.report.checks.append(check)
+                self.display.check(check)
+            elif op == "transfer":
+                t = Transfer.from_json(msg["transfer"])
+                self.report.transfers.append(t)
+                self.display.transfer(t)
+            elif op == "set":
+                key = str(msg["key"])
+                if not key.startswith(w.name + "/"):
+                    raise ValueError(f"{w.name} may only publish its own keys, not {key!r}")
+                self.store[key] = msg.get("value")
+                self._resolve(key)
+            elif op == "get":
+                self._on_get(w, int(msg["id"]), str(msg["key"]), float(msg["timeout"]))
+            elif op == "done":
+                w.state = "done"
+                w.phase = "done"
+                self.display.phase(w.name, "done")
+            elif op == "error":
+                phase = str(msg.get("phase", w.phase))
+                text = str(msg.get("message"))
+                if self.aborted is not None and text.startswith("run aborted"):
+                    # not its own failure: the run was aborted under it
+                    w.state = "failed"
+                    self.report.add_check(f"worker/{w.name}", SKIP,
+                                          f"{w.who} stopped in phase {phase} because the {text}")
+                else:
+                    self._fail_worker(w, f"{w.who} failed in phase {phase}: {text}",
+                                      state="failed", tail=False)
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except (KeyError, TypeError, ValueError) as exc:
+            self._fail_worker(w, f"{w.who} sent a malformed message ({exc}); killed it",
+                              state="dead", kill=True)
+
+    def _on_get(self, w: _Worker, rid: int, key: str, timeout: float) -> None:
+        if key in self.store:
+            self._reply(w, {"op": "value", "id": rid, "key": key, "value": self.store[key]})
+            return
+        if self.aborted is not None:
+            self._reply(w, {"op": "fail", "id": rid, "message": self.aborted})
+            return
+        timeout = min(max(timeout, 0.0), self.cfg.timeout * 10)
+        w.waiting += 1
+        self.waiters.append(_Waiter(w, rid, key, timeout, time.monotonic() + timeout))
+
+    def _resolve(self, key: str) -> None:
+        keep = []
+        for wt in self.waiters:
+            if wt.key == key:
+                wt.worker.waiting -= 1
+                self._reply(wt.worker, {"op": "value", "id": wt.rid, "key": key,
+                                        "value": self.store[key]})
+            else:
+                keep.append(wt)
+        self.waiters = keep
+
+    def _reply(self, w: _Worker, msg: dict[str, Any]) -> None:
+        from kvconnect.ipc import send_message
+
+        if w.sock is None or w.state in ("failed", "dead"):
+            return
+        try:
+            send_message(w.sock, msg)
+        except OSError as exc:
+            log.debug("reply to %s failed: %s", w.name, exc)
+
+    def _on_eof(self, w: _Worker, reason: str) -> None:
+        if w.state in ("done", "failed", "dead"):
+            return
+        try:
+            code = w.proc.wait(timeout=2.0)
+            how = _exit_text(code)
+        except subprocess.TimeoutExpired:
+            how = f"closed its connection ({reason}) but is still running; killed it"
+            _kill(w.proc)
+        self._fail_worker(w, f"{w.who} died in phase {w.phase}: {how}", state="dead")
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        expired = [wt for wt in self.waiters if now > wt.deadline]
+        for wt in expired:
+            self.waiters.remove(wt)
+            wt.worker.waiting -= 1
+            owner = wt.key.split("/", 1)[0]
+            peer = next((x for x in self.workers if x.name == owner), None)
+            where = (f"{owner} is in phase {peer.phase} ({peer.state})" if peer
+                     else f"no worker named {owner} exists")
+            msg = (f"{wt.worker.who} timed out after {wt.timeout:g} s in phase "
+                   f"{wt.worker.phase} waiting for {wt.key!r}: {where}")
+            self._reply(wt.worker, {"op": "fail", "id": wt.rid, "message": msg})
+            self.report.add_check(f"deadline/{wt.worker.name}", FAIL, msg)
+            self._abort(msg)
+        for w in self.workers:
+            if w.state != "running":
+                continue
+            silent = now - w.last_seen
+            if silent > self.cfg.heartbeat_timeout:
+                state = _proc_state(w.proc.pid)
+                self._fail_worker(
+                    w, f"{w.who} stopped responding in phase {w.phase}: no heartbeat for "
+                       f"{silent:.1f} s (process state: {state}); killed it",
+                    state="dead", kill=True)
+            elif w.waiting == 0 and now - w.last_progress > self._progress_deadline:
+                self._fail_worker(
+                    w, f"{w.who} made no progress for {now - w.last_progress:.0f} s in phase "
+                       f"{w.phase} (its own steps time out after --timeout "
+                       f"{self.cfg.timeout:g} s); killed it", state="dead", kill=True)
+            elif w.proc.poll() is not None:
+                self._fail_worker(w, f"{w.who} died in phase {w.phase}: "
+                                     f"{_exit_text(w.proc.returncode)}", state="dead")
+
+    # -- failures --------------------------------------------------------------------------------
+    def _fail_worker(self, w: _Worker, message: str, *, state: str, kill: bool = False,
+                     tail: bool = True) -> None:
+        w.state = state
+        if kill:
+            _kill(w.proc)
+        detail = message
+        if tail:
+            lines = _tail(w.log_path, LOG_TAIL_LINES)
+            if lines:
+                detail += "\n--- last lines of its log ---\n" + lines
+        self.report.add_check(f"worker/{w.name}", FAIL, detail)
+        self.display.message(f"FAIL {message}")
+        self._abort(message)
+
+    def _abort(self, reason: str) -> None:
+        if self.aborted is not None:
+            return
+        self.aborted = f"run aborted: {reason}"
+        self.abort_deadline = time.monotonic() + EXIT_GRACE_S
+        for wt in self.waiters:
+            wt.worker.waiting -= 1
+            self._reply(wt.worker, {"op": "fail", "id": wt.rid, "message": self.aborted})
+        self.waiters = []
+        for w in self.workers:
+            if not w.finished:
+                self._reply(w, {"op": "abort", "message": self.aborted})
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def _teardown(self) -> None:
+        """Every worker exits (or is killed) and is reaped; every socket is closed."""
+        clean = self.aborted is None and all(w.state == "done" for w in self.workers)
+        deadline = time.monotonic() + (DONE_GRACE_S if clean else EXIT_GRACE_S)
+        for w in self.workers:
+            left = deadline - time.monotonic()
+            try:
+                w.proc.wait(timeout=max(0.05, left))
+            except subprocess.TimeoutExpired:
+                if not w.finished:
+                    self._fail_worker(w, f"{w.who} was still running in phase {w.phase} when "
+                                         "the run ended; killed it", state="dead")
+                _kill(w.proc)
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+                log.error("worker pid %d did not die after SIGKILL", w.proc.pid)
+            if w.sock is not None:
+                try:
+                    w.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        for w in self.workers:
+            if w.reader is not None:
+                w.reader.join(timeout=2)
+            if w.sock is not None:
+                w.sock.close()
+                w.sock = None
+        # keep failing workers' logs only in the report (the directory goes away)
+        if os.environ.get("KVCONNECT_KEEP_WORKER_LOGS"):
+            keep = tempfile.mkdtemp(prefix="kvconnect-validate-logs-")
+            for w in self.workers:
+                if os.path.exists(w.log_path):
+                    shutil.copy(w.log_path, keep)
+            self.display.message(f"worker logs kept in {keep}")
+
+    def check_cleanup(self, fds_before: set[int]) -> None:
+        """Add the ``cleanup`` check: workers reaped, socket directory gone, no fd leaked."""
+        problems = []
+        alive = [f"{w.name} (pid {w.proc.pid})" for w in self.workers
+                 if w.proc.returncode is None or os.path.exists(f"/proc/{w.proc.pid}")]
+        if alive:
+            problems.append("processes still present: " + ", ".join(alive))
+        if self.dir and os.path.exists(self.dir):
+            problems.append(f"socket directory {self.dir} still exists")
+        leaked = sorted(_open_fds() - fds_before)
+        if leaked:
+            problems.append(f"fds left open: {[_fd_target(fd) for fd in leaked][:8]}")
+        self.report.add_check(
+            "cleanup", FAIL if problems else PASS, "; ".join(problems) if problems else
+            f"{len(self.workers)} workers reaped, socket directory removed, no fd left open")
+
+    def _summarise(self) -> None:
+        for w in self.workers:
+            published = self.store.get(f"{w.name}/hello")
+            extra = {**w.info, **(published if isinstance(published, dict) else {})}
+            self.report.workers.append({
+                **{k: v for k, v in extra.items() if k not in ("device", "pid")},
+                "name": w.name, "role": w.role, "rank": w.rank, "pid": w.proc.pid,
+                "device": w.device, "phase": w.phase, "state": w.state,
+                "exit_code": w.proc.returncode,
+            })
+        bad = [w for w in self.workers if w.state != "done" or w.proc.returncode != 0]
+        if not bad and self.workers:
+            self.report.add_check("workers", PASS,
+                                  f"{len(self.workers)} workers ran to the end and exited 0")
+        elif bad and not any(c.status == FAIL for c in self.report.checks):
+            names = ", ".join(f"{w.name} ({w.state}, {_exit_text(w.proc.returncode)})"
+                              for w in bad)
+            self.report.add_check("workers", FAIL, f"workers did not finish cleanly: {names}")
+
+
+LAUNCH_ENV = "KVCONNECT_VALIDATE_LAUNCH"
+#: a Unix socket path must fit sockaddr_un.sun_path (108 bytes with the NUL)
+_MAX_SOCKET_DIR = 80
+
+
+@contextlib.contextmanager
+def socket_dir() -> Iterator[str]:
+    """A fresh private (0700) directory for this run's sockets, removed on exit.
+
+    Under ``$TMPDIR``, unless that is too long for Unix socket paths; then under ``/tmp``.
+    """
+    base = tempfile.gettempdir()
+    if len(base) > _MAX_SOCKET_DIR - 16:
+        log.warning("TMPDIR %s is too long for Unix socket paths; using /tmp", base)
+        base = "/tmp"
+    path = tempfile.mkdtemp(prefix="kvv-", dir=base)
+    try:
+        os.chmod(path, 0o700)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+
+def launch_method(cfg: RunConfig) -> str:
+    """``fork`` for the host backend (workers start without re-importing torch: seconds
+    saved per worker on small machines), ``subprocess`` for CUDA (a process that may have
+    initialised CUDA must not fork). ``KVCONNECT_VALIDATE_LAUNCH`` overrides."""
+    forced = os.environ.get(LAUNCH_ENV, "")
+    if forced in ("fork", "subprocess"):
+        if forced == "fork" and cfg.device != "host":
+            raise ValueError(f"{LAUNCH_ENV}=fork is only safe on the host backend")
+        return forced
+    return "fork" if cfg.device == "host" else "subprocess"
+
+
+def _preload_worker_modules() -> None:
+    """Import what every worker needs once, before forking (never initialises a device)."""
+    import kvconnect.connectors.cpu_offload  # noqa: F401
+    import kvconnect.connectors.nixl  # noqa: F401
+    import kvconnect.kv_cache  # noqa: F401
+
+    from . import scenario, transports, worker  # noqa: F401
+
+
+class _ForkedWorker:
+    """A worker forked from the coordinator (host backend). The subset of Popen's interface
+    the coordinator uses: ``pid``, ``poll``, ``wait``, ``kill``, ``returncode``.
+
+    Fork happens before the coordinator starts any thread, so the child inherits no lock held
+    by another thread; the child closes the listening socket, points stdout/stderr at its log
+    and leaves through ``os._exit`` (never back into the coordinator's stack).
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, args: list[str], log_path: str, listener: socket.socket | None,
+              ) -> _ForkedWorker:
+        if threading.active_count() > 1:
+            raise RuntimeError("cannot fork workers once the coordinator runs threads")
+        logfd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.close(logfd)
+            raise
+        if pid == 0:  # pragma: no cover - runs in the child (covered by the e2e tests)
+            code = 1
+            try:
+                if listener is not None:
+                    os.close(listener.detach())
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                os.close(null)
+                os.dup2(logfd, 1)
+                os.dup2(logfd, 2)
+                os.close(logfd)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.environ["PYTHONUNBUFFERED"] = "1"
+                os.environ.setdefault(PROTO_INFO_ENV, "y")
+                from .worker import main as worker_main
+
+                code = worker_main(args)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        os.close(logfd)
+        return cls(pid)
+
+    def _reap(self, flags: int) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL if self.returncode is None else self.returncode
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.005
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout or 0)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _kill(proc: Any) -> None:
+    if proc.poll() is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _open_fds() -> set[int]:
+    """This process's open fds (empty where /proc is missing)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    fds = {int(n) for n in names}
+    return {fd for fd in fds if _fd_target(fd) != ""}  # drop the one listdir itself used
+
+
+def _fd_target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _proc_state(pid: int) -> str:
+    """The ``State:`` line of /proc/PID/status (e.g. ``T (stopped)``), or ``gone``."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "gone"
+
+
+def _tail(path: str, lines: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 16384))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.rstrip().splitlines()[-lines:])

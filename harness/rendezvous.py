@@ -1,0 +1,333 @@
+"""Multi-host runs: one process per worker, rendezvous through ``torch.distributed.TCPStore``.
+
+Membership comes from ``--rendezvous HOST:PORT --role R --rank N`` or from the variables
+torchrun / srun set (RANK or SLURM_PROCID, WORLD_SIZE or SLURM_NTASKS, MASTER_ADDR,
+MASTER_PORT; global ranks ``0..N-1`` are prefill, ``N..N+M-1`` decode). Prefill rank 0 hosts
+the store (unless torchrun's agent already does: TORCHELASTIC_USE_AGENT_STORE) and writes the
+report of the whole run; every other process reports its own checks plus the final verdict.
+
+Store values are JSON. Each process bumps a heartbeat counter every 0.5 s from its own store
+connection; a waiter watches the counter of the peer it waits for, so a dead or stopped
+peer is reported after ``heartbeat_timeout`` seconds with its last phase, and a failing
+worker sets an ``abort`` key that ends every wait at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .config import DECODE, PREFILL, RunConfig, worker_name
+from .control import HEARTBEAT_S, Control, PeerFailure
+from .display import Display
+from .orchestrator import socket_dir
+from .report import FAIL, PASS, Check, Report, Transfer
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kvconnect-validate/"
+#: config fields that legitimately differ between hosts
+_LOCAL_FIELDS = ("device", "num_gpus", "local_device", "skipped_transports")
+#: bound on one value read from the store (bytes)
+MAX_VALUE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Where this process fits: the store address, its role and rank within the role."""
+
+    host: str
+    port: int
+    role: str
+    rank: int
+    num_prefill: int
+    num_decode: int
+    source: str = "cli"
+    use_agent_store: bool = False
+    local_rank: int | None = None
+
+    @property
+    def name(self) -> str:
+        return worker_name(self.role, self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    @property
+    def is_reporter(self) -> bool:
+        return self.role == PREFILL and self.rank == 0
+
+    @property
+    def hosts_store(self) -> bool:
+        return self.is_reporter and not self.use_agent_store
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6addr]:port"`` -> ``(host, port)``; ValueError if malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"port {port!r} is not a number") from None
+    if not 1 <= p <= 65535:
+        raise ValueError(f"port {p} is outside 1..65535")
+    return host, p
+
+
+def membership_from_env(env: Mapping[str, str], num_prefill: int, num_decode: int,
+                        ) -> Membership | None:
+    """Membership from torchrun / srun variables, or None when they are not set."""
+    rank = env.get("RANK", env.get("SLURM_PROCID"))
+    world = env.get("WORLD_SIZE", env.get("SLURM_NTASKS"))
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if rank is None or world is None or addr is None or port is None:
+        return None
+    try:
+        grank, wsize, p = int(rank), int(world), int(port)
+    except ValueError:
+        raise ValueError(f"RANK={rank!r} WORLD_SIZE={world!r} MASTER_PORT={port!r} must be "
+                         "integers") from None
+    if not 0 <= grank < wsize:
+        raise ValueError(f"RANK {grank} is outside WORLD_SIZE {wsize}")
+    if wsize != num_prefill + num_decode:
+        raise ValueError(f"WORLD_SIZE {wsize} from the launcher does not match --prefill "
+                         f"{num_prefill} + --decode {num_decode} = {num_prefill + num_decode}")
+    role, r = (PREFILL, grank) if grank < num_prefill else (DECODE, grank - num_prefill)
+    local = env.get("LOCAL_RANK", env.get("SLURM_LOCALID"))
+    return Membership(host=addr, port=p, role=role, rank=r, num_prefill=num_prefill,
+                      num_decode=num_decode, source="env",
+                      use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                      local_rank=int(local) if local is not None and local.isdigit() else None)
+
+
+def _open_store(m: Membership, timeout: float, master: bool) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(m.host, m.port, world_size=None, is_master=master,
+                    timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+
+
+class StoreControl(Control):
+    """:class:`~.control.Control` over a TCPStore (see the module docstring)."""
+
+    def __init__(self, name: str, config: RunConfig, store: Any,
+                 store_factory: Callable[[], Any], display: Display) -> None:
+        super().__init__(name, config)
+        self.store = store
+        self.display = display
+        self.checks: list[Check] = []
+        self.transfers: list[Transfer] = []
+        self._closing = False
+        self._hb_store = store_factory()
+        self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="kvv-hb")
+        self._beater.start()
+
+    # -- Control --------------------------------------------------------------------------------
+    def _send_phase(self, phase: str) -> None:
+        self.store.set(PREFIX + f"phase/{self.name}", phase)
+        self.display.phase(self.name, phase)
+
+    def _send_check(self, check: Check) -> None:
+        self.checks.append(check)
+        self.display.check(check)
+
+    def _send_transfer(self, t: Transfer) -> None:
+        self.transfers.append(t)
+        self.display.transfer(t)
+
+    def _set(self, key: str, value: Any) -> None:
+        self.store.set(PREFIX + "kv/" + key, json.dumps(value))
+
+    def _get(self, key: str, owner: str, timeout: float) -> Any:
+        return self.get_raw("kv/" + key, owner, timeout, what=repr(key))
+
+    def get_raw(self, key: str, owner: str, timeout: float, what: str) -> Any:
+        """Wait for store key ``PREFIX + key`` published by ``owner`` (JSON)."""
+        full = PREFIX + key
+        deadline = time.monotonic() + timeout
+        last_hb: int | None = None
+        changed = time.monotonic()
+        pause = 0.02
+        try:
+            while True:
+                if self.store.check([full]):
+                    raw = self.store.get(full)
+                    if len(raw) > MAX_VALUE_BYTES:
+                        raise PeerFailure(f"{owner} published {len(raw)} bytes for {what}, over "
+                                          f"the {MAX_VALUE_BYTES}-byte limit")
+                    return json.loads(raw)
+                if self.store.check([PREFIX + "abort"]):
+                    raise PeerFailure("run aborted: " + self.store.get(PREFIX + "abort").decode())
+                now = time.monotonic()
+                hb = int(self.store.add(PREFIX + f"hb/{owner}", 0))
+                if hb != last_hb:
+                    last_hb, changed = hb, now
+                elif hb > 0 and now - changed > self.config.heartbeat_timeout:
+                    raise PeerFailure(
+                        f"{owner} stopped responding in phase {self.peer_phase(owner)}: no "
+                        f"heartbeat for {now - changed:.1f} s (died or hung) while "
+                        f"{self.name} waited in phase {self.current_phase} for {what}")
+                if now > deadline:
+                    state = self.peer_phase(owner) if hb > 0 else "never started"
+                    raise PeerFailure(f"{self.name} timed out after {timeout:g} s in phase "
+                                      f"{self.current_phase} waiting for {owner}'s {what} "
+                                      f"({owner}: {state})")
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.2)
+        except PeerFailure:
+            raise
+        except (RuntimeError, OSError) as exc:  # DistStoreError, connection reset
+            raise PeerFailure(f"lost the rendezvous store while waiting for {owner}'s {what} "
+                              f"(its host, prefill0, may have died): {exc}") from exc
+
+    def peer_phase(self, owner: str) -> str:
+        try:
+            if self.store.check([PREFIX + f"phase/{owner}"]):
+                return self.store.get(PREFIX + f"phase/{owner}").decode()
+        except (RuntimeError, OSError):
+            pass
+        return "unknown"
+
+    def finish(self, error: str | None = None) -> None:
+        result = {"checks": [asdict(c) for c in self.checks],
+                  "transfers": [asdict(t) for t in self.transfers],
+                  "phase": self.current_phase, "error": error}
+        try:
+            if error is not None:
+                self.store.compare_set(PREFIX + "abort", "",
+                                       f"{self.name} failed in phase {self.current_phase}: "
+                                       f"{error.splitlines()[0] if error else ''}")
+            self.store.set(PREFIX + f"result/{self.name}", json.dumps(result))
+        except (RuntimeError, OSError) as exc:
+            log.error("%s: cannot publish the result: %s", self.name, exc)
+
+    def close(self) -> None:
+        self._closing = True
+        self._beater.join(timeout=2)
+
+    def _beat_loop(self) -> None:
+        key = PREFIX + f"hb/{self.name}"
+        while not self._closing:
+            try:
+                self._hb_store.add(key, 1)
+            except (RuntimeError, OSError):
+                return
+            time.sleep(HEARTBEAT_S)
+
+
+def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) -> None:
+    """Run this process's worker of a multi-host run; the reporter gathers everyone's
+    results into ``report``."""
+    from .environment import describe
+    from .worker import run_and_report
+
+    cfg.local_device = _local_device(cfg, m)
+    display.worker(m.name, os.getpid(), cfg.device_for(m.role, m.rank))
+    try:
+        store = _open_store(m, cfg.timeout, master=m.hosts_store)
+    except (RuntimeError, OSError) as exc:
+        report.add_check("rendezvous", FAIL, f"{m.name}: cannot reach the TCPStore at "
+                                             f"{m.host}:{m.port} within {cfg.timeout:g} s: {exc}")
+        return
+    ctl = StoreControl(m.name, cfg, store, lambda: _open_store(m, cfg.timeout, master=False),
+                       display)
+    try:
+        # only a prefill serving ipc needs a socket directory (a killed process cannot remove
+        # its own, so nobody else makes one)
+        serves_ipc = m.role == PREFILL and "ipc" in cfg.transports
+        with socket_dir() if serves_ipc else contextlib.nullcontext("") as ipc_dir:
+            if not _agree_on_config(ctl, cfg, m, report):
+                ctl.finish(error="configuration differs between processes")
+                return
+            ctl.publish("info", {"pid": os.getpid(), **describe()})
+            run_and_report(ctl, m.role, m.rank, ipc_dir)
+            report.checks.extend(ctl.checks)
+            report.transfers.extend(ctl.transfers)
+            if m.is_reporter:
+                _gather(ctl, cfg, m, report)
+            else:
+                _await_verdict(ctl, cfg, m, report)
+    finally:
+        ctl.close()
+        report.workers.append({"name": m.name, "role": m.role, "rank": m.rank,
+                               "pid": os.getpid(), "device": cfg.device_for(m.role, m.rank),
+                               "phase": ctl.current_phase})
+
+
+def _local_device(cfg: RunConfig, m: Membership) -> str:
+    if cfg.device != "cuda":
+        return "cpu"
+    index = m.local_rank if m.local_rank is not None else cfg.worker_index(m.role, m.rank)
+    return f"cuda:{index % max(1, cfg.num_gpus)}"
+
+
+def _agree_on_config(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> bool:
+    mine = {k: v for k, v in cfg.to_json().items() if k not in _LOCAL_FIELDS}
+    if m.is_reporter:
+        ctl.publish("config", mine)
+        return True
+    theirs = ctl.wait(worker_name(PREFILL, 0), "config")
+    diffs = [f"{k}: here {mine.get(k)!r}, prefill0 {theirs.get(k)!r}"
+             for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if diffs:
+        report.usage_error = (f"{m.name}'s arguments differ from prefill0's: "
+                              + "; ".join(diffs))
+        return False
+    return True
+
+
+def _gather(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> None:
+    others = [n for n in cfg.worker_names() if n != m.name]
+    for name in others:
+        ctl.phase(f"gather:{name}")
+        try:
+            info = ctl.wait(name, "info", timeout=cfg.timeout)
+            report.workers.append({"name": name, **{k: info.get(k) for k in
+                                                    ("pid", "hostname", "boot_id", "device")}})
+            result = ctl.get_raw(f"result/{name}", name, cfg.timeout * 4, what="result")
+        except PeerFailure as exc:
+            report.add_check(f"worker/{name}", FAIL, str(exc))
+            continue
+        report.checks.extend(Check.from_json(c) for c in result.get("checks", []))
+        report.transfers.extend(Transfer.from_json(t) for t in result.get("transfers", []))
+        if result.get("error"):
+            report.add_check(f"worker/{name}", FAIL, f"{name} failed in phase "
+                                                     f"{result.get('phase')}: {result['error']}")
+    verdict = {"passed": report.passed and not report.failed_checks, "summary": report.summary()}
+    ctl.store.set(PREFIX + "final", json.dumps(verdict))
+    # keep the store (hosted here) up until everyone has read the verdict
+    for name in others:
+        try:
+            ctl.get_raw(f"bye/{name}", name, min(10.0, cfg.timeout), what="goodbye")
+        except PeerFailure:
+            pass
+
+
+def _await_verdict(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> None:
+    reporter = worker_name(PREFILL, 0)
+    ctl.phase("await_verdict")
+    try:
+        verdict = ctl.get_raw("final", reporter, cfg.timeout * 4, what="final verdict")
+    except PeerFailure as exc:
+        report.add_check("run/verdict", FAIL, str(exc))
+        return
+    finally:
+        try:
+            ctl.store.set(PREFIX + f"bye/{m.name}", "1")
+        except (RuntimeError, OSError):
+            pass
+    report.add_check("run/verdict", PASS if verdict.get("passed") else FAIL,
+                     f"{reporter} reports for the whole run: {verdict.get('summary')}",
+                     worker=m.name)

@@ -1,0 +1,252 @@
+"""The result of a validation run: checks, transfers, environment; JSON and JUnit output.
+
+A :class:`Report` is filled by the coordinator as workers send their results, then written
+as JSON (``--json``), JUnit XML (``--junit``) and a final table (see :mod:`.display`).
+
+Units: ``bytes`` are bytes, ``seconds`` are wall seconds, ``gbps`` is 1e9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: identifies the JSON layout; bump when a field changes meaning
+SCHEMA = "kvconnect-validate/1"
+
+PASS = "pass"
+FAIL = "fail"
+SKIP = "skip"
+STATUSES = (PASS, FAIL, SKIP)
+
+#: exit codes of ``kvconnect-validate``
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_ENVIRONMENT = 3
+
+
+@dataclass
+class Check:
+    """One verdict. ``worker`` is who produced it (``prefill0``, ``decode1``, ``coordinator``)."""
+
+    name: str
+    status: str
+    detail: str = ""
+    worker: str = ""
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"check status must be one of {STATUSES}, got {self.status!r}")
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Check:
+        return cls(name=str(obj["name"]), status=str(obj["status"]),
+                   detail=str(obj.get("detail", "")), worker=str(obj.get("worker", "")),
+                   seconds=float(obj.get("seconds", 0.0)))
+
+
+@dataclass
+class Transfer:
+    """One measured transfer of ``blocks`` KV blocks (``bytes`` in total) over one transport.
+
+    ``transport`` is ``ipc`` or ``nixl``; ``backend`` says what carried it underneath
+    (e.g. ``UCX`` for NIXL, ``copy:cpu`` for the IPC copy). ``round`` 1 is before sleep/wake,
+    2 after. ``verified`` is True only when every block's digest matched.
+    """
+
+    pair: str
+    transport: str
+    bytes: int
+    seconds: float
+    gbps: float
+    verified: bool
+    backend: str = ""
+    round: int = 1
+    blocks: int = 0
+
+    @classmethod
+    def measured(cls, pair: str, transport: str, nbytes: int, seconds: float, verified: bool,
+                 **extra: Any) -> Transfer:
+        """Build a transfer, computing ``gbps`` from ``nbytes`` and ``seconds``."""
+        gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        return cls(pair=pair, transport=transport, bytes=int(nbytes), seconds=float(seconds),
+                   gbps=gbps, verified=bool(verified), **extra)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Transfer:
+        return cls(pair=str(obj["pair"]), transport=str(obj["transport"]),
+                   bytes=int(obj["bytes"]), seconds=float(obj["seconds"]),
+                   gbps=float(obj["gbps"]), verified=bool(obj["verified"]),
+                   backend=str(obj.get("backend", "")), round=int(obj.get("round", 1)),
+                   blocks=int(obj.get("blocks", 0)))
+
+    @property
+    def label(self) -> str:
+        return f"{self.pair} {self.transport} round {self.round}"
+
+
+@dataclass
+class Report:
+    """Everything a run found. ``passed`` is True when no check failed and nothing is missing."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    #: set when the run could not be carried out at all (exit 3), with what is missing
+    environment_error: str = ""
+    #: set when the processes of a run disagree on its configuration (exit 2)
+    usage_error: str = ""
+
+    # -- building ----------------------------------------------------------------
+    def add_check(self, name: str, status: str, detail: str = "", worker: str = "coordinator",
+                  seconds: float = 0.0) -> Check:
+        check = Check(name, status, detail, worker, seconds)
+        self.checks.append(check)
+        return check
+
+    def apply_bandwidth_floor(self, min_gbps: float | None) -> None:
+        """Add one check per transfer under ``min_gbps`` (and one passing check otherwise)."""
+        if not min_gbps:
+            return
+        slow = [t for t in self.transfers if t.gbps < min_gbps]
+        for t in slow:
+            self.add_check(f"bandwidth/{t.pair}/{t.transport}/round{t.round}", FAIL,
+                           f"{t.label}: {t.gbps:.3f} GB/s is under the --min-gbps floor of "
+                           f"{min_gbps:g} GB/s ({t.bytes} bytes in {t.seconds:.4f} s via "
+                           f"{t.backend or t.transport})")
+        if not slow:
+            if self.transfers:
+                low = min(self.transfers, key=lambda t: t.gbps)
+                self.add_check("bandwidth/floor", PASS,
+                               f"all {len(self.transfers)} transfers at or above {min_gbps:g} "
+                               f"GB/s (slowest: {low.label} at {low.gbps:.3f} GB/s)")
+            else:
+                self.add_check("bandwidth/floor", SKIP, "no transfers were measured")
+
+    # -- verdict -------------------------------------------------------------------
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    @property
+    def passed(self) -> bool:
+        return (not self.environment_error and not self.usage_error and not self.failed_checks
+                and bool(self.checks))
+
+    @property
+    def exit_code(self) -> int:
+        if self.usage_error:
+            return EXIT_USAGE
+        if self.environment_error:
+            return EXIT_ENVIRONMENT
+        return EXIT_OK if self.passed else EXIT_FAILED
+
+    def counts(self) -> dict[str, int]:
+        out = {s: 0 for s in STATUSES}
+        for c in self.checks:
+            out[c.status] += 1
+        return out
+
+    def summary(self) -> str:
+        """One line: verdict and counts."""
+        if self.usage_error:
+            return f"BAD CONFIGURATION: {self.usage_error}"
+        if self.environment_error:
+            return f"CANNOT RUN: {self.environment_error}"
+        c = self.counts()
+        verified = sum(1 for t in self.transfers if t.verified)
+        verdict = "PASSED" if self.passed else "FAILED"
+        return (f"{verdict}: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped; "
+                f"{verified}/{len(self.transfers)} transfers verified in {self.wall_seconds:.1f} s")
+
+    # -- output --------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "passed": self.passed,
+            "exit_code": self.exit_code,
+            "summary": self.summary(),
+            "environment_error": self.environment_error,
+            "usage_error": self.usage_error,
+            "wall_seconds": round(self.wall_seconds, 3),
+            "config": self.config,
+            "environment": self.environment,
+            "workers": self.workers,
+            "checks": [asdict(c) for c in self.checks],
+            "transfers": [asdict(t) for t in self.transfers],
+        }
+
+    def write_json(self, path: str) -> None:
+        _atomic_write(path, json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
+
+    def to_junit(self) -> ET.Element:
+        """JUnit XML: one ``testsuite``, one ``testcase`` per check (``skipped``/``failure``)."""
+        c = self.counts()
+        suites = ET.Element("testsuites", name="kvconnect-validate")
+        suite = ET.SubElement(
+            suites, "testsuite", name="kvconnect-validate", tests=str(len(self.checks)),
+            failures=str(c[FAIL]), errors="0", skipped=str(c[SKIP]),
+            time=f"{self.wall_seconds:.3f}", hostname=str(self.environment.get("hostname", "")),
+        )
+        props = ET.SubElement(suite, "properties")
+        for key in ("kvconnect", "torch", "nixl", "ucx", "cuda_driver", "device"):
+            if self.environment.get(key) is not None:
+                ET.SubElement(props, "property", name=key, value=str(self.environment[key]))
+        for check in self.checks:
+            case = ET.SubElement(suite, "testcase", name=check.name,
+                                 classname=f"kvconnect-validate.{check.worker or 'run'}",
+                                 time=f"{check.seconds:.3f}")
+            if check.status == FAIL:
+                el = ET.SubElement(case, "failure", message=_first_line(check.detail),
+                                   type="ValidationFailure")
+                el.text = check.detail
+            elif check.status == SKIP:
+                ET.SubElement(case, "skipped", message=check.detail)
+            elif check.detail:
+                ET.SubElement(case, "system-out").text = check.detail
+        if self.environment_error:
+            case = ET.SubElement(suite, "testcase", name="environment",
+                                 classname="kvconnect-validate.run", time="0")
+            ET.SubElement(case, "error", message=self.environment_error, type="Environment")
+            suite.set("errors", "1")
+            suite.set("tests", str(len(self.checks) + 1))
+        return suites
+
+    def write_junit(self, path: str) -> None:
+        root = self.to_junit()
+        ET.indent(root)
+        text = ET.tostring(root, encoding="unicode", xml_declaration=False)
+        _atomic_write(path, '<?xml version="1.0" encoding="utf-8"?>\n' + text + "\n")
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line[:limit]
+
+
+def _atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".kvconnect-", dir=directory)
+    try:
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

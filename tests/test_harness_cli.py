@@ -1,0 +1,178 @@
+"""kvconnect-validate's argument handling, exit codes 2 and 3, multi-host membership parsing and
+the block-set choice. In-process (no workers are started), so fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvconnect.harness import cli
+from kvconnect.harness.config import RunConfig
+from kvconnect.harness.rendezvous import membership_from_env, parse_hostport
+
+VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefill", "0"], "must be at least 1"),
+    (["--decode", "x"], "expected an integer"),
+    (["--transports", "ipc,rdma"], "unknown transport(s) rdma"),
+    (["--transports", "ipc,ipc"], "listed twice"),
+    (["--transports", ","], "needs at least one of"),
+    (["--num-blocks", "3"], "--num-blocks must be at least 4"),
+    (["--num-blocks", "8", "--transfer-blocks", "8"], "--transfer-blocks must be between 2"),
+    (["--timeout", "0"], "positive finite number"),
+    (["--min-gbps", "-1"], "positive finite number"),
+    (["--device", "tpu"], "invalid choice"),
+    (["--layout", "no-such-model"], "not a known preset"),
+    (["--layout", "jamba-hybrid-like", "--num-layers", "1"], "needs at least 2 layers"),
+    (["--json", "/nonexistent-dir/x.json"], "does not exist"),
+    (["--json", "/tmp/same.out", "--junit", "/tmp/same.out"], "name the same file"),
+    (["--role", "decode"], "needs --rendezvous, --role and --rank together"),
+    (["--rendezvous", "localhost", "--role", "prefill", "--rank", "0"], "expected HOST:PORT"),
+    (["--rendezvous", "h:70000", "--role", "prefill", "--rank", "0"], "outside 1..65535"),
+    (["--rendezvous", "h:1234", "--role", "decode", "--rank", "1"], "out of range"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = _run(argv, capsys)
+    assert code == 2
+    assert message in text
+
+
+def test_world_size_from_the_launcher_must_match(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(k, v)
+    code, text = _run(["--prefill", "1", "--decode", "1"], capsys)
+    assert code == 2 and "WORLD_SIZE 3" in text
+
+
+def test_console_script_exits_2_on_bad_arguments() -> None:
+    proc = subprocess.run([str(VALIDATE), "--prefill", "1", "--transports", "carrier-pigeon"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "unknown transport(s) carrier-pigeon" in proc.stderr
+
+
+def test_missing_nixl_asked_for_explicitly_exits_3(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    monkeypatch.setattr(cli, "nixl_available", lambda: (False, "NIXL is not installed (test)"))
+    out = tmp_path / "r.json"
+    junit = tmp_path / "r.xml"
+    code, text = _run(["--transports", "nixl", "--device", "host", "--json", str(out),
+                       "--junit", str(junit), "-q"], capsys)
+    assert code == 3
+    assert "--transports nixl was asked for but NIXL is not installed (test)" in text
+    report = json.loads(out.read_text())
+    assert report["passed"] is False and report["exit_code"] == 3
+    assert "NIXL is not installed" in report["environment_error"]
+    assert "<error" in junit.read_text()
+
+
+def test_default_transports_skip_missing_nixl_with_the_reason() -> None:
+    cfg = RunConfig()
+    cli._select_transports(cfg, explicit=False)  # the real environment: NIXL is installed
+    assert cfg.transports == ["ipc", "nixl"]
+    cfg = RunConfig()
+    original = cli.nixl_available
+    try:
+        cli.nixl_available = lambda: (False, "no NIXL here")
+        cli._select_transports(cfg, explicit=False)
+    finally:
+        cli.nixl_available = original
+    assert cfg.transports == ["ipc"] and cfg.skipped_transports == {"nixl": "no NIXL here"}
+
+
+def test_device_cuda_without_a_gpu_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvconnect.harness.environment import _probe_cuda
+
+    if _probe_cuda()[0]:
+        pytest.skip("a CUDA GPU with VMM is present")
+    code, text = _run(["--device", "cuda", "-q"], capsys)
+    assert code == 3
+    assert "--device cuda was asked for but" in text
+
+
+def test_parse_hostport() -> None:
+    assert parse_hostport("127.0.0.1:29500") == ("127.0.0.1", 29500)
+    assert parse_hostport("[::1]:80") == ("::1", 80)
+    with pytest.raises(ValueError):
+        parse_hostport(":80")
+
+
+def test_membership_from_torchrun_and_srun_variables() -> None:
+    assert membership_from_env({}, 2, 1) is None
+    assert membership_from_env({"RANK": "0", "WORLD_SIZE": "3"}, 2, 1) is None  # no master
+    env = {"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "node0", "MASTER_PORT": "29500",
+           "LOCAL_RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    m = membership_from_env(env, 2, 1)
+    assert m is not None
+    assert (m.role, m.rank, m.host, m.port, m.local_rank) == ("decode", 0, "node0", 29500, 1)
+    assert m.use_agent_store and not m.hosts_store
+    srun = {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "MASTER_ADDR": "n", "MASTER_PORT": "1"}
+    m = membership_from_env(srun, 2, 1)
+    assert m is not None and (m.role, m.rank, m.use_agent_store) == ("prefill", 1, False)
+    with pytest.raises(ValueError, match="does not match"):
+        membership_from_env({**srun, "SLURM_NTASKS": "4"}, 2, 1)
+    with pytest.raises(ValueError, match="outside WORLD_SIZE"):
+        membership_from_env({**srun, "SLURM_PROCID": "3"}, 2, 1)
+
+
+def test_block_sets_are_random_non_contiguous_and_agreed() -> None:
+    cfg = RunConfig(num_blocks=40, transfer_blocks=12, seed=3)
+    seen = set()
+    for p in range(2):
+        for d in range(2):
+            for r in (1, 2):
+                remote, local = cfg.block_sets(p, d, r)
+                assert (remote, local) == cfg.block_sets(p, d, r)  # both sides agree
+                assert len(set(remote)) == len(set(local)) == 12
+                assert all(0 <= b < 40 for b in remote + local)
+                assert remote[-1] - remote[0] != 11  # at least one gap
+                assert local != sorted(local) or local != remote
+                seen.add(tuple(remote))
+    assert len(seen) > 1
+    assert RunConfig(num_blocks=40, transfer_blocks=12, seed=4).block_sets(0, 0, 1) != \
+        cfg.block_sets(0, 0, 1)
+    rank, block = cfg.corrupt_target()
+    assert rank == 0 and block in cfg.block_sets(0, 0, 1)[0]
+
+
+def test_gpu_round_robin_assignment() -> None:
+    cfg = RunConfig(num_prefill=3, num_decode=2, device="cuda", num_gpus=2)
+    got = [cfg.device_for("prefill", r) for r in range(3)] + \
+          [cfg.device_for("decode", r) for r in range(2)]
+    assert got == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert RunConfig(device="host").device_for("decode", 5) == "cpu"
+
+
+def test_run_config_json_round_trip_rejects_unknown_fields() -> None:
+    cfg = RunConfig(num_prefill=2, corrupt=True, transports=["ipc"])
+    assert RunConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    with pytest.raises(ValueError, match="unknown run-config fields"):
+        RunConfig.from_json({**cfg.to_json(), "evil": 1})
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+              "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert "RANK" not in os.environ

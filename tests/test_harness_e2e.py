@@ -1,0 +1,210 @@
+"""End-to-end runs of the real ``kvconnect-validate`` on the host backend: real worker
+processes, real Unix sockets and SCM_RIGHTS, real NIXL/UCX DRAM transfers.
+
+Each run is a subprocess of the console script; its JSON and JUnit reports are parsed and
+checked, and after it exits no worker process and no socket directory may remain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
+#: generous: the process imports torch first, which is slow on small CI machines
+PROCESS_TIMEOUT = 600
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+    report: dict[str, Any]
+    junit: ET.Element
+    wall: float
+    tmpdir: Path
+
+    def checks(self, status: str | None = None) -> list[dict[str, Any]]:
+        return [c for c in self.report["checks"] if status is None or c["status"] == status]
+
+    def check(self, worker: str, name: str) -> dict[str, Any]:
+        found = [c for c in self.report["checks"] if c["worker"] == worker and c["name"] == name]
+        assert len(found) == 1, (worker, name, self.stdout[-3000:])
+        return found[0]
+
+
+def validate(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Run:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir(exist_ok=True)
+    out, junit = tmp_path / "report.json", tmp_path / "junit.xml"
+    full_env = {**os.environ, "TMPDIR": str(tmpdir), **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        full_env.pop(k, None)
+    t0 = time.monotonic()
+    proc = subprocess.run([str(VALIDATE), "--device", "host", "--plain", "--json", str(out),
+                           "--junit", str(junit), *args], capture_output=True, text=True,
+                          env=full_env, timeout=PROCESS_TIMEOUT)
+    wall = time.monotonic() - t0
+    assert out.exists(), f"no JSON report (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return Run(proc.returncode, proc.stdout, proc.stderr, json.loads(out.read_text()),
+               ET.parse(junit).getroot(), wall, tmpdir)
+
+
+def assert_clean_exit(run: Run) -> None:
+    """No worker process left, no socket directory left, and the run's own cleanup check."""
+    pids = [w["pid"] for w in run.report["workers"]]
+    assert pids, run.report["workers"]
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue  # gone
+        assert b"kvconnect" not in cmdline, f"worker pid {pid} is still running"
+    assert [p.name for p in run.tmpdir.iterdir()] == []
+    cleanup = [c for c in run.checks() if c["name"] == "cleanup"]
+    assert cleanup and cleanup[0]["status"] == "pass", cleanup
+
+
+def assert_schema(run: Run) -> None:
+    """The JSON fields the issue names, and one JUnit testcase per check."""
+    r = run.report
+    assert isinstance(r["passed"], bool) and r["exit_code"] == run.code
+    for c in r["checks"]:
+        assert c["status"] in ("pass", "fail", "skip") and isinstance(c["name"], str)
+        assert isinstance(c["detail"], str)
+    for t in r["transfers"]:
+        assert t["transport"] in ("ipc", "nixl")
+        assert t["bytes"] > 0 and t["seconds"] > 0 and isinstance(t["verified"], bool)
+        assert t["gbps"] == pytest.approx(t["bytes"] / t["seconds"] / 1e9)
+        assert "->" in t["pair"]
+    env = r["environment"]
+    for key in ("kvconnect", "torch", "nixl", "ucx", "cuda_driver", "gpus", "hostname"):
+        assert key in env
+    suite = run.junit.find("testsuite")
+    assert suite is not None
+    cases = suite.findall("testcase")
+    assert len(cases) == len(r["checks"])
+    assert int(suite.get("failures", "-1")) == len(run.checks("fail"))
+    assert int(suite.get("skipped", "-1")) == len(run.checks("skip"))
+    assert len(suite.findall("testcase/failure")) == len(run.checks("fail"))
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """``kvconnect-validate --prefill 1 --decode 1`` as ``make validate`` runs it (host)."""
+    run = validate(tmp_path_factory.mktemp("default"), "--prefill", "1", "--decode", "1")
+    print(f"\n1P1D default run (host backend, ipc + nixl): {run.wall:.1f} s wall for the whole "
+          f"process, {run.report['wall_seconds']:.1f} s after start-up")
+    return run
+
+
+def test_1p1d_passes_with_both_transports(default_run: Run) -> None:
+    run = default_run
+    assert run.code == 0, run.stdout[-4000:]
+    assert run.report["passed"] is True
+    got = sorted((t["transport"], t["round"]) for t in run.report["transfers"])
+    assert got == [("ipc", 1), ("ipc", 2), ("nixl", 1), ("nixl", 2)]
+    assert all(t["verified"] and t["pair"] == "prefill0->decode0"
+               for t in run.report["transfers"])
+    for worker in ("prefill0", "decode0"):
+        for name in ("kv_cache/allocate", "kv_cache/warmup", "kv_cache/final",
+                     "kv_cache/one_chunk_per_segment", "kv_cache/view_sizes", "allocation/flags",
+                     "nixl/deferred_registration", "nixl/register", "sleep_wake/zeroed",
+                     "sleep_wake/same_addresses", "nixl/reregister"):
+            assert run.check(worker, name)["status"] == "pass"
+        rdma = run.check(worker, "rdma/registration")
+        if not Path("/sys/class/infiniband").exists():
+            assert rdma["status"] == "skip" and "no RDMA device" in rdma["detail"]
+    # the single-handle recommit really happened (warm-up left several chunks per segment)
+    assert "24 physical chunks before the single-handle recommit, 8 after" in \
+        run.check("prefill0", "kv_cache/one_chunk_per_segment")["detail"]
+    assert run.check("prefill0", "offload/round_trip")["status"] == "pass"
+    assert run.check("prefill0", "offload/load_elsewhere")["status"] == "pass"
+    assert "PASSED" in run.stdout.splitlines()[-1]
+
+
+def test_reports_match_the_schema(default_run: Run) -> None:
+    assert_schema(default_run)
+    workers = {w["name"]: w for w in default_run.report["workers"]}
+    assert set(workers) == {"prefill0", "decode0"}
+    assert all(w["exit_code"] == 0 and w["boot_id"] for w in workers.values())
+
+
+def test_default_run_leaves_nothing_behind(default_run: Run) -> None:
+    assert_clean_exit(default_run)
+
+
+def test_2p1d_passes_with_both_transports(tmp_path: Path) -> None:
+    run = validate(tmp_path, "--prefill", "2", "--decode", "1")
+    assert run.code == 0, run.stdout[-4000:]
+    pairs = sorted({(t["pair"], t["transport"], t["round"]) for t in run.report["transfers"]})
+    assert pairs == sorted((f"prefill{p}->decode0", tr, r) for p in (0, 1)
+                           for tr in ("ipc", "nixl") for r in (1, 2))
+    assert all(t["verified"] for t in run.report["transfers"])
+    assert_schema(run)
+    assert_clean_exit(run)
+
+
+def test_corrupt_fails_naming_the_block_and_slow_transfers_miss_the_floor(
+        tmp_path: Path) -> None:
+    run = validate(tmp_path, "--corrupt", "--seed", "7", "--min-gbps", "100000")
+    assert run.code == 1 and run.report["passed"] is False
+    armed = run.check("prefill0", "negative_control/armed")["detail"]
+    block = int(armed.split(" of block ")[1].split()[0])
+    layer_part = armed.split(f"of block {block} ")[1].split(" after")[0]
+    byte = int(armed.split("flipped byte ")[1].split()[0])
+    for transport in ("ipc", "nixl"):
+        c = run.check("decode0", f"transfer/prefill0->decode0/{transport}/round1")
+        assert c["status"] == "fail"
+        assert f"block {block} (decode block" in c["detail"]
+        assert layer_part in c["detail"]
+        assert f"first differing byte at offset {byte}" in c["detail"]
+        assert "1 block regions differ" in c["detail"]
+    # only that block failed: round 2 (after sleep / wake and a refill) is clean
+    assert run.check("decode0", "transfer/prefill0->decode0/ipc/round2")["status"] == "pass"
+    unverified = [t for t in run.report["transfers"] if not t["verified"]]
+    assert sorted(t["transport"] for t in unverified) == ["ipc", "nixl"]
+    floor = [c for c in run.checks("fail") if c["name"].startswith("bandwidth/")]
+    assert len(floor) == len(run.report["transfers"])
+    assert "under the --min-gbps floor of 100000 GB/s" in floor[0]["detail"]
+    assert f"block {block}" in run.stdout
+    assert_schema(run)
+    assert_clean_exit(run)
+
+
+def test_a_worker_killed_mid_transfer_is_reported_and_nothing_is_left(tmp_path: Path) -> None:
+    run = validate(tmp_path, "--transports", "ipc", "--timeout", "60",
+                   env={"KVCONNECT_TEST_KILL": "decode0:transfer"})
+    assert run.code == 1
+    failed = run.check("coordinator", "worker/decode0")
+    assert failed["status"] == "fail"
+    assert "decode rank 0" in failed["detail"] and "died in phase transfer:ipc" in failed["detail"]
+    assert "killed by SIGKILL" in failed["detail"]
+    # the surviving prefill was told to stop, and said so
+    assert run.check("coordinator", "worker/prefill0")["status"] == "skip"
+    assert run.report["wall_seconds"] < 60, "the death must be reported within the deadline"
+    assert_clean_exit(run)
+
+
+def test_a_hung_worker_is_reported_within_seconds(tmp_path: Path) -> None:
+    run = validate(tmp_path, "--transports", "ipc", "--timeout", "10",  # heartbeat limit 5 s
+                   env={"KVCONNECT_TEST_STOP": "prefill0:serve"})
+    assert run.code == 1
+    failed = run.check("coordinator", "worker/prefill0")
+    assert "prefill rank 0" in failed["detail"] and "stopped responding in phase serve:round1" \
+        in failed["detail"]
+    assert "T (stopped)" in failed["detail"]
+    assert run.report["wall_seconds"] < 10 + 15
+    assert_clean_exit(run)

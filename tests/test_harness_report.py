@@ -1,0 +1,121 @@
+"""The report model: verdict and exit code, bandwidth floor, JSON and JUnit output, tables."""
+
+from __future__ import annotations
+
+import io
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kvconnect.harness.display import Display
+from kvconnect.harness.report import Check, Report, Transfer
+
+
+def _report() -> Report:
+    r = Report(config={"num_prefill": 1}, environment={"hostname": "h", "torch": "2.x",
+                                                       "cuda_driver": None})
+    r.add_check("kv_cache/allocate", "pass", "ok", worker="prefill0", seconds=0.5)
+    r.add_check("rdma/registration", "skip", "no RDMA device", worker="decode0")
+    r.transfers.append(Transfer.measured("prefill0->decode0", "ipc", 8_000_000, 0.004, True,
+                                         backend="copy:cpu", blocks=8))
+    r.transfers.append(Transfer.measured("prefill0->decode0", "nixl", 8_000_000, 0.02, True,
+                                         backend="UCX", round=2, blocks=8))
+    return r
+
+
+def test_verdict_and_exit_codes() -> None:
+    r = _report()
+    assert r.passed and r.exit_code == 0
+    assert r.transfers[0].gbps == pytest.approx(2.0)
+    r.add_check("transfer/x", "fail", "block 3 differs", worker="decode0")
+    assert not r.passed and r.exit_code == 1
+    r.environment_error = "no GPU"
+    assert r.exit_code == 3 and r.summary().startswith("CANNOT RUN")
+    r.usage_error = "ranks disagree"
+    assert r.exit_code == 2
+    assert not Report().passed  # nothing checked is not a pass
+    with pytest.raises(ValueError):
+        Check("x", "ok")
+
+
+def test_bandwidth_floor_names_the_slow_transfer() -> None:
+    r = _report()
+    r.apply_bandwidth_floor(1.0)  # ipc 2 GB/s passes, nixl 0.4 GB/s does not
+    failed = r.failed_checks
+    assert len(failed) == 1 and r.exit_code == 1
+    assert "prefill0->decode0 nixl round 2" in failed[0].detail
+    assert "0.400 GB/s is under the --min-gbps floor of 1 GB/s" in failed[0].detail
+    ok = _report()
+    ok.apply_bandwidth_floor(0.1)
+    assert ok.passed and ok.checks[-1].name == "bandwidth/floor"
+    none = _report()
+    none.apply_bandwidth_floor(None)
+    assert len(none.checks) == 2
+
+
+def test_json_output_schema(tmp_path: Path) -> None:
+    r = _report()
+    r.add_check("transfer/x", "fail", "block 3 differs", worker="decode0")
+    path = tmp_path / "report.json"
+    r.write_json(str(path))
+    d = json.loads(path.read_text())
+    assert d["schema"] == "kvconnect-validate/1"
+    assert d["passed"] is False and d["exit_code"] == 1
+    for c in d["checks"]:
+        assert set(c) >= {"name", "status", "detail"} and c["status"] in ("pass", "fail", "skip")
+    for t in d["transfers"]:
+        assert set(t) >= {"pair", "transport", "bytes", "seconds", "gbps", "verified"}
+    assert {"hostname", "torch"} <= set(d["environment"])
+    assert oct(path.stat().st_mode & 0o777) != oct(0o600)  # umask, not mkstemp's 0600
+
+
+def test_junit_has_one_testcase_per_check(tmp_path: Path) -> None:
+    r = _report()
+    r.add_check("transfer/x", "fail", "block 3 differs\nsecond line", worker="decode0")
+    path = tmp_path / "junit.xml"
+    r.write_junit(str(path))
+    root = ET.parse(path).getroot()
+    suite = root.find("testsuite")
+    assert suite is not None
+    cases = suite.findall("testcase")
+    assert len(cases) == len(r.checks) == int(suite.get("tests", "0"))
+    assert suite.get("failures") == "1" and suite.get("skipped") == "1"
+    by_name = {c.get("name"): c for c in cases}
+    failure = by_name["transfer/x"].find("failure")
+    assert failure is not None and failure.get("message") == "block 3 differs"
+    assert "second line" in (failure.text or "")
+    assert by_name["rdma/registration"].find("skipped") is not None
+    assert by_name["kv_cache/allocate"].get("classname") == "kvconnect-validate.prefill0"
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert props.get("torch") == "2.x" and "cuda_driver" not in props
+
+
+def test_plain_display_prints_table_and_verdict() -> None:
+    out = io.StringIO()
+    d = Display(live=False, stream=out)
+    r = _report()
+    d.phase("prefill0", "allocate")
+    d.check(r.checks[0])
+    d.transfer(r.transfers[0])
+    d.final(r)
+    text = out.getvalue()
+    assert "prefill0: allocate" in text
+    assert "PASS prefill0/kv_cache/allocate" in text
+    assert "prefill0->decode0" in text and "copy:cpu" in text
+    assert text.rstrip().splitlines()[-1].startswith("PASSED: 1 passed, 0 failed, 1 skipped")
+
+
+def test_rich_display_escapes_markup_in_details() -> None:
+    out = io.StringIO()
+    d = Display(live=True, stream=out)
+    r = _report()
+    r.add_check("transfer/y", "fail", "blocks [1, 2] [bold]not markup[/bold]", worker="decode0")
+    with d:
+        d.phase("decode0", "transfer:ipc")
+        d.check(r.checks[-1])
+    d.final(r)
+    text = out.getvalue()
+    assert "[1, 2]" in text and "[bold]not markup[/bold]" in text
+    assert "FAILED" in text
