@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect.vmm import parse_device
+
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .handshake import (
     HandshakeMetadata,
@@ -108,16 +110,11 @@ def memory_type_for_device(device: object) -> tuple[str, int]:
 
     ``"cpu"`` / ``"host"`` -> ``("DRAM", 0)``; ``"cuda:N"`` -> ``("VRAM", N)``.
     """
-    text = str(device).strip().lower()
-    kind, _, idx = text.partition(":")
-    if kind in ("cpu", "host"):
-        return "DRAM", 0
-    if kind in ("cuda", "gpu", "hip", "rocm"):
-        try:
-            return "VRAM", int(idx) if idx else 0
-        except ValueError:
-            raise ValueError(f"bad device index in {device!r}: expected e.g. 'cuda:0'") from None
-    raise ValueError(f"no NIXL memory type for device {device!r} (expected 'cpu' or 'cuda:N')")
+    try:
+        kind, index = parse_device(device)
+    except ValueError as exc:
+        raise ValueError(f"no NIXL memory type for device {device!r}: {exc}") from None
+    return ("DRAM", 0) if kind == "host" else ("VRAM", index)
 
 
 # -- descriptors ---------------------------------------------------------------------------------
