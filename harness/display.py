@@ -139,11 +139,11 @@ class Display:
         if report.transfers:
             print("Transfers:", file=out)
             print(f"  {'pair':<22} {'transport':<9} {'round':>5} {'MiB':>8} {'ms':>9} "
-                  f"{'GB/s':>8}  {'verified':<8} via", file=out)
+                  f"{'GB/s':>8} {'ref GB/s':>8}  {'verified':<8} via", file=out)
             for t in report.transfers:
                 print(f"  {t.pair:<22} {t.transport:<9} {t.round:>5} {t.bytes / 2**20:>8.2f} "
-                      f"{t.seconds * 1e3:>9.2f} {t.gbps:>8.3f}  {str(t.verified).lower():<8} "
-                      f"{t.backend}", file=out)
+                      f"{t.seconds * 1e3:>9.2f} {t.gbps:>8.3f} {_ref(t):>8}  "
+                      f"{str(t.verified).lower():<8} {t.backend}", file=out)
         print(report.summary(), file=out, flush=True)
 
     def _final_rich(self, report: Report) -> None:
@@ -161,13 +161,14 @@ class Display:
         console.print(checks)
         if report.transfers:
             tr = Table(title="Transfers", expand=False)
-            for col in ("pair", "transport", "round", "MiB", "ms", "GB/s", "verified", "via"):
-                tr.add_column(col, justify="right" if col in ("MiB", "ms", "GB/s") else "left",
+            numeric = ("MiB", "ms", "GB/s", "ref GB/s")
+            for col in ("pair", "transport", "round", *numeric, "verified", "via"):
+                tr.add_column(col, justify="right" if col in numeric else "left",
                               overflow="fold")
             for t in report.transfers:
                 ok = "[green]yes[/]" if t.verified else "[bold red]no[/]"
                 tr.add_row(t.pair, t.transport, str(t.round), f"{t.bytes / 2**20:.2f}",
-                           f"{t.seconds * 1e3:.2f}", f"{t.gbps:.3f}", ok, t.backend)
+                           f"{t.seconds * 1e3:.2f}", f"{t.gbps:.3f}", _ref(t), ok, t.backend)
             console.print(tr)
         style = "bold green" if report.passed else "bold red"
         console.print(f"[{style}]{escape(report.summary())}[/]", highlight=False)
@@ -182,3 +183,8 @@ def _grouped(checks: list[Check]) -> list[Check]:
         return (2, 0, c.worker)
 
     return sorted(checks, key=key)
+
+
+def _ref(t: Transfer) -> str:
+    """The same-run reference copy's GB/s, or '-' where none was measured."""
+    return "-" if t.reference_gbps is None else f"{t.reference_gbps:.3f}"

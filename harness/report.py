@@ -69,6 +69,9 @@ class Transfer:
     backend: str = ""
     round: int = 1
     blocks: int = 0
+    #: same-run reference: GB/s of one contiguous torch copy of the same bytes between
+    #: ordinary allocations on the same two devices (None where it was not measured)
+    reference_gbps: float | None = None
 
     @classmethod
     def measured(cls, pair: str, transport: str, nbytes: int, seconds: float, verified: bool,
@@ -84,7 +87,9 @@ class Transfer:
                    bytes=int(obj["bytes"]), seconds=float(obj["seconds"]),
                    gbps=float(obj["gbps"]), verified=bool(obj["verified"]),
                    backend=str(obj.get("backend", "")), round=int(obj.get("round", 1)),
-                   blocks=int(obj.get("blocks", 0)))
+                   blocks=int(obj.get("blocks", 0)),
+                   reference_gbps=(None if obj.get("reference_gbps") is None
+                                   else float(obj["reference_gbps"])))
 
     @property
     def label(self) -> str:

@@ -491,6 +491,9 @@ class DecodeWorker(_Worker):
             return
         remote_ids, local_ids = cfg.block_sets(p, self.rank, round_no)
         expected = info["digests"][self.name]
+        from .transports import reference_copy_gbps
+
+        reference: dict[int, float] = {}  # bytes -> GB/s of the same-run reference copy
         for transport in cfg.transports:
             name = f"transfer/{pair}/{transport}/round{round_no}"
             if transport == "ipc" and info.get("boot_id") != self.boot_id:
@@ -512,19 +515,31 @@ class DecodeWorker(_Worker):
                                  f"{time.perf_counter() - t0:.2f} s: {type(exc).__name__}: {exc}")
                 continue
             mismatches = self.verify(prefill, remote_specs, remote_ids, local_ids, expected)
+            src = self.reference_source(p, info)
+            if result.bytes not in reference:
+                reference[result.bytes] = reference_copy_gbps(result.bytes, src, self.device)
             t = Transfer.measured(pair, transport, result.bytes, result.seconds,
                                   verified=not mismatches, backend=result.backend,
-                                  round=round_no, blocks=len(local_ids))
+                                  round=round_no, blocks=len(local_ids),
+                                  reference_gbps=reference[result.bytes])
             ctl.transfer(t)
             head = (f"{pair} {transport} round {round_no}: {len(local_ids)} blocks "
                     f"{_mib(result.bytes)} in {result.seconds * 1e3:.1f} ms = {t.gbps:.2f} GB/s "
                     f"via {result.backend} (setup {result.setup_seconds * 1e3:.1f} ms, "
-                    f"{result.note})")
+                    f"{result.note}; reference: one plain torch copy {src}->{self.device} of "
+                    f"the same bytes {t.reference_gbps:.2f} GB/s, same run)")
             if mismatches:
                 ctl.failed(name, f"{head}: {len(mismatches)} block regions differ: "
                                  + "; ".join(mismatches[:MAX_QUOTED]), result.seconds)
             else:
                 ctl.passed(name, f"{head}: every block byte-exact", result.seconds)
+
+    def reference_source(self, p: int, info: dict[str, Any]) -> str:
+        """Device of the reference copy's source: the prefill's device on this host, else
+        this worker's own (a peer on another host has no local reference)."""
+        if info.get("boot_id") == self.boot_id:
+            return self.cfg.device_for(PREFILL, p)
+        return self.device
 
     def fetch(self, transport: str, info: dict[str, Any], remote_specs: list[RegionSpec],
               remote_ids: list[int], local_ids: list[int]) -> Any:

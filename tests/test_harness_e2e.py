@@ -88,6 +88,7 @@ def assert_schema(run: Run) -> None:
         assert t["transport"] in ("ipc", "nixl")
         assert t["bytes"] > 0 and t["seconds"] > 0 and isinstance(t["verified"], bool)
         assert t["gbps"] == pytest.approx(t["bytes"] / t["seconds"] / 1e9)
+        assert t["reference_gbps"] > 0  # the same-run plain copy of the same bytes
         assert "->" in t["pair"]
     env = r["environment"]
     for key in ("kvconnect", "torch", "nixl", "ucx", "cuda_driver", "gpus", "hostname"):
