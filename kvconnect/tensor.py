@@ -9,8 +9,8 @@ Typical life (the extensible KV cache's protocol)::
     t = ExtensibleTensor(capacity, "cuda:0", num_segments=2, shareable=True)
     t.commit(one_block)            # before warm-up / graph capture
     t.commit(warmup_prefix)
-    t.commit(final_size)
-    t.recommit_single_handle()     # one physical allocation per segment (UCX, ucx #11283)
+    t.commit(final_size, single_handle=True)   # one physical allocation per segment
+                                               # (UCX, ucx #11283), warm-up chunks released
     ... register with a connector ...
     t.release_physical(); t.recommit()   # sleep / wake (zeroed pages, same addresses)
     t.free()
