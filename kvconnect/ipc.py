@@ -252,10 +252,7 @@ class PeerMapping:
         try:
             while self._chunks:
                 c = self._chunks.pop()
-                try:
-                    self.driver.unmap(c.va, c.size)
-                finally:
-                    self.driver.release(c.handle)
+                self.driver.unmap_and_release(c.va, c.size, c.handle)
         finally:
             self.driver.free_reserved(self.base_ptr, self.capacity_bytes)
 

@@ -82,10 +82,7 @@ class _State:
         for seg in self.chunks:
             while seg:
                 m = seg.pop()
-                try:
-                    self.driver.unmap(m.va, m.size)
-                finally:
-                    self.driver.release(m.handle)
+                self.driver.unmap_and_release(m.va, m.size, m.handle)
 
     def free(self) -> None:
         if self.freed:
@@ -276,7 +273,7 @@ class ExtensibleTensor:
             )
         target = round_up(bytes_per_segment, self._granule)
         if single_handle:
-            self._commit_final_single_handle(target)
+            self._rebuild_single([max(target, c) for c in self._committed], zero=False)
             return
         added: list[tuple[int, _Mapped]] = []
         try:
@@ -294,9 +291,10 @@ class ExtensibleTensor:
         for s, _ in added:
             self._committed[s] = target
 
-    def _commit_final_single_handle(self, target: int) -> None:
+    def _rebuild_single(self, sizes: list[int], *, zero: bool) -> None:
+        """Back each segment with ONE allocation of ``sizes[s]`` bytes, releasing its chunks
+        first; segments already single and at that size are left alone (contents kept)."""
         chunks = self._state.chunks
-        sizes = [max(target, c) for c in self._committed]
         todo = [s for s in range(self._num_segments)
                 if sizes[s] > self._committed[s] or len(chunks[s]) > 1]
         if not todo:
@@ -306,7 +304,7 @@ class ExtensibleTensor:
             while chunks[s]:
                 self._unmap_one(chunks[s].pop())
             self._committed[s] = 0
-        self._commit_single(sizes, zero=False)
+        self._commit_single(sizes, zero=zero)
 
     def _map_new(self, va: int, size: int) -> _Mapped:
         drv = self.driver
@@ -326,10 +324,7 @@ class ExtensibleTensor:
         return m
 
     def _unmap_one(self, m: _Mapped) -> None:
-        try:
-            self.driver.unmap(m.va, m.size)
-        finally:
-            self.driver.release(m.handle)
+        self.driver.unmap_and_release(m.va, m.size, m.handle)
 
     def shrink_to(self, bytes_per_segment: tuple[int, ...] | list[int]) -> None:
         """Undo later commits: unmap and release each segment's chunks that start at or past
@@ -383,17 +378,7 @@ class ExtensibleTensor:
         self._check_alive()
         if self.is_released:
             raise RuntimeError("recommit_single_handle() while released: call recommit()")
-        chunks = self._state.chunks
-        todo = [s for s in range(self._num_segments) if len(chunks[s]) > 1]
-        if not todo:
-            return
-        self.driver.synchronize()
-        sizes = [self._committed[s] if s in todo else 0 for s in range(self._num_segments)]
-        for s in todo:
-            while chunks[s]:
-                self._unmap_one(chunks[s].pop())
-            self._committed[s] = 0
-        self._commit_single(sizes, zero=zero)
+        self._rebuild_single(list(self._committed), zero=zero)
 
     def _commit_single(self, sizes: list[int], *, zero: bool) -> None:
         """Map ``sizes[s]`` bytes as one allocation at each segment that has none mapped.

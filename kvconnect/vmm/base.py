@@ -144,6 +144,13 @@ class VmmDriver(abc.ABC):
     def release(self, handle: PhysicalHandle) -> None:
         """Release a physical allocation (memory is freed once it is also unmapped)."""
 
+    def unmap_and_release(self, va: int, size: int, handle: PhysicalHandle) -> None:
+        """Unmap one whole mapping and release its handle (released even if unmap fails)."""
+        try:
+            self.unmap(va, size)
+        finally:
+            self.release(handle)
+
     @abc.abstractmethod
     def memset(self, va: int, value: int, size: int) -> None:
         """Fill ``size`` mapped bytes at ``va`` with ``value`` (synchronously)."""
