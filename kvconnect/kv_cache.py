@@ -254,17 +254,13 @@ class ExtensibleKVCache:
         what it dropped, zeroed, then shrink to the sizes held before extend_kv_cache (best
         effort; logged if that fails too)."""
         try:
-            for t, tp in zip(self._tensors, self._plan.tensors, strict=True):
-                if t.is_released:
-                    t.recommit()
-                self._top_up(t, tp.segment_bytes_per_block)
+            self._recommit_tensors()
             for t, kept in zip(self._tensors, sizes, strict=True):
                 t.shrink_to(kept)
             self._num_blocks = blocks
         except Exception:  # the original error is what the caller must see
             for t in self._tensors:
-                if not t.is_released:
-                    t.release_physical()
+                t.release_physical()
             self._released = True
             logger.exception("could not restore the KV cache after a failed extend_kv_cache: "
                              "it is left released at %d blocks; call recommit() to retry",
@@ -287,33 +283,21 @@ class ExtensibleKVCache:
         self._check_alive()
         if not self._released:
             raise KVCacheStateError("recommit() without release_physical()")
-        try:
-            for t, tp in zip(self._tensors, self._plan.tensors, strict=True):
-                if t.is_released:
-                    t.recommit()
-                self._top_up(t, tp.segment_bytes_per_block)
-        except BaseException:
-            # Whatever was mapped goes again; a tensor interrupted mid-recommit records the
-            # sizes it reached, and _top_up completes them on the next attempt.
-            for t in self._tensors:
-                if not t.is_released:
-                    t.release_physical()
-            raise
+        self._recommit_tensors()
         self._released = False
 
-    def _top_up(self, t: ExtensibleTensor, segment_bytes_per_block: int) -> None:
-        """Map whatever a segment lacks for ``num_blocks`` blocks (after an interrupted wake)
-        as one zeroed allocation."""
-        need = self._num_blocks * segment_bytes_per_block
-        short = [s for s, c in enumerate(t.committed_bytes) if c < need]
-        if not short:
-            return
-        have = [t.committed_bytes[s] for s in short]
-        t.commit(need)
-        for s, h in zip(short, have, strict=True):
-            t.committed_view(s * t.segment_capacity + h, t.committed_bytes[s] - h).zero_()
-        if self._final:
-            t.recommit_single_handle()
+    def _recommit_tensors(self) -> None:
+        """Recommit every released tensor (each comes back whole: ExtensibleTensor.recommit
+        maps all of its remembered sizes or, on failure, nothing). On failure every tensor is
+        released again, so the whole cache can be retried."""
+        try:
+            for t in self._tensors:
+                if t.is_released:
+                    t.recommit()
+        except BaseException:
+            for t in self._tensors:
+                t.release_physical()  # a no-op for a tensor already released
+            raise
 
     def free(self) -> None:
         """Release everything (idempotent). Views from :meth:`kv_caches` keep the
