@@ -35,7 +35,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +104,35 @@ def nixl_available() -> bool:
     except NixlUnavailableError:
         return False
     return True
+
+
+#: progress passes that :func:`_drain_agent` makes (each runs UCX progress until it is idle)
+_DRAIN_PASSES = 3
+
+
+def _drain_agent(agent: Any, engine_id: str,
+                 keep_notifs: Callable[[dict[Any, list[Any]]], int] | None = None) -> None:
+    """Run NIXL/UCX progress on ``agent`` until it is idle, so that no UCX operation stays queued.
+
+    Why: when a READ fails half-posted (the peer died or closed its agent while NIXL was posting
+    the request), NIXL returns the error without progressing the worker, and the gets it had
+    already posted stay queued on UCX's CMA endpoint. Destroying the agent then aborts the
+    process (``arbiter.c:36 Assertion `ucs_arbiter_group_is_empty(group)'``, UCX 1.23 /
+    NIXL 1.5.1). Progress completes or fails every queued operation (a dead peer's memory
+    gives ESRCH), which empties the queue; ``get_new_notifs`` is the NIXL call that runs the
+    progress loop. Notifications received meanwhile go to ``keep_notifs``, or are dropped
+    when there is none (the agent is being retired).
+    """
+    for _ in range(_DRAIN_PASSES):
+        try:
+            new = agent.get_new_notifs()
+            if keep_notifs is not None and new:
+                keep_notifs(new)
+        except Exception:  # noqa: BLE001 - draining is best effort; the error is logged
+            logger.warning("%s: driving NIXL progress before teardown failed", engine_id,
+                           exc_info=True)
+            return
+        time.sleep(1e-3)
 
 
 def memory_type_for_device(device: object) -> tuple[str, int]:
@@ -381,6 +411,8 @@ class NixlConnectorWorker:
         self.progress_thread = bool(progress_thread)
         #: the NIXL agent, created on first registration (start-up costs ~0.5-2 s)
         self._agent: Any = None
+        #: drains and drops the agent when this worker is closed or collected (see _drain_agent)
+        self._retire_agent: weakref.finalize | None = None
         self._closed = False
         self._layout_info: dict[str, Any] = {}
         self._source: Any = None
@@ -599,15 +631,19 @@ class NixlConnectorWorker:
         if self._agent is None:
             nixl_agent, nixl_agent_config = _import_nixl()
             try:
-                self._agent = nixl_agent(self.agent_name,
-                                         nixl_agent_config(backends=list(self.backends),
-                                                           enable_prog_thread=self.progress_thread))
+                agent = nixl_agent(self.agent_name,
+                                   nixl_agent_config(backends=list(self.backends),
+                                                     enable_prog_thread=self.progress_thread))
             except Exception as exc:
                 raise KVConnectorError(f"{self.engine_id}: creating NIXL agent "
                                        f"{self.agent_name!r} failed: {exc}") from exc
+            self._agent = agent
+            # The finalizer owns the teardown order: drain UCX, then drop the last reference.
+            self._retire_agent = weakref.finalize(self, _drain_agent, agent, self.engine_id)
+            del agent
             missing = [b for b in self.backends if b not in self._agent.backends]
             if missing:
-                self._agent = None
+                self._drop_agent()
                 raise KVConnectorError(f"{self.engine_id}: NIXL backends {missing} are not "
                                        "available (plugin missing)")
 
@@ -785,6 +821,7 @@ class NixlConnectorWorker:
         timeout = self.default_timeout if timeout is None else float(timeout)
         block_list = local.tolist()
         handle = None
+        failed = True
         deadline = time.monotonic() + timeout
         try:
             handle = self._agent.make_prepped_xfer(
@@ -804,11 +841,14 @@ class NixlConnectorWorker:
             seconds = time.perf_counter() - t0
             if state != "DONE":
                 raise KVTransferError(peer, block_list, f"NIXL transfer state {state!r}")
+            failed = False
         except KVTransferError:
             raise
         except Exception as exc:
             raise KVTransferError(peer, block_list, exc) from exc
         finally:
+            if failed:  # operations of the failed request may still be queued in UCX
+                _drain_agent(self._agent, self.engine_id, self._keep_notifs)
             if handle is not None:
                 self._release_xfer(handle)
         return TransferResult(peer=peer, num_blocks=int(local.size), bytes=nbytes,
@@ -848,7 +888,10 @@ class NixlConnectorWorker:
     def _poll_notifs(self) -> int:
         if self._agent is None:
             return 0
-        new = self._agent.get_new_notifs() or {}
+        return self._keep_notifs(self._agent.get_new_notifs() or {})
+
+    def _keep_notifs(self, new: dict[Any, list[Any]]) -> int:
+        """Buffer notifications as NIXL returns them (by agent name); returns how many."""
         count = 0
         for agent, msgs in new.items():
             key = agent.decode() if isinstance(agent, bytes) else str(agent)
@@ -888,12 +931,26 @@ class NixlConnectorWorker:
                 logger.warning("%s: releasing the local descriptor list failed", self.engine_id,
                                exc_info=True)
 
+    def _drop_agent(self) -> None:
+        """Drain the agent's UCX queues and drop our reference (the agent is destroyed unless
+        someone else still holds it)."""
+        self._agent = None
+        retire, self._retire_agent = self._retire_agent, None
+        if retire is not None:
+            retire()
+
     def close(self) -> None:
-        """Release transfer and descriptor handles, deregister, remove remote agents
-        (idempotent)."""
+        """Release transfer and descriptor handles, remove remote agents, deregister, drain
+        UCX progress, destroy the agent (idempotent). Safe after any failure: a peer killed
+        mid-READ, a peer that closed its agent, a READ past its deadline, a lost notification.
+        """
         if self._closed:
             return
         self._closed = True
+        if self._agent is None:
+            return
+        # Queued operations of failed or timed-out requests complete (or fail) first.
+        _drain_agent(self._agent, self.engine_id)
         for handle in self._stuck_xfers:
             try:
                 self._agent.release_xfer_handle(handle)
@@ -909,7 +966,7 @@ class NixlConnectorWorker:
             self._source = None
             self._regions = []
             self._xfer_regions = []
-            self._agent = None
+            self._drop_agent()
 
     def _check_open(self) -> None:
         if self._closed:

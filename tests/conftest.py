@@ -1,8 +1,13 @@
-"""Shared test setup: the `gpu` marker skips cleanly where no CUDA VMM device exists."""
+"""Shared test setup: the `gpu` marker skips cleanly where no CUDA VMM device exists; tests
+marked `nixl` get NIXL workers only from the `nixl_worker` fixture, and garbage is collected
+after each of them, so a NIXL finalizer that crashes is charged to the test that caused it."""
 
 from __future__ import annotations
 
 import functools
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -39,3 +44,30 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             pytest.param("cpu", id="host"),
             pytest.param("cuda:0", id="cuda", marks=pytest.mark.gpu),
         ])
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_nixl_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each `nixl` test, run the collector: a NIXL agent kept alive by a reference cycle
+    (a traceback holding a frame) is destroyed here, inside this test's teardown."""
+    yield
+    if request.node.get_closest_marker("nixl") is not None:
+        gc.collect()
+
+
+@pytest.fixture
+def nixl_worker() -> Iterator[Callable[..., Any]]:
+    """Factory of :class:`NixlConnectorWorker`s that are closed when the test ends (whatever it
+    did with them): ``worker = nixl_worker("decode", progress_thread=False)``."""
+    from kvconnect.connectors.nixl import NixlConnectorWorker
+
+    made: list[NixlConnectorWorker] = []
+
+    def make(*args: Any, **kwargs: Any) -> NixlConnectorWorker:
+        worker = NixlConnectorWorker(*args, **kwargs)
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in reversed(made):
+        worker.close()

@@ -49,8 +49,9 @@ peerlib = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(peerlib)
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL Python bindings not installed")
-# The two-process tests share one child process; keep them on one xdist worker.
-pytestmark = pytest.mark.xdist_group("nixl_two_process")
+# The two-process tests share one child process; keep them on one xdist worker. Workers come
+# only from fixtures (`pair`, `nixl_worker`), which close them.
+pytestmark = [pytest.mark.xdist_group("nixl_two_process"), pytest.mark.nixl]
 
 MIB = 1024 * 1024
 #: layouts under test: preset + overrides (small layer counts keep the test fast)
@@ -274,7 +275,7 @@ def test_registrations_cover_exactly_the_committed_extent(pair: Pair) -> None:
 
 
 @needs_nixl
-def test_incompatible_layout_fails_before_any_transfer(pair: Pair) -> None:
+def test_incompatible_layout_fails_before_any_transfer(pair: Pair, nixl_worker: Any) -> None:
     worker = pair.workers["mla"]
     with pytest.raises(IncompatiblePeerError) as err:
         worker.check_peer(pair.metadata["kv_split"])
@@ -286,7 +287,7 @@ def test_incompatible_layout_fails_before_any_transfer(pair: Pair) -> None:
     doc = json.loads(pair.metadata["kv_split"])
     doc["engine_id"] = "prefill-doubled"
     doc["fingerprint"]["regions"][0]["block_len"] *= 2
-    fresh = NixlConnectorWorker("decode-fresh")  # no agent until it registers
+    fresh = nixl_worker("decode-fresh")  # no agent until it registers
     with pytest.raises(IncompatiblePeerError) as err:
         pair.workers["kv_split"].add_peer(json.dumps(doc))
     assert err.value.differences == [
@@ -297,7 +298,6 @@ def test_incompatible_layout_fails_before_any_transfer(pair: Pair) -> None:
         pair.workers["kv_split"].read_blocks("prefill-doubled", [0], [0])
     with pytest.raises(KVConnectorError, match="nothing registered"):
         fresh.add_peer(pair.metadata["kv_split"])
-    fresh.close()
 
 
 @needs_nixl
@@ -351,32 +351,46 @@ def test_wake_reregister_then_peer_close_and_local_close(pair: Pair) -> None:
     assert err.value.cause and peer in str(err.value) and "[5, 6]" in str(err.value)
 
     # Local close: no registrations, no remote agents, idempotent.
-    agent, extents = worker._agent, worker.registered_extents
-    assert extents
-    worker.close()
-    worker.close()
+    del err  # its traceback holds this frame; nothing NIXL-owned stays reachable from it
+    still_registered, still_knows_peer = _close_and_probe(worker, new_md.agent_name)
+    assert still_registered == [False] * len(still_registered) and still_registered
+    assert not still_knows_peer
     assert worker.num_registrations == 0 and worker.peers == []
-    assert peerlib._nixl_knows(agent, extents, "DRAM") == [False] * len(extents)
-    assert not agent.check_remote_metadata(new_md.agent_name)
     with pytest.raises(KVConnectorError, match="closed"):
         worker.read_blocks(peer, [0], [0])
 
 
+def _close_and_probe(worker: NixlConnectorWorker, peer_agent: str) -> tuple[list[bool], bool]:
+    """Close ``worker`` twice (idempotent) while holding its agent, then ask the agent whether
+    it still knows the registered extents and the peer. The agent reference dies with this
+    frame, so no test frame or traceback keeps a NIXL agent alive."""
+    agent, extents = worker._agent, worker.registered_extents
+    worker.close()
+    worker.close()
+    try:
+        return (peerlib._nixl_knows(agent, extents, "DRAM"),
+                bool(agent.check_remote_metadata(peer_agent)))
+    finally:
+        del agent
+
+
 # -- one process, no transfer ------------------------------------------------------------------
 
-def test_register_before_final_commit_raises() -> None:
+def test_register_before_final_commit_raises(nixl_worker: Any) -> None:
     cache = peerlib.make_cache(_spec("kv_split", 8, final=False))
-    with cache, NixlConnectorWorker("early") as worker:
+    worker = nixl_worker("early")
+    with cache:
         with pytest.raises(KVConnectorError, match="before its final commit"):
             worker.register_kv_cache(cache)
         assert not worker.is_registered and not worker.is_started  # no agent was started
 
 
-def test_descriptor_crossing_a_chunk_boundary_raises() -> None:
+def test_descriptor_crossing_a_chunk_boundary_raises(nixl_worker: Any) -> None:
     # Hybrid pages are 192 KiB: with the warm-up chunk kept (single_handle=False), block 10
     # straddles the 2 MiB boundary between the first and second physical allocation.
     cache = peerlib.make_cache(_spec("hybrid", 16, single_handle=False))
-    with cache, NixlConnectorWorker("crossing") as worker:
+    worker = nixl_worker("crossing")
+    with cache:
         assert cache.num_physical_chunks > len(cache.tensors)
         with pytest.raises(KVConnectorError, match=r"crosses the end of physical chunk.*11283"):
             worker.register_kv_cache(cache)
