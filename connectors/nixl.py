@@ -36,13 +36,11 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from kvconnect.vmm import parse_device
 
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .handshake import (
@@ -51,6 +49,17 @@ from .handshake import (
     RegionAddress,
     layout_fingerprint,
 )
+from .nixl_agent import NixlUnavailableError, drain_agent, import_nixl, nixl_available
+from .nixl_descriptors import (
+    as_block_ids,
+    check_descriptors_in_chunks,
+    layout_info_from_config,
+    memory_type_for_device,
+    region_descriptors,
+    registration_extents,
+    transfer_regions,
+)
+from .nixl_peers import MAX_PEER_DESCRIPTORS, LoadedPeer, drop_peer, load_peer, peer_descriptors
 
 logger = logging.getLogger(__name__)
 
@@ -71,219 +80,7 @@ __all__ = [
 
 #: default deadline of one transfer, in seconds
 DEFAULT_TIMEOUT_S = 30.0
-#: most block descriptors (blocks x regions) accepted from one peer's metadata
-MAX_PEER_DESCRIPTORS = 1 << 25
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
-_UCX_ISSUE = ("UCX exports only the first physical handle of a region spanning several "
-              "(ucx #11283): recommit each segment as one handle "
-              "(extend_kv_cache(..., single_handle=True)) before registering")
-
-
-class NixlUnavailableError(KVConnectorError, ImportError):
-    """The NIXL Python bindings are not installed."""
-
-
-def _import_nixl() -> tuple[Any, Any]:
-    """Return ``(nixl_agent, nixl_agent_config)`` from ``nixl_cu13`` / ``nixl_cu12`` / ``nixl``."""
-    errors = []
-    for mod in ("nixl_cu13._api", "nixl_cu12._api", "nixl._api"):
-        try:
-            module = __import__(mod, fromlist=["nixl_agent", "nixl_agent_config"])
-            return module.nixl_agent, module.nixl_agent_config
-        except ImportError as exc:
-            errors.append(f"{mod}: {exc}")
-    raise NixlUnavailableError(
-        "NIXL Python bindings not found; install them with `pip install 'kvconnect[nixl]'` "
-        "(nixl-cu13==1.5.1). Tried " + "; ".join(errors))
-
-
-def nixl_available() -> bool:
-    """True when the NIXL Python bindings can be imported."""
-    try:
-        _import_nixl()
-    except NixlUnavailableError:
-        return False
-    return True
-
-
-#: progress passes that :func:`_drain_agent` makes (each runs UCX progress until it is idle)
-_DRAIN_PASSES = 3
-
-
-def _drain_agent(agent: Any, engine_id: str,
-                 keep_notifs: Callable[[dict[Any, list[Any]]], int] | None = None) -> None:
-    """Run NIXL/UCX progress on ``agent`` until it is idle, so that no UCX operation stays queued.
-
-    Why: when a READ fails half-posted (the peer died or closed its agent while NIXL was posting
-    the request), NIXL returns the error without progressing the worker, and the gets it had
-    already posted stay queued on UCX's CMA endpoint. Destroying the agent then aborts the
-    process (``arbiter.c:36 Assertion `ucs_arbiter_group_is_empty(group)'``, UCX 1.23 /
-    NIXL 1.5.1). Progress completes or fails every queued operation (a dead peer's memory
-    gives ESRCH), which empties the queue; ``get_new_notifs`` is the NIXL call that runs the
-    progress loop. Notifications received meanwhile go to ``keep_notifs``, or are dropped
-    when there is none (the agent is being retired).
-    """
-    for _ in range(_DRAIN_PASSES):
-        try:
-            new = agent.get_new_notifs()
-            if keep_notifs is not None and new:
-                keep_notifs(new)
-        except Exception:  # noqa: BLE001 - draining is best effort; the error is logged
-            logger.warning("%s: driving NIXL progress before teardown failed", engine_id,
-                           exc_info=True)
-            return
-        time.sleep(1e-3)
-
-
-def memory_type_for_device(device: object) -> tuple[str, int]:
-    """NIXL memory type and device id for a torch device string.
-
-    ``"cpu"`` / ``"host"`` -> ``("DRAM", 0)``; ``"cuda:N"`` -> ``("VRAM", N)``.
-    """
-    try:
-        kind, index = parse_device(device)
-    except ValueError as exc:
-        raise ValueError(f"no NIXL memory type for device {device!r}: {exc}") from None
-    return ("DRAM", 0) if kind == "host" else ("VRAM", index)
-
-
-# -- descriptors ---------------------------------------------------------------------------------
-
-def _block_ids(ids: Iterable[int] | np.ndarray, what: str) -> np.ndarray:
-    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be a flat sequence of block ids")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
-
-
-def region_descriptors(regions: Sequence[Any], block_ids: Iterable[int] | None = None, *,
-                       device_id: int | None = None) -> np.ndarray:
-    """Transfer descriptors for blocks of committed regions: an ``N x 3`` uint64 array of
-    ``(address, length, device_id)`` rows, region-major.
-
-    With ``block_ids``, row ``r * len(block_ids) + i`` is block ``block_ids[i]`` of
-    ``regions[r]``; every id must be below that region's ``num_blocks``. Without it, each region
-    contributes all its ``num_blocks`` blocks in order (regions may then differ in block count).
-    ``device_id`` defaults to the id implied by each region's ``device`` (0 for DRAM, the GPU
-    index for CUDA). Lengths are ``block_len`` bytes; addresses advance by ``block_stride``.
-    """
-    parts = []
-    ids = None if block_ids is None else _block_ids(block_ids, "block_ids")
-    for region in regions:
-        nblocks = int(region.num_blocks)
-        if ids is None:
-            these = np.arange(nblocks, dtype=np.int64)
-        else:
-            these = ids
-            if these.size and (these.min() < 0 or these.max() >= nblocks):
-                bad = these[(these < 0) | (these >= nblocks)][0]
-                raise IndexError(f"block {int(bad)} outside the {nblocks} committed blocks of "
-                                 f"{region.layer_name}/{region.part}")
-        dev = memory_type_for_device(region.device)[1] if device_id is None else int(device_id)
-        rows = np.empty((these.size, 3), dtype=np.uint64)
-        rows[:, 0] = np.uint64(region.base_ptr) + these.astype(np.uint64) * np.uint64(
-            region.block_stride)
-        rows[:, 1] = np.uint64(region.block_len)
-        rows[:, 2] = np.uint64(dev)
-        parts.append(rows)
-    if not parts:
-        return np.empty((0, 3), dtype=np.uint64)
-    return np.concatenate(parts, axis=0)
-
-
-def transfer_regions(regions: Sequence[Any]) -> list[Any]:
-    """The regions whose blocks a transfer must move: regions that alias the same pages
-    (same ``base_ptr``, ``block_stride`` and device, as the layers sharing one KV tensor in a
-    hybrid model do) collapse into the first one with the largest ``block_len``, whose blocks
-    contain the others'. Order follows the first appearance of each page set.
-    """
-    best: dict[tuple[int, int, str], Any] = {}
-    order: list[tuple[int, int, str]] = []
-    for r in regions:
-        key = (int(r.base_ptr), int(r.block_stride), str(r.device))
-        if key not in best:
-            best[key] = r
-            order.append(key)
-        elif int(r.block_len) > int(best[key].block_len):
-            best[key] = r
-    return [best[k] for k in order]
-
-
-def _chunk_bounds(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted chunk starts and ends from ``Chunk`` objects or ``(va, size[, ...])`` tuples."""
-    pairs = []
-    for c in chunks:
-        if hasattr(c, "va"):
-            pairs.append((int(c.va), int(c.size)))
-        else:
-            pairs.append((int(c[0]), int(c[1])))
-    pairs.sort()
-    starts = np.array([p[0] for p in pairs], dtype=np.uint64)
-    ends = np.array([p[0] + p[1] for p in pairs], dtype=np.uint64)
-    if len(pairs) > 1 and np.any(starts[1:] < ends[:-1]):
-        raise ValueError("physical chunks overlap")
-    return starts, ends
-
-
-def check_descriptors_in_chunks(descs: np.ndarray, chunks: Sequence[Any], *,
-                                what: str = "descriptor") -> np.ndarray:
-    """Check that every ``(addr, len, dev)`` row lies wholly inside one chunk.
-
-    ``chunks`` are ``Chunk`` objects (``va``, ``size``) or ``(va, size, ...)`` tuples, in bytes.
-    Returns the index (into the address-sorted chunk list) of each row's chunk. Raises
-    :class:`KVConnectorError` naming the first offending row when one crosses a chunk boundary
-    (ucx #11283) or lies outside every chunk (uncommitted memory).
-    """
-    descs = np.asarray(descs, dtype=np.uint64).reshape(-1, 3)
-    starts, ends = _chunk_bounds(chunks)
-    if descs.shape[0] == 0:
-        return np.empty(0, dtype=np.int64)
-    if starts.size == 0:
-        raise KVConnectorError(f"no physical chunks: {descs.shape[0]} {what}s lie in "
-                               "uncommitted memory")
-    addr = descs[:, 0]
-    end = addr + descs[:, 1]
-    idx = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
-    inside = idx >= 0
-    safe = np.where(inside, idx, 0)
-    inside &= addr < ends[safe]
-    whole = inside & (end <= ends[safe])
-    if not np.all(whole):
-        row = int(np.argmin(whole))
-        a, n = int(addr[row]), int(descs[row, 1])
-        if not inside[row]:
-            raise KVConnectorError(
-                f"{what} {row} ([{a:#x}, {a + n:#x}), {n} bytes) lies outside every committed "
-                "physical chunk: it would touch uncommitted memory")
-        c = int(safe[row])
-        raise KVConnectorError(
-            f"{what} {row} ([{a:#x}, {a + n:#x}), {n} bytes) crosses the end of physical chunk "
-            f"[{int(starts[c]):#x}, {int(ends[c]):#x}); {_UCX_ISSUE}")
-    return idx
-
-
-def registration_extents(regions: Sequence[Any], chunks: Sequence[Any]) -> list[tuple[int, int, int]]:
-    """The extents to register: one ``(addr, length, device_id)`` per physical chunk holding
-    committed blocks, spanning exactly from the first committed block byte in that chunk to the
-    last (never the chunk's or the storage's full size).
-
-    Raises :class:`KVConnectorError` if any block of any region crosses a chunk boundary or
-    lies outside the chunks.
-    """
-    descs = region_descriptors(regions)
-    idx = check_descriptors_in_chunks(descs, chunks, what="block descriptor")
-    out = []
-    for c in np.unique(idx):
-        sel = descs[idx == c]
-        lo = int(sel[:, 0].min())
-        hi = int((sel[:, 0] + sel[:, 1]).max())
-        devs = np.unique(sel[:, 2])
-        if devs.size != 1:
-            raise KVConnectorError(f"regions on different devices share the chunk at {lo:#x}")
-        out.append((lo, hi - lo, int(devs[0])))
-    return out
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -313,77 +110,6 @@ class TransferResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-@dataclass
-class _Peer:
-    metadata: HandshakeMetadata
-    agent_name: str
-    prep: Any
-    #: for each local region (local order): first row of that region in the remote dlist
-    offsets: np.ndarray
-    #: for each local region (local order): remote committed block count
-    num_blocks: np.ndarray
-
-
-@dataclass(frozen=True)
-class _RemoteRegion:
-    layer_name: str
-    part: str
-    base_ptr: int
-    block_len: int
-    block_stride: int
-    device: str
-
-
-def _first_diff(ours: list[str], theirs: list[str]) -> str:
-    only_ours = sorted(set(ours) - set(theirs))
-    only_theirs = sorted(set(theirs) - set(ours))
-    return f"(only local: {only_ours[:4]}, only remote: {only_theirs[:4]})"
-
-
-@dataclass
-class _StaticSource:
-    """Regions + chunks given by hand (no cache object)."""
-
-    regions: list[Any]
-    chunks: list[Any]
-    is_final: bool = True
-
-
-def _cache_regions_and_chunks(cache: Any) -> tuple[list[Any], list[Any]]:
-    regions = list(cache.committed_regions())
-    chunks = [c for t in cache.tensors for c in t.physical_chunks()]
-    return regions, chunks
-
-
-def layout_info_from_config(config: Any) -> dict[str, Any]:
-    """Fingerprint facts of a :class:`kvconnect.layout.KVCacheConfig`: ``block_size`` (tokens,
-    of the first group), ``dtype`` (every spec dtype, in order, joined by ``","``), ``layout``
-    and ``kernel_block_size``. Missing attributes give ``None``."""
-    if config is None:
-        return {}
-    block_size = None
-    dtypes: list[str] = []
-    for group in getattr(config, "kv_cache_groups", ()) or ():
-        spec = getattr(group, "kv_cache_spec", None)
-        if block_size is None and getattr(spec, "block_size", None) is not None:
-            block_size = int(spec.block_size)
-        found = list(getattr(spec, "dtypes", ()) or ())
-        if getattr(spec, "dtype", None) is not None:
-            found.insert(0, spec.dtype)
-        for dt in found:
-            name = str(dt).removeprefix("torch.")
-            if name not in dtypes:
-                dtypes.append(name)
-    kbs = getattr(config, "kernel_block_size", None)
-    layout = getattr(config, "layout", None)
-    return {
-        "block_size": block_size,
-        "dtype": ",".join(dtypes) or None,
-        "layout": None if layout is None else str(layout),
-        "kernel_block_size": None if kbs is None else int(kbs),
-    }
-
-
 class NixlConnectorWorker:
     """One NIXL agent registering one KV cache's committed extents and reading peers' blocks.
 
@@ -411,7 +137,7 @@ class NixlConnectorWorker:
         self.progress_thread = bool(progress_thread)
         #: the NIXL agent, created on first registration (start-up costs ~0.5-2 s)
         self._agent: Any = None
-        #: drains and drops the agent when this worker is closed or collected (see _drain_agent)
+        #: drains and drops the agent when this worker is closed or collected (see drain_agent)
         self._retire_agent: weakref.finalize | None = None
         self._closed = False
         self._layout_info: dict[str, Any] = {}
@@ -427,7 +153,7 @@ class NixlConnectorWorker:
         self._fingerprint: LayoutFingerprint | None = None
         self._metadata: HandshakeMetadata | None = None
         self._generation = 0
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, LoadedPeer] = {}
         self._stuck_xfers: list[Any] = []
         self._notifs: dict[str, list[bytes]] = {}
 
@@ -492,26 +218,6 @@ class NixlConnectorWorker:
         self._source = cache
         return self._register()
 
-    def register_regions(self, regions: Sequence[Any], chunks: Sequence[Any], *,
-                         config: Any = None, **layout_info: Any) -> HandshakeMetadata:
-        """Register committed regions whose memory lies in ``chunks`` (``Chunk`` objects or
-        ``(va, size)`` tuples, one per physical allocation), without a cache object.
-
-        The caller vouches that the memory is in its final committed state. Fingerprint facts
-        come from ``config`` (a ``KVCacheConfig``) and/or keywords ``block_size``, ``dtype``,
-        ``layout``, ``kernel_block_size``.
-        """
-        self._check_open()
-        self._check_unregistered()
-        unknown = set(layout_info) - {"block_size", "dtype", "layout", "kernel_block_size"}
-        if unknown:
-            raise TypeError(f"unknown layout facts {sorted(unknown)}")
-        info = layout_info_from_config(config)
-        info.update({k: v for k, v in layout_info.items() if v is not None})
-        self._layout_info = info
-        self._source = _StaticSource(list(regions), list(chunks))
-        return self._register()
-
     def reregister(self) -> HandshakeMetadata:
         """Deregister and register again from the same source (after ``cache.recommit()``).
 
@@ -543,17 +249,15 @@ class NixlConnectorWorker:
 
     def _register(self) -> HandshakeMetadata:
         src = self._source
-        if isinstance(src, _StaticSource):
-            regions, chunks = list(src.regions), list(src.chunks)
-        else:
-            if not getattr(src, "is_final", False):
-                raise KVConnectorError(f"{self.engine_id}: the KV cache is no longer final")
-            if getattr(src, "is_released", False) or any(
-                    getattr(t, "is_released", False) for t in getattr(src, "tensors", ())):
-                raise KVConnectorError(
-                    f"{self.engine_id}: the KV cache's physical memory is released (asleep); "
-                    "call cache.recommit() before registering")
-            regions, chunks = _cache_regions_and_chunks(src)
+        if not getattr(src, "is_final", False):
+            raise KVConnectorError(f"{self.engine_id}: the KV cache is no longer final")
+        if getattr(src, "is_released", False) or any(
+                getattr(t, "is_released", False) for t in getattr(src, "tensors", ())):
+            raise KVConnectorError(
+                f"{self.engine_id}: the KV cache's physical memory is released (asleep); "
+                "call cache.recommit() before registering")
+        regions = list(src.committed_regions())
+        chunks = [c for t in src.tensors for c in t.physical_chunks()]
         if not regions:
             raise KVConnectorError(f"{self.engine_id}: no committed regions to register")
         keys = [f"{r.layer_name}/{r.part}" for r in regions]
@@ -629,7 +333,7 @@ class NixlConnectorWorker:
 
     def _ensure_agent(self) -> None:
         if self._agent is None:
-            nixl_agent, nixl_agent_config = _import_nixl()
+            nixl_agent, nixl_agent_config = import_nixl()
             try:
                 agent = nixl_agent(self.agent_name,
                                    nixl_agent_config(backends=list(self.backends),
@@ -639,7 +343,7 @@ class NixlConnectorWorker:
                                        f"{self.agent_name!r} failed: {exc}") from exc
             self._agent = agent
             # The finalizer owns the teardown order: drain UCX, then drop the last reference.
-            self._retire_agent = weakref.finalize(self, _drain_agent, agent, self.engine_id)
+            self._retire_agent = weakref.finalize(self, drain_agent, agent, self.engine_id)
             del agent
             missing = [b for b in self.backends if b not in self._agent.backends]
             if missing:
@@ -707,77 +411,15 @@ class NixlConnectorWorker:
         """Forget a peer: release its prepared descriptors and remove its agent (idempotent)."""
         entry = self._peers.pop(peer, None)
         if entry is not None:
-            self._drop_peer(entry)
+            drop_peer(self._agent, self.engine_id, entry)
 
-    def _drop_peer(self, entry: _Peer) -> None:
-        if entry.prep is not None:
-            try:
-                self._agent.release_dlist_handle(entry.prep)
-            except Exception:  # noqa: BLE001
-                logger.warning("%s: releasing the descriptor list of %s failed", self.engine_id,
-                               entry.metadata.engine_id, exc_info=True)
-            entry.prep = None
-        try:
-            self._agent.remove_remote_agent(entry.agent_name)
-        except Exception:  # noqa: BLE001
-            logger.warning("%s: removing remote agent %s failed", self.engine_id,
-                           entry.agent_name, exc_info=True)
-
-    def _load_peer(self, md: HandshakeMetadata, replace: _Peer | None = None) -> None:
-        # Pair remote regions with ours by layer/part, in local transfer-region order.
-        index = {r.key: i for i, r in enumerate(md.fingerprint.regions)}
-        remote_regions = [
-            _RemoteRegion(fp.layer_name, fp.part, a.base_ptr, fp.block_len, fp.block_stride,
-                          a.device_id)
-            for fp, a in zip(md.fingerprint.regions, md.regions, strict=True)]
-        theirs = [f"{r.layer_name}/{r.part}" for r in transfer_regions(remote_regions)]
-        ours = [f"{r.layer_name}/{r.part}" for r in self._xfer_regions]
-        if sorted(theirs) != sorted(ours):
-            raise IncompatiblePeerError(
-                [f"page aliasing differs: regions moved locally {_first_diff(ours, theirs)} "
-                 "vs remotely"], peer=md.engine_id)
-        order = [index[k] for k in ours]
-        remote_counts = np.array([md.regions[j].num_blocks for j in order], dtype=np.int64)
-        if np.any(remote_counts <= 0):
-            raise KVConnectorError(f"peer {md.engine_id!r} advertises a region with no blocks")
-        if int(remote_counts.sum()) > MAX_PEER_DESCRIPTORS:
-            raise KVConnectorError(
-                f"peer {md.engine_id!r} advertises {int(remote_counts.sum())} block descriptors, "
-                f"above the limit of {MAX_PEER_DESCRIPTORS}")
-        descs = []
-        for j in order:
-            fp, addr = md.fingerprint.regions[j], md.regions[j]
-            rows = np.empty((addr.num_blocks, 3), dtype=np.uint64)
-            rows[:, 0] = np.uint64(addr.base_ptr) + np.arange(addr.num_blocks, dtype=np.uint64) \
-                * np.uint64(fp.block_stride)
-            rows[:, 1] = np.uint64(fp.block_len)
-            rows[:, 2] = np.uint64(addr.device_id)
-            descs.append(rows)
-        remote_descs = np.concatenate(descs, axis=0)
-        # The peer's blocks must lie inside its registrations (one per physical chunk).
-        check_descriptors_in_chunks(remote_descs, md.registrations,
-                                    what=f"remote descriptor of {md.engine_id!r}")
+    def _load_peer(self, md: HandshakeMetadata, replace: LoadedPeer | None = None) -> None:
+        remote_descs, offsets, counts = peer_descriptors(md, self._xfer_regions)
         if replace is not None:
             self._peers.pop(replace.metadata.engine_id, None)
-            self._drop_peer(replace)
-        try:
-            name = self._agent.add_remote_agent(md.agent_metadata)
-        except Exception as exc:
-            raise KVConnectorError(f"{self.engine_id}: loading the NIXL metadata of peer "
-                                   f"{md.engine_id!r} failed: {type(exc).__name__}: {exc}") from exc
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != md.agent_name:
-            self._agent.remove_remote_agent(name)
-            raise KVConnectorError(f"peer {md.engine_id!r}: agent metadata names {name!r}, "
-                                   f"the handshake says {md.agent_name!r}")
-        try:
-            prep = self._agent.prep_xfer_dlist(md.agent_name, remote_descs, md.memory_type)
-        except Exception as exc:
-            self._agent.remove_remote_agent(md.agent_name)
-            raise KVConnectorError(f"{self.engine_id}: preparing descriptors of peer "
-                                   f"{md.engine_id!r} failed: {type(exc).__name__}: {exc}") from exc
-        offsets = np.concatenate([[0], np.cumsum(remote_counts)[:-1]]).astype(np.int64)
-        self._peers[md.engine_id] = _Peer(md, md.agent_name, prep, offsets, remote_counts)
+            drop_peer(self._agent, self.engine_id, replace)
+        self._peers[md.engine_id] = load_peer(self._agent, self.engine_id, md, remote_descs,
+                                              offsets, counts)
 
     # -- transfers -----------------------------------------------------------
     def read_blocks(self, peer: str, remote_block_ids: Sequence[int] | np.ndarray,
@@ -798,8 +440,8 @@ class NixlConnectorWorker:
                                    f"{sorted(self._peers)}")
         if self._local_prep is None:
             raise KVConnectorError(f"{self.engine_id}: not registered")
-        remote = _block_ids(remote_block_ids, "remote_block_ids")
-        local = _block_ids(local_block_ids, "local_block_ids")
+        remote = as_block_ids(remote_block_ids, "remote_block_ids")
+        local = as_block_ids(local_block_ids, "local_block_ids")
         if remote.size != local.size:
             raise ValueError(f"{remote.size} remote block ids but {local.size} local ones")
         if remote.size == 0:
@@ -848,7 +490,7 @@ class NixlConnectorWorker:
             raise KVTransferError(peer, block_list, exc) from exc
         finally:
             if failed:  # operations of the failed request may still be queued in UCX
-                _drain_agent(self._agent, self.engine_id, self._keep_notifs)
+                drain_agent(self._agent, self.engine_id, self._keep_notifs)
             if handle is not None:
                 self._release_xfer(handle)
         return TransferResult(peer=peer, num_blocks=int(local.size), bytes=nbytes,
@@ -950,7 +592,7 @@ class NixlConnectorWorker:
         if self._agent is None:
             return
         # Queued operations of failed or timed-out requests complete (or fail) first.
-        _drain_agent(self._agent, self.engine_id)
+        drain_agent(self._agent, self.engine_id)
         for handle in self._stuck_xfers:
             try:
                 self._agent.release_xfer_handle(handle)

@@ -19,7 +19,7 @@ Scenarios:
 - ``raw_read_posted_after_kill``: the sequence that reproduced the abort most often here, on
   bare NIXL agents: a READ request made, the peer SIGKILLed, the READ posted ~1 ms later
   (NIXL_ERR_REMOTE_DISCONNECT), the handle released, the agent destroyed. Without
-  ``_drain_agent`` before the destructor it aborted in 9 of 54 single-attempt runs here; this
+  ``drain_agent`` before the destructor it aborted in 9 of 54 single-attempt runs here; this
   scenario makes several attempts. ``KVC_TEARDOWN_SKIP_DRAIN=1`` skips the drain (to see it).
 """
 
@@ -141,9 +141,9 @@ def raw_prefill() -> int:
     """A bare NIXL agent over a numpy buffer: prints its metadata and address, then waits."""
     import numpy as np
 
-    from kvconnect.connectors.nixl import _import_nixl
+    from kvconnect.connectors.nixl_agent import import_nixl
 
-    nixl_agent, nixl_agent_config = _import_nixl()
+    nixl_agent, nixl_agent_config = import_nixl()
     buf = np.full(RAW_DESCS * RAW_DESC_BYTES, 7, dtype=np.uint8)
     agent = nixl_agent(f"raw-prefill-{os.getpid()}",
                        nixl_agent_config(backends=["UCX"], enable_prog_thread=True))
@@ -163,9 +163,9 @@ RAW_DELAYS = (0.001, 0.001, 0.0015, 0.001, 0.002, 0.001)
 def raw_read_posted_after_kill() -> list[str]:
     import numpy as np
 
-    from kvconnect.connectors.nixl import _drain_agent, _import_nixl
+    from kvconnect.connectors.nixl_agent import drain_agent, import_nixl
 
-    nixl_agent, nixl_agent_config = _import_nixl()
+    nixl_agent, nixl_agent_config = import_nixl()
     dst = np.zeros(RAW_DESCS * RAW_DESC_BYTES, dtype=np.uint8)
     agent = nixl_agent(f"raw-decode-{os.getpid()}",
                        nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
@@ -200,7 +200,7 @@ def raw_read_posted_after_kill() -> list[str]:
         finally:
             peer.stop()
     if not os.environ.get("KVC_TEARDOWN_SKIP_DRAIN"):
-        _drain_agent(agent, "raw-decode")
+        drain_agent(agent, "raw-decode")
     # Retired as a forgotten agent is: handles, registration and peers left to its destructor.
     del agent, reg, local
     gc.collect()

@@ -1,0 +1,76 @@
+"""Loading NIXL and retiring its agents safely.
+
+NIXL's Python bindings come from ``nixl_cu13`` / ``nixl_cu12`` / ``nixl`` (whichever imports).
+An agent must be drained before it is destroyed (:func:`drain_agent`): a READ that failed
+half-posted can leave operations queued in UCX, and destroying the agent then aborts the
+process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import KVConnectorError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NixlUnavailableError", "drain_agent", "import_nixl", "nixl_available"]
+
+
+class NixlUnavailableError(KVConnectorError, ImportError):
+    """The NIXL Python bindings are not installed."""
+
+
+def import_nixl() -> tuple[Any, Any]:
+    """Return ``(nixl_agent, nixl_agent_config)`` from ``nixl_cu13`` / ``nixl_cu12`` / ``nixl``."""
+    errors = []
+    for mod in ("nixl_cu13._api", "nixl_cu12._api", "nixl._api"):
+        try:
+            module = __import__(mod, fromlist=["nixl_agent", "nixl_agent_config"])
+            return module.nixl_agent, module.nixl_agent_config
+        except ImportError as exc:
+            errors.append(f"{mod}: {exc}")
+    raise NixlUnavailableError(
+        "NIXL Python bindings not found; install them with `pip install 'kvconnect[nixl]'` "
+        "(nixl-cu13==1.5.1). Tried " + "; ".join(errors))
+
+
+def nixl_available() -> bool:
+    """True when the NIXL Python bindings can be imported."""
+    try:
+        import_nixl()
+    except NixlUnavailableError:
+        return False
+    return True
+
+
+#: progress passes that :func:`drain_agent` makes (each runs UCX progress until it is idle)
+DRAIN_PASSES = 3
+
+
+def drain_agent(agent: Any, engine_id: str,
+                 keep_notifs: Callable[[dict[Any, list[Any]]], int] | None = None) -> None:
+    """Run NIXL/UCX progress on ``agent`` until it is idle, so that no UCX operation stays queued.
+
+    Why: when a READ fails half-posted (the peer died or closed its agent while NIXL was posting
+    the request), NIXL returns the error without progressing the worker, and the gets it had
+    already posted stay queued on UCX's CMA endpoint. Destroying the agent then aborts the
+    process (``arbiter.c:36 Assertion `ucs_arbiter_group_is_empty(group)'``, UCX 1.23 /
+    NIXL 1.5.1). Progress completes or fails every queued operation (a dead peer's memory
+    gives ESRCH), which empties the queue; ``get_new_notifs`` is the NIXL call that runs the
+    progress loop. Notifications received meanwhile go to ``keep_notifs``, or are dropped
+    when there is none (the agent is being retired).
+    """
+    for _ in range(DRAIN_PASSES):
+        try:
+            new = agent.get_new_notifs()
+            if keep_notifs is not None and new:
+                keep_notifs(new)
+        except Exception:  # noqa: BLE001 - draining is best effort; the error is logged
+            logger.warning("%s: driving NIXL progress before teardown failed", engine_id,
+                           exc_info=True)
+            return
+        time.sleep(1e-3)

@@ -1,0 +1,210 @@
+"""NIXL transfer descriptors and registration extents, from committed regions only.
+
+Pure geometry (numpy, no NIXL): which ``(address, length, device_id)`` rows a transfer moves,
+which extents to register (one per physical chunk, exactly the committed blocks inside it),
+and the check that no descriptor crosses a physical chunk boundary (ucx #11283) or touches
+uncommitted memory. Units: bytes for addresses and lengths, blocks for block ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvconnect.vmm import parse_device
+
+from .errors import KVConnectorError
+
+__all__ = [
+    "as_block_ids",
+    "check_descriptors_in_chunks",
+    "layout_info_from_config",
+    "memory_type_for_device",
+    "region_descriptors",
+    "registration_extents",
+    "transfer_regions",
+]
+
+UCX_MULTI_HANDLE_ISSUE = ("UCX exports only the first physical handle of a region spanning "
+                          "several (ucx #11283): recommit each segment as one handle "
+                          "(extend_kv_cache(..., single_handle=True)) before registering")
+
+
+def memory_type_for_device(device: object) -> tuple[str, int]:
+    """NIXL memory type and device id for a torch device string.
+
+    ``"cpu"`` / ``"host"`` -> ``("DRAM", 0)``; ``"cuda:N"`` -> ``("VRAM", N)``.
+    """
+    try:
+        kind, index = parse_device(device)
+    except ValueError as exc:
+        raise ValueError(f"no NIXL memory type for device {device!r}: {exc}") from None
+    return ("DRAM", 0) if kind == "host" else ("VRAM", index)
+
+
+def as_block_ids(ids: Iterable[int] | np.ndarray, what: str) -> np.ndarray:
+    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of block ids")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def region_descriptors(regions: Sequence[Any], block_ids: Iterable[int] | None = None, *,
+                       device_id: int | None = None) -> np.ndarray:
+    """Transfer descriptors for blocks of committed regions: an ``N x 3`` uint64 array of
+    ``(address, length, device_id)`` rows, region-major.
+
+    With ``block_ids``, row ``r * len(block_ids) + i`` is block ``block_ids[i]`` of
+    ``regions[r]``; every id must be below that region's ``num_blocks``. Without it, each region
+    contributes all its ``num_blocks`` blocks in order (regions may then differ in block count).
+    ``device_id`` defaults to the id implied by each region's ``device`` (0 for DRAM, the GPU
+    index for CUDA). Lengths are ``block_len`` bytes; addresses advance by ``block_stride``.
+    """
+    parts = []
+    ids = None if block_ids is None else as_block_ids(block_ids, "block_ids")
+    for region in regions:
+        nblocks = int(region.num_blocks)
+        if ids is None:
+            these = np.arange(nblocks, dtype=np.int64)
+        else:
+            these = ids
+            if these.size and (these.min() < 0 or these.max() >= nblocks):
+                bad = these[(these < 0) | (these >= nblocks)][0]
+                raise IndexError(f"block {int(bad)} outside the {nblocks} committed blocks of "
+                                 f"{region.layer_name}/{region.part}")
+        dev = memory_type_for_device(region.device)[1] if device_id is None else int(device_id)
+        rows = np.empty((these.size, 3), dtype=np.uint64)
+        rows[:, 0] = np.uint64(region.base_ptr) + these.astype(np.uint64) * np.uint64(
+            region.block_stride)
+        rows[:, 1] = np.uint64(region.block_len)
+        rows[:, 2] = np.uint64(dev)
+        parts.append(rows)
+    if not parts:
+        return np.empty((0, 3), dtype=np.uint64)
+    return np.concatenate(parts, axis=0)
+
+
+def transfer_regions(regions: Sequence[Any]) -> list[Any]:
+    """The regions whose blocks a transfer must move: regions that alias the same pages
+    (same ``base_ptr``, ``block_stride`` and device, as the layers sharing one KV tensor in a
+    hybrid model do) collapse into the first one with the largest ``block_len``, whose blocks
+    contain the others'. Order follows the first appearance of each page set.
+    """
+    best: dict[tuple[int, int, str], Any] = {}
+    order: list[tuple[int, int, str]] = []
+    for r in regions:
+        key = (int(r.base_ptr), int(r.block_stride), str(r.device))
+        if key not in best:
+            best[key] = r
+            order.append(key)
+        elif int(r.block_len) > int(best[key].block_len):
+            best[key] = r
+    return [best[k] for k in order]
+
+
+def _chunk_bounds(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted chunk starts and ends from ``Chunk`` objects or ``(va, size[, ...])`` tuples."""
+    pairs = []
+    for c in chunks:
+        if hasattr(c, "va"):
+            pairs.append((int(c.va), int(c.size)))
+        else:
+            pairs.append((int(c[0]), int(c[1])))
+    pairs.sort()
+    starts = np.array([p[0] for p in pairs], dtype=np.uint64)
+    ends = np.array([p[0] + p[1] for p in pairs], dtype=np.uint64)
+    if len(pairs) > 1 and np.any(starts[1:] < ends[:-1]):
+        raise ValueError("physical chunks overlap")
+    return starts, ends
+
+
+def check_descriptors_in_chunks(descs: np.ndarray, chunks: Sequence[Any], *,
+                                what: str = "descriptor") -> np.ndarray:
+    """Check that every ``(addr, len, dev)`` row lies wholly inside one chunk.
+
+    ``chunks`` are ``Chunk`` objects (``va``, ``size``) or ``(va, size, ...)`` tuples, in bytes.
+    Returns the index (into the address-sorted chunk list) of each row's chunk. Raises
+    :class:`KVConnectorError` naming the first offending row when one crosses a chunk boundary
+    (ucx #11283) or lies outside every chunk (uncommitted memory).
+    """
+    descs = np.asarray(descs, dtype=np.uint64).reshape(-1, 3)
+    starts, ends = _chunk_bounds(chunks)
+    if descs.shape[0] == 0:
+        return np.empty(0, dtype=np.int64)
+    if starts.size == 0:
+        raise KVConnectorError(f"no physical chunks: {descs.shape[0]} {what}s lie in "
+                               "uncommitted memory")
+    addr = descs[:, 0]
+    end = addr + descs[:, 1]
+    idx = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+    inside = idx >= 0
+    safe = np.where(inside, idx, 0)
+    inside &= addr < ends[safe]
+    whole = inside & (end <= ends[safe])
+    if not np.all(whole):
+        row = int(np.argmin(whole))
+        a, n = int(addr[row]), int(descs[row, 1])
+        if not inside[row]:
+            raise KVConnectorError(
+                f"{what} {row} ([{a:#x}, {a + n:#x}), {n} bytes) lies outside every committed "
+                "physical chunk: it would touch uncommitted memory")
+        c = int(safe[row])
+        raise KVConnectorError(
+            f"{what} {row} ([{a:#x}, {a + n:#x}), {n} bytes) crosses the end of physical chunk "
+            f"[{int(starts[c]):#x}, {int(ends[c]):#x}); {UCX_MULTI_HANDLE_ISSUE}")
+    return idx
+
+
+def registration_extents(regions: Sequence[Any], chunks: Sequence[Any]) -> list[tuple[int, int, int]]:
+    """The extents to register: one ``(addr, length, device_id)`` per physical chunk holding
+    committed blocks, spanning exactly from the first committed block byte in that chunk to the
+    last (never the chunk's or the storage's full size).
+
+    Raises :class:`KVConnectorError` if any block of any region crosses a chunk boundary or
+    lies outside the chunks.
+    """
+    descs = region_descriptors(regions)
+    idx = check_descriptors_in_chunks(descs, chunks, what="block descriptor")
+    out = []
+    for c in np.unique(idx):
+        sel = descs[idx == c]
+        lo = int(sel[:, 0].min())
+        hi = int((sel[:, 0] + sel[:, 1]).max())
+        devs = np.unique(sel[:, 2])
+        if devs.size != 1:
+            raise KVConnectorError(f"regions on different devices share the chunk at {lo:#x}")
+        out.append((lo, hi - lo, int(devs[0])))
+    return out
+
+
+def layout_info_from_config(config: Any) -> dict[str, Any]:
+    """Fingerprint facts of a :class:`kvconnect.layout.KVCacheConfig`: ``block_size`` (tokens,
+    of the first group), ``dtype`` (every spec dtype, in order, joined by ``","``), ``layout``
+    and ``kernel_block_size``. Missing attributes give ``None``."""
+    if config is None:
+        return {}
+    block_size = None
+    dtypes: list[str] = []
+    for group in getattr(config, "kv_cache_groups", ()) or ():
+        spec = getattr(group, "kv_cache_spec", None)
+        if block_size is None and getattr(spec, "block_size", None) is not None:
+            block_size = int(spec.block_size)
+        found = list(getattr(spec, "dtypes", ()) or ())
+        if getattr(spec, "dtype", None) is not None:
+            found.insert(0, spec.dtype)
+        for dt in found:
+            name = str(dt).removeprefix("torch.")
+            if name not in dtypes:
+                dtypes.append(name)
+    kbs = getattr(config, "kernel_block_size", None)
+    layout = getattr(config, "layout", None)
+    return {
+        "block_size": block_size,
+        "dtype": ",".join(dtypes) or None,
+        "layout": None if layout is None else str(layout),
+        "kernel_block_size": None if kbs is None else int(kbs),
+    }

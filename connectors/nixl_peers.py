@@ -1,0 +1,139 @@
+"""The peers a NIXL worker reads from: checking, loading and dropping their metadata.
+
+A peer's descriptors are built once from its handshake (committed regions only, in the local
+transfer-region order), checked to lie inside its registrations (one per physical chunk), and
+prepared as one NIXL descriptor list; :func:`drop_peer` releases it and the remote agent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import IncompatiblePeerError, KVConnectorError
+from .handshake import HandshakeMetadata
+from .nixl_descriptors import check_descriptors_in_chunks, region_descriptors, transfer_regions
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_PEER_DESCRIPTORS", "LoadedPeer", "drop_peer", "load_peer", "peer_descriptors"]
+
+#: most block descriptors (blocks x regions) accepted from one peer's metadata
+MAX_PEER_DESCRIPTORS = 1 << 25
+
+
+@dataclass
+class LoadedPeer:
+    """A peer a worker reads from: its handshake metadata, NIXL remote agent name and the
+    descriptor list prepared once over all its committed blocks."""
+
+    metadata: HandshakeMetadata
+    agent_name: str
+    prep: Any
+    #: for each local region (local order): first row of that region in the remote dlist
+    offsets: np.ndarray
+    #: for each local region (local order): remote committed block count
+    num_blocks: np.ndarray
+
+
+@dataclass(frozen=True)
+class _RemoteRegion:
+    """A peer's region as its handshake describes it (the fields descriptors need)."""
+
+    layer_name: str
+    part: str
+    base_ptr: int
+    block_len: int
+    block_stride: int
+    num_blocks: int
+    #: a device string memory_type_for_device understands ("cpu" for DRAM, "cuda:N" for VRAM)
+    device: str
+
+
+def _first_diff(ours: list[str], theirs: list[str]) -> str:
+    only_ours = sorted(set(ours) - set(theirs))
+    only_theirs = sorted(set(theirs) - set(ours))
+    return f"(only local: {only_ours[:4]}, only remote: {only_theirs[:4]})"
+
+
+def peer_descriptors(md: HandshakeMetadata, local_xfer_regions: list[Any]
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The peer's block descriptors paired with ours: ``(descs, offsets, counts)``.
+
+    ``descs`` (``N x 3`` uint64 ``(addr, len, device_id)``) holds every committed block of each
+    remote region, region after region in the order of ``local_xfer_regions``; ``offsets[i]``
+    is the first row of local region ``i``'s partner and ``counts[i]`` its block count.
+    Raises :class:`IncompatiblePeerError` when the regions that alias pages differ, and
+    :class:`KVConnectorError` for an empty region, too many descriptors, or a block outside the
+    peer's registrations.
+    """
+    # Pair remote regions with ours by layer/part, in local transfer-region order.
+    index = {r.key: i for i, r in enumerate(md.fingerprint.regions)}
+    remote_regions = [
+        _RemoteRegion(fp.layer_name, fp.part, a.base_ptr, fp.block_len, fp.block_stride,
+                      a.num_blocks,
+                      "cpu" if md.memory_type == "DRAM" else f"cuda:{a.device_id}")
+        for fp, a in zip(md.fingerprint.regions, md.regions, strict=True)]
+    theirs = [f"{r.layer_name}/{r.part}" for r in transfer_regions(remote_regions)]
+    ours = [f"{r.layer_name}/{r.part}" for r in local_xfer_regions]
+    if sorted(theirs) != sorted(ours):
+        raise IncompatiblePeerError(
+            [f"page aliasing differs: regions moved locally {_first_diff(ours, theirs)} "
+             "vs remotely"], peer=md.engine_id)
+    order = [index[k] for k in ours]
+    remote_counts = np.array([md.regions[j].num_blocks for j in order], dtype=np.int64)
+    if np.any(remote_counts <= 0):
+        raise KVConnectorError(f"peer {md.engine_id!r} advertises a region with no blocks")
+    if int(remote_counts.sum()) > MAX_PEER_DESCRIPTORS:
+        raise KVConnectorError(
+            f"peer {md.engine_id!r} advertises {int(remote_counts.sum())} block descriptors, "
+            f"above the limit of {MAX_PEER_DESCRIPTORS}")
+    remote_descs = region_descriptors([remote_regions[j] for j in order])
+    # The peer's blocks must lie inside its registrations (one per physical chunk).
+    check_descriptors_in_chunks(remote_descs, md.registrations,
+                                what=f"remote descriptor of {md.engine_id!r}")
+    offsets = np.concatenate([[0], np.cumsum(remote_counts)[:-1]]).astype(np.int64)
+    return remote_descs, offsets, remote_counts
+
+
+def load_peer(agent: Any, engine_id: str, md: HandshakeMetadata, remote_descs: np.ndarray,
+              offsets: np.ndarray, counts: np.ndarray) -> LoadedPeer:
+    """Add the peer's NIXL agent and prepare its descriptor list; nothing stays loaded when
+    this raises (:class:`KVConnectorError`)."""
+    try:
+        name = agent.add_remote_agent(md.agent_metadata)
+    except Exception as exc:
+        raise KVConnectorError(f"{engine_id}: loading the NIXL metadata of peer "
+                               f"{md.engine_id!r} failed: {type(exc).__name__}: {exc}") from exc
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    if name != md.agent_name:
+        agent.remove_remote_agent(name)
+        raise KVConnectorError(f"peer {md.engine_id!r}: agent metadata names {name!r}, "
+                               f"the handshake says {md.agent_name!r}")
+    try:
+        prep = agent.prep_xfer_dlist(md.agent_name, remote_descs, md.memory_type)
+    except Exception as exc:
+        agent.remove_remote_agent(md.agent_name)
+        raise KVConnectorError(f"{engine_id}: preparing descriptors of peer "
+                               f"{md.engine_id!r} failed: {type(exc).__name__}: {exc}") from exc
+    return LoadedPeer(md, md.agent_name, prep, offsets, counts)
+
+
+def drop_peer(agent: Any, engine_id: str, entry: LoadedPeer) -> None:
+    """Release the peer's descriptor list and remove its remote agent (failures are logged)."""
+    if entry.prep is not None:
+        try:
+            agent.release_dlist_handle(entry.prep)
+        except Exception:  # noqa: BLE001
+            logger.warning("%s: releasing the descriptor list of %s failed", engine_id,
+                           entry.metadata.engine_id, exc_info=True)
+        entry.prep = None
+    try:
+        agent.remove_remote_agent(entry.agent_name)
+    except Exception:  # noqa: BLE001
+        logger.warning("%s: removing remote agent %s failed", engine_id,
+                       entry.agent_name, exc_info=True)
+
