@@ -52,7 +52,7 @@ DRAIN_PASSES = 3
 
 
 def drain_agent(agent: Any, engine_id: str,
-                 keep_notifs: Callable[[dict[Any, list[Any]]], int] | None = None) -> None:
+                keep_notifs: Callable[[dict[Any, list[Any]]], int] | None = None) -> None:
     """Run NIXL/UCX progress on ``agent`` until it is idle, so that no UCX operation stays queued.
 
     Why: when a READ fails half-posted (the peer died or closed its agent while NIXL was posting
