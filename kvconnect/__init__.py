@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 
 #: public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
-    "IpcError": "ipc",
+    "IpcError": "framing",
+    "PeerError": "framing",
     "PeerMapping": "ipc",
     "ExtensibleKVCache": "kv_cache",
     "KVCacheStateError": "kv_cache",
@@ -62,7 +63,8 @@ _EXPORTS: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .ipc import IpcError, PeerMapping  # noqa: F401
+    from .framing import IpcError, PeerError  # noqa: F401
+    from .ipc import PeerMapping  # noqa: F401
     from .kv_cache import ExtensibleKVCache, KVCacheStateError  # noqa: F401
     from .layout import (  # noqa: F401
         LAYOUTS,
@@ -160,6 +162,7 @@ __all__ = [
     "GrantedFlags",
     "IpcError",
     "LiveViewsError",
+    "PeerError",
     "PeerMapping",
     "UndoStack",
     "VmmDriver",
