@@ -62,16 +62,22 @@ def test_undo_stack_runs_in_reverse_on_error_and_forgets_on_success(
     assert done[-1] == "interrupted"
 
 
-def test_poll_until_backs_off_and_honours_the_deadline() -> None:
-    calls: list[float] = []
+def test_poll_until_backs_off_and_honours_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvconnect.polling as polling
 
-    def ready_on_fifth() -> str | None:
-        calls.append(time.monotonic())
-        return "done" if len(calls) == 5 else None
+    calls: list[int] = []
+    pauses: list[float] = []
+    real_sleep = time.sleep
 
-    assert poll_until(ready_on_fifth, 5.0, on_timeout=TimeoutError) == "done"
-    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
-    assert gaps[-1] > gaps[0]  # exponential back-off
+    def ready_on_sixth() -> str | None:
+        calls.append(1)
+        return "done" if len(calls) == 6 else None
+
+    monkeypatch.setattr(polling.time, "sleep", lambda s: pauses.append(s))
+    assert poll_until(ready_on_sixth, 5.0, on_timeout=TimeoutError, first_pause=1e-3,
+                      max_pause=4e-3) == "done"
+    assert pauses == pytest.approx([1e-3, 2e-3, 4e-3, 4e-3, 4e-3])  # doubling, capped
+    monkeypatch.setattr(polling.time, "sleep", real_sleep)
 
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as err:
@@ -81,3 +87,19 @@ def test_poll_until_backs_off_and_honours_the_deadline() -> None:
     for bad in (float("inf"), -1, float("nan"), None):
         with pytest.raises(ValueError, match="timeout"):
             poll_until(lambda: 1, bad, on_timeout=TimeoutError)  # type: ignore[arg-type]
+
+
+def test_framing_and_helpers_load_without_torch() -> None:
+    """The wire format, the shared helpers and the driver layer import no torch (harness
+    processes that only exchange messages need not load it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import kvconnect.framing, kvconnect.checks, kvconnect.undo, kvconnect.polling\n"
+            "import kvconnect.bounded_json, kvconnect.lifetime, kvconnect.vmm\n"
+            "from kvconnect import IpcError, PeerError, AllocationOptions, UndoStack\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..checks import MAX_BYTES, checked_int
+from ..checks import MAX_BYTES, checked_int, round_up
 from .base import (
     DEFAULT_OPTIONS,
     DLPACK_CPU,
@@ -96,7 +96,7 @@ class HostVmmDriver(VmmDriver):
         raw = _libc.mmap(None, total, _PROT_NONE, flags, -1, 0)
         if raw in (None, _MAP_FAILED):
             raise _errno_error(f"mmap(PROT_NONE, {total} bytes)")
-        base = -(-raw // align) * align
+        base = round_up(raw, align)
         head, tail = base - raw, raw + total - (base + size)
         if head:
             _libc.munmap(raw, head)
