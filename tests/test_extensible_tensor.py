@@ -492,3 +492,19 @@ def test_options_dataclass_and_older_keywords() -> None:
         ExtensibleTensor(4 * G, "cpu", options=AllocationOptions(), shareable=True)
     with pytest.raises(TypeError, match="must be a bool"):
         AllocationOptions(shareable=1)  # type: ignore[arg-type]
+
+
+def test_reservation_is_freed_once_by_release_or_by_its_last_reference() -> None:
+    from kvconnect.vmm import Reservation
+
+    drv = HostVmmDriver()
+    with Reservation(drv, 4 * G) as r:
+        assert len(_maps_overlapping(r.va, r.va + r.size)) == 1 and not r.released
+    assert r.released and _maps_overlapping(r.va, r.va + r.size) == []
+    r.release()  # idempotent
+    r2 = Reservation(drv, 4 * G)
+    va = r2.va
+    del r2  # the last reference: freed by its finalizer
+    assert _maps_overlapping(va, va + 4 * G) == []
+    with pytest.raises(ValueError, match="platform's limit"):
+        Reservation(drv, 1 << 70)

@@ -49,6 +49,12 @@ class Reservation:
         if self._finalizer.detach() is not None:
             self.driver.free_reserved(self.va, self.size)
 
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
         return f"<Reservation {self.size} bytes at {self.va:#x} on {self.driver}, {state}>"
