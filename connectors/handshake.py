@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvconnect.bounded_json import BoundedJSONError
+from kvconnect.bounded_json import loads as bounded_loads
+
 from .errors import KVConnectorError
 
 __all__ = [
@@ -333,9 +336,9 @@ class HandshakeMetadata:
         size = len(data.encode("utf-8")) if isinstance(data, str) else len(data)
         if size > max_bytes:
             raise MetadataError(f"peer metadata is {size} bytes, above the {max_bytes}-byte limit")
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
+        try:  # nesting depth and integer digits bounded: no RecursionError, no 4300-digit ints
+            doc = bounded_loads(data)
+        except BoundedJSONError as exc:
             raise MetadataError(f"peer metadata is not valid JSON: {exc}") from None
         doc = _dict(doc, "metadata")
         schema = _str(_req(doc, "schema", "metadata"), "schema")

@@ -30,8 +30,11 @@ from kvconnect.connectors.copy_ops import block_row_view, word_size
 from kvconnect.ipc import (
     IpcError,
     PeerMapping,
+    export_message,
+    import_message,
     peer_credentials,
     recv_message,
+    send_error,
     send_message,
 )
 
@@ -102,12 +105,13 @@ class IpcExportServer:
                 continue
             except OSError:
                 return
-            try:
-                with conn:
+            with conn:
+                try:
                     self._handle(conn)
-            except (IpcError, OSError, RuntimeError, ValueError) as exc:
-                log.warning("ipc export: %s", exc)
-                self.errors.append(str(exc))
+                except (IpcError, OSError, RuntimeError, ValueError) as exc:
+                    log.warning("ipc export: %s", exc)
+                    self.errors.append(str(exc))
+                    send_error(conn, exc)  # the decode sees this error, not a closed socket
 
     def _handle(self, conn: socket.socket) -> None:
         creds = peer_credentials(conn)
@@ -120,18 +124,9 @@ class IpcExportServer:
         if request.get("op") != "export":
             raise IpcError(f"unexpected request {request.get('op')!r}")
         with self._lock:
-            records, out_fds = [], []
+            message, out_fds = export_message(self.cache.tensors)
             try:
-                for ti, t in enumerate(self.cache.tensors):
-                    for ch in t.export_handles():
-                        out_fds.append(ch.fd)
-                        records.append({"tensor": ti, "segment": ch.segment,
-                                        "offset": ch.offset, "size": ch.size})
-                tensors = [{"capacity_bytes": t.capacity_bytes,
-                            "segment_capacity": t.segment_capacity}
-                           for t in self.cache.tensors]
-                send_message(conn, {"op": "chunks", "tensors": tensors, "chunks": records},
-                             out_fds)
+                send_message(conn, message, out_fds)
             finally:
                 for fd in out_fds:
                     os.close(fd)
@@ -174,17 +169,7 @@ def ipc_fetch(cache: Any, local_specs: Sequence[RegionSpec], remote_specs: Seque
         send_message(sock, {"op": "export", "pid": os.getpid()})
         reply, fds = recv_message(sock, timeout=timeout)
         try:
-            chunks = reply.get("chunks")
-            tensors = reply.get("tensors")
-            if reply.get("op") != "chunks" or not isinstance(chunks, list) \
-                    or not isinstance(tensors, list) or len(chunks) != len(fds):
-                raise IpcError(f"malformed export reply ({len(fds)} fds)")
-            for ti, tinfo in enumerate(tensors):
-                mine = [(c, fd) for c, fd in zip(chunks, fds, strict=True)
-                        if int(c["tensor"]) == ti]
-                mappings.append(PeerMapping.import_chunks(
-                    driver, int(tinfo["capacity_bytes"]), int(tinfo["segment_capacity"]),
-                    [c for c, _ in mine], [fd for _, fd in mine]))
+            mappings.extend(import_message(driver, reply, fds))  # validates every field
         finally:
             for fd in fds:
                 os.close(fd)
@@ -219,7 +204,7 @@ def ipc_fetch(cache: Any, local_specs: Sequence[RegionSpec], remote_specs: Seque
         seconds = time.perf_counter() - t0
         pairs.clear()
         return FetchResult(nbytes, seconds, f"copy:{device.type}", setup,
-                           f"{len(chunks)} chunks of {len(mappings)} tensors mapped")
+                           f"{len(reply['chunks'])} chunks of {len(mappings)} tensors mapped")
     finally:
         sock.close()
         for m in mappings:

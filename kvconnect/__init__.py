@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 
 #: public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
-    "IpcError": "ipc",
+    "IpcError": "framing",
+    "PeerError": "framing",
     "PeerMapping": "ipc",
     "ExtensibleKVCache": "kv_cache",
     "KVCacheStateError": "kv_cache",
@@ -43,11 +44,15 @@ _EXPORTS: dict[str, str] = {
     "Chunk": "tensor",
     "ExportedChunk": "tensor",
     "ExtensibleTensor": "tensor",
+    "LiveViewsError": "lifetime",
     "VmmUnavailableError": "tensor",
+    "UndoStack": "undo",
+    "poll_until": "polling",
     "CommittedRegion": "views",
     "bound_packed_storage": "views",
     "committed_regions": "views",
     "narrow_kv_caches_to_num_blocks": "views",
+    "AllocationOptions": "vmm",
     "DeviceCapabilities": "vmm",
     "GrantedFlags": "vmm",
     "VmmDriver": "vmm",
@@ -58,7 +63,8 @@ _EXPORTS: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .ipc import IpcError, PeerMapping  # noqa: F401
+    from .framing import IpcError, PeerError  # noqa: F401
+    from .ipc import PeerMapping  # noqa: F401
     from .kv_cache import ExtensibleKVCache, KVCacheStateError  # noqa: F401
     from .layout import (  # noqa: F401
         LAYOUTS,
@@ -77,6 +83,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         plan_layout,
         preset,
     )
+    from .lifetime import LiveViewsError  # noqa: F401
+    from .polling import poll_until  # noqa: F401
     from .sizing import (  # noqa: F401
         InsufficientMemoryError,
         KVSizing,
@@ -86,6 +94,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         measure_non_kv_memory_bytes,
     )
     from .tensor import Chunk, ExportedChunk, ExtensibleTensor, VmmUnavailableError  # noqa: F401
+    from .undo import UndoStack  # noqa: F401
     from .views import (  # noqa: F401
         CommittedRegion,
         bound_packed_storage,
@@ -93,6 +102,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         narrow_kv_caches_to_num_blocks,
     )
     from .vmm import (  # noqa: F401
+        AllocationOptions,
         DeviceCapabilities,
         GrantedFlags,
         VmmDriver,
@@ -145,17 +155,22 @@ __all__ = [
     "narrow_kv_caches_to_num_blocks",
     "plan_layout",
     "preset",
+    "AllocationOptions",
     "DeviceCapabilities",
     "ExportedChunk",
     "ExtensibleTensor",
     "GrantedFlags",
     "IpcError",
+    "LiveViewsError",
+    "PeerError",
     "PeerMapping",
+    "UndoStack",
     "VmmDriver",
     "VmmError",
     "VmmProbe",
     "VmmUnavailableError",
     "__version__",
     "get_vmm_driver",
+    "poll_until",
     "probe_vmm",
 ]

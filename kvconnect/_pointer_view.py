@@ -1,16 +1,30 @@
-"""Torch uint8 tensors over raw device or host pointers, sized exactly.
+"""Torch uint8 tensors over raw device or host pointers, sized exactly and tracked.
 
-The tensor's ``untyped_storage().nbytes()`` equals ``nbytes`` and the tensor keeps
-``owner`` alive, so memory cannot be unmapped by garbage collection while a view exists.
+The tensor's ``untyped_storage().nbytes()`` equals ``nbytes``. Every view's storage holds one
+:class:`ViewAnchor`, which keeps ``owner`` alive (so memory cannot be unmapped by garbage
+collection while a view exists) and sits in the owner's :class:`weakref.WeakSet`: the set
+holds exactly the anchors of views (and tensors derived from them) still referenced, which
+is how an owner knows it must not release memory under them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
+from .checks import checked_int
 from .vmm.base import DLPACK_CPU, VmmDriver
+
+
+class ViewAnchor:
+    """Referenced by one view's storage; keeps ``owner`` alive and is weakly tracked."""
+
+    __slots__ = ("owner", "__weakref__")
+
+    def __init__(self, owner: object) -> None:
+        self.owner = owner
 
 
 class _CudaArrayInterface:
@@ -28,17 +42,26 @@ class _CudaArrayInterface:
         }
 
 
-def pointer_view(ptr: int, nbytes: int, driver: VmmDriver, owner: object) -> torch.Tensor:
+def pointer_view(ptr: int, nbytes: int, driver: VmmDriver, owner: object,
+                 views: weakref.WeakSet[ViewAnchor] | None = None) -> torch.Tensor:
     """A 1-D uint8 tensor over ``nbytes`` bytes at ``ptr`` on ``driver``'s device.
 
-    ``owner`` is referenced by the tensor (host: through the ctypes buffer; GPU: through the
-    ``__cuda_array_interface__`` object), so it outlives every view.
+    ``owner`` is referenced by the tensor's storage (host: through the ctypes buffer; GPU:
+    through the ``__cuda_array_interface__`` object), so it outlives every view; ``views``,
+    if given, gets the view's anchor (it leaves the set when the last tensor sharing the
+    storage is gone).
     """
-    if nbytes <= 0:
-        raise ValueError(f"a view needs a positive byte count, got {nbytes}")
+    checked_int("view size in bytes", nbytes)
+    checked_int("view address", ptr, maximum=(1 << 64) - 1)
+    anchor = ViewAnchor(owner)
     if driver.dlpack_device_type == DLPACK_CPU:
         buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        buf._kvconnect_owner = owner  # type: ignore[attr-defined]
-        return torch.frombuffer(buf, dtype=torch.uint8)
-    driver.ensure_context()
-    return torch.as_tensor(_CudaArrayInterface(ptr, nbytes, owner), device=driver.torch_device)
+        buf._kvconnect_anchor = anchor  # type: ignore[attr-defined]
+        view = torch.frombuffer(buf, dtype=torch.uint8)
+    else:
+        driver.ensure_context()
+        view = torch.as_tensor(_CudaArrayInterface(ptr, nbytes, anchor),
+                               device=driver.torch_device)
+    if views is not None:
+        views.add(anchor)
+    return view

@@ -1,165 +1,61 @@
-"""POSIX-FD handle exchange between processes on one host, and mapping a peer's chunks.
+"""Sharing ExtensibleTensors between processes on one host: export their chunks as fds,
+map a peer's chunks with the peer's layout (:class:`PeerMapping`).
 
-Wire format (one message): an 8-byte header ``b"KVC1"`` + big-endian uint32 payload length,
-then that many bytes of UTF-8 JSON (a JSON object). File descriptors ride on the first
-``sendmsg`` as SCM_RIGHTS. Payloads are bounded (:data:`MAX_MESSAGE_BYTES`), fds too
-(:data:`MAX_FDS`). Nothing is ever unpickled.
+The wire format (frames, fds in batches, error frames, bounds) lives in the torch-free
+:mod:`kvconnect.framing`; every name of it is re-exported here, so ``from kvconnect.ipc
+import send_message`` keeps working.
 
-Sockets live in a private 0700 directory (:func:`private_socket_dir`) and the peer is
-checked with SO_PEERCRED (:func:`peer_credentials`). ``pidfd_getfd`` is never used: it needs
-ptrace permission and one PID namespace, which containers often deny.
+Export message (one JSON object plus one fd per chunk, same order)::
+
+    {"op": "chunks",
+     "tensors": [{"capacity_bytes": int, "segment_capacity": int}, ...],
+     "chunks":  [{"tensor": int, "segment": int, "offset": int, "size": int}, ...]}
+
+:func:`export_message` builds it, :func:`import_message` validates every field (a peer's
+malformed record raises :class:`IpcError`, never ``KeyError``/``TypeError``/``VmmError``) and
+maps it.
 """
 
 from __future__ import annotations
 
-import array
-import contextlib
-import json
 import os
-import shutil
-import socket
-import struct
-import tempfile
-import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ._pointer_view import pointer_view
-from .vmm import PhysicalHandle, VmmDriver
+from ._pointer_view import ViewAnchor, pointer_view
+from .checks import MAX_BYTES, checked_int
+from .framing import (
+    MAGIC,
+    MAX_FDS,
+    MAX_MESSAGE_BYTES,
+    SCM_MAX_FD,
+    IpcError,
+    PeerCredentials,
+    PeerError,
+    check_peer_uid,
+    peer_credentials,
+    private_socket_dir,
+    recv_json,
+    recv_message,
+    send_error,
+    send_message,
+)
+from .undo import UndoStack
+from .vmm import AllocationOptions, PhysicalHandle, Reservation, VmmDriver
 
-MAGIC = b"KVC1"
-_HEADER = struct.Struct(">4sI")
-#: largest JSON payload accepted from a peer (bytes)
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-#: most fds accepted with one message
-MAX_FDS = 1024
+__all__ = [
+    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "IpcError", "PeerCredentials",
+    "PeerError", "PeerMapping", "check_peer_uid", "export_message", "import_message",
+    "peer_credentials", "private_socket_dir", "recv_json", "recv_message", "send_error",
+    "send_message",
+]
 
-
-class IpcError(RuntimeError):
-    """A peer sent something malformed, closed the socket, or did not answer in time."""
-
-
-@dataclass(frozen=True)
-class PeerCredentials:
-    pid: int
-    uid: int
-    gid: int
-
-
-@contextlib.contextmanager
-def private_socket_dir(prefix: str = "kvconnect-") -> Iterator[str]:
-    """A fresh 0700 directory for Unix sockets, removed on exit."""
-    path = tempfile.mkdtemp(prefix=prefix)
-    try:
-        os.chmod(path, 0o700)
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def peer_credentials(sock: socket.socket) -> PeerCredentials:
-    """The connected peer's pid/uid/gid (SO_PEERCRED)."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return PeerCredentials(pid, uid, gid)
-
-
-def check_peer_uid(sock: socket.socket, uid: int | None = None) -> PeerCredentials:
-    """Raise IpcError unless the peer runs as ``uid`` (default: our own uid)."""
-    creds = peer_credentials(sock)
-    want = os.getuid() if uid is None else uid
-    if creds.uid != want:
-        raise IpcError(f"peer pid {creds.pid} runs as uid {creds.uid}, expected uid {want}")
-    return creds
-
-
-def _deadline_left(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise IpcError("timed out waiting for the peer")
-    return left
-
-
-def send_message(sock: socket.socket, payload: dict, fds: Sequence[int] = ()) -> None:
-    """Send one JSON object (and optional fds, which stay owned by the caller)."""
-    if len(fds) > MAX_FDS:
-        raise ValueError(f"at most {MAX_FDS} fds per message, got {len(fds)}")
-    body = json.dumps(payload, separators=(",", ":")).encode()
-    if len(body) > MAX_MESSAGE_BYTES:
-        raise ValueError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    data = _HEADER.pack(MAGIC, len(body)) + body
-    if fds:
-        sent = socket.send_fds(sock, [data], list(fds))
-    else:
-        sent = sock.send(data)
-    if sent < len(data):
-        sock.sendall(data[sent:])
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        sock.settimeout(_deadline_left(deadline))
-        try:
-            chunk = sock.recv(n - len(buf))
-        except TimeoutError:
-            raise IpcError("timed out waiting for the peer") from None
-        if not chunk:
-            raise IpcError("peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_message(
-    sock: socket.socket, timeout: float | None = None, max_fds: int = MAX_FDS
-) -> tuple[dict, list[int]]:
-    """Receive one message: ``(payload, fds)``. The caller owns the returned fds.
-
-    Raises IpcError on timeout, a closed peer, a bad header, an oversized or non-object payload.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    sock.settimeout(_deadline_left(deadline))
-    fds_arr = array.array("i")
-    try:
-        msg, anc, flags, _ = sock.recvmsg(
-            _HEADER.size, socket.CMSG_SPACE(max_fds * fds_arr.itemsize)
-        )
-    except TimeoutError:
-        raise IpcError("timed out waiting for the peer") from None
-    fds: list[int] = []
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            usable = len(data) - len(data) % fds_arr.itemsize
-            fds_arr.frombytes(data[:usable])
-    fds = list(fds_arr)
-    try:
-        if flags & socket.MSG_CTRUNC:
-            raise IpcError(f"peer sent more than {max_fds} fds")
-        if not msg:
-            raise IpcError("peer closed the connection")
-        if len(msg) < _HEADER.size:
-            msg += _recv_exact(sock, _HEADER.size - len(msg), deadline)
-        magic, length = _HEADER.unpack(msg)
-        if magic != MAGIC:
-            raise IpcError(f"bad message header {magic!r} (not a kvconnect peer?)")
-        if length > MAX_MESSAGE_BYTES:
-            raise IpcError(f"peer announced {length} bytes, over the {MAX_MESSAGE_BYTES} limit")
-        body = _recv_exact(sock, length, deadline)
-        try:
-            payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise IpcError(f"peer sent invalid JSON: {exc}") from None
-        if not isinstance(payload, dict):
-            raise IpcError(f"peer sent a JSON {type(payload).__name__}, expected an object")
-        return payload, fds
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
+#: most tensors one export message may describe
+MAX_EXPORTED_TENSORS = 1 << 16
 
 
 @dataclass
@@ -169,23 +65,55 @@ class _ImportedChunk:
     handle: PhysicalHandle
 
 
+def _peer_int(what: str, value: object, *, minimum: int = 0, maximum: int = MAX_BYTES) -> int:
+    """A peer's integer field, or IpcError naming it."""
+    try:
+        return checked_int(what, value, minimum=minimum, maximum=maximum)
+    except ValueError as exc:
+        raise IpcError(f"peer sent a bad {exc}") from None
+
+
+def _peer_chunk(index: int, rec: object, capacity_bytes: int, segment_capacity: int,
+                granularity: int) -> tuple[int, int]:
+    """``(start, size)`` in reservation bytes of a peer's chunk record, or IpcError."""
+    if not isinstance(rec, dict):
+        raise IpcError(f"chunk record {index} is a {type(rec).__name__}, not an object")
+    missing = {"segment", "offset", "size"} - rec.keys()
+    if missing:
+        raise IpcError(f"chunk record {index} lacks {sorted(missing)}")
+    num_segments = capacity_bytes // segment_capacity
+    seg = _peer_int(f"chunk {index} segment", rec["segment"], maximum=num_segments - 1)
+    off = _peer_int(f"chunk {index} offset", rec["offset"], maximum=segment_capacity - 1)
+    size = _peer_int(f"chunk {index} size", rec["size"], minimum=1,
+                     maximum=segment_capacity - off)
+    if off % granularity or size % granularity:
+        raise IpcError(f"chunk record {index} (offset {off}, size {size}) is not aligned to the "
+                       f"{granularity}-byte granularity")
+    return seg * segment_capacity + off, size
+
+
 class PeerMapping:
     """A peer's exported chunks mapped into a local reservation with the peer's layout.
 
     Byte ``x`` of the peer's reservation appears at ``base_ptr + x``, so a peer address
     ``a`` translates to ``base_ptr + (a - peer_base_ptr)``. Owns its reservation and
-    imported handles; :meth:`close` releases them (idempotent).
+    imported handles; :meth:`close` releases them (idempotent). Views from :meth:`view` hold
+    the reservation: after :meth:`close` the addresses stay reserved until the last view is
+    gone, so a stale view faults instead of reaching a later mapping.
     """
 
     def __init__(self, driver: VmmDriver, capacity_bytes: int, segment_capacity: int,
                  access_devices: Sequence[int] = ()) -> None:
         self.driver = driver
-        self.access_devices = tuple(access_devices)
-        self.capacity_bytes = capacity_bytes
-        self.segment_capacity = segment_capacity
-        driver.ensure_context()
-        self.base_ptr = driver.reserve(capacity_bytes)
+        self.access_devices = tuple(checked_int("access device", d, minimum=0, maximum=1 << 16)
+                                    for d in access_devices)
+        self.capacity_bytes = checked_int("capacity_bytes", capacity_bytes)
+        self.segment_capacity = checked_int("segment_capacity", segment_capacity,
+                                            maximum=capacity_bytes)
+        self._reservation: Reservation | None = Reservation(driver, capacity_bytes)
+        self.base_ptr = self._reservation.va
         self._chunks: list[_ImportedChunk] = []
+        self._views: weakref.WeakSet[ViewAnchor] = weakref.WeakSet()
         self._closed = False
 
     @classmethod
@@ -194,56 +122,81 @@ class PeerMapping:
         driver: VmmDriver,
         capacity_bytes: int,
         segment_capacity: int,
-        chunks: Sequence[dict],
+        chunks: Sequence[Any],
         fds: Sequence[int],
         access_devices: Sequence[int] = (),
     ) -> PeerMapping:
         """Map chunks described as ``{"segment", "offset", "size"}`` (one fd each, same order).
 
-        ``access_devices`` are peer GPUs that also get access (e.g. the exporter's device, so
-        copies driven from either side work). Validates every record against the capacity
-        before mapping; on any failure nothing stays mapped. The fds remain owned by the caller.
+        Every value may come from a peer: each is checked (an int in range, chunks inside
+        their segment and the reservation, aligned, not overlapping) before anything is
+        reserved, and any violation, or an fd that cannot be imported as the size its record
+        claims, raises :class:`IpcError`. ``access_devices`` are peer GPUs that also get
+        access (e.g. the exporter's device, so copies driven from either side work). On any
+        failure nothing stays mapped. The fds remain owned by the caller.
         """
+        capacity_bytes = _peer_int("capacity_bytes", capacity_bytes, minimum=1)
+        segment_capacity = _peer_int("segment_capacity", segment_capacity, minimum=1,
+                                     maximum=capacity_bytes)
+        if capacity_bytes % segment_capacity:
+            raise IpcError(f"bad peer geometry: capacity {capacity_bytes} bytes is not a "
+                           f"whole number of {segment_capacity}-byte segments")
+        if not isinstance(chunks, Sequence) or isinstance(chunks, (str, bytes)):
+            raise IpcError(f"chunk records must be a list, got {type(chunks).__name__}")
         if len(chunks) != len(fds):
             raise IpcError(f"{len(chunks)} chunk records but {len(fds)} fds")
-        if segment_capacity <= 0 or capacity_bytes % segment_capacity:
-            raise IpcError(f"bad peer geometry: capacity {capacity_bytes}, segment {segment_capacity}")
+        granularity = driver.granularity(AllocationOptions(shareable=True))
+        if capacity_bytes % granularity or segment_capacity % granularity:
+            raise IpcError(f"bad peer geometry: capacity {capacity_bytes} and segment "
+                           f"{segment_capacity} bytes must be multiples of {granularity}")
+        spans = [_peer_chunk(i, rec, capacity_bytes, segment_capacity, granularity)
+                 for i, rec in enumerate(chunks)]
+        ordered = sorted(spans)
+        for (a, a_size), (b, _) in zip(ordered, ordered[1:], strict=False):
+            if a + a_size > b:
+                raise IpcError(f"peer chunks overlap: [{a}, {a + a_size}) and one at {b}")
         mapping = cls(driver, capacity_bytes, segment_capacity, access_devices)
-        try:
-            for rec, fd in zip(chunks, fds, strict=True):
-                seg, off, size = (int(rec["segment"]), int(rec["offset"]), int(rec["size"]))
-                start = seg * segment_capacity + off
-                if seg < 0 or off < 0 or size <= 0 or off + size > segment_capacity \
-                        or start + size > capacity_bytes:
-                    raise IpcError(f"chunk record {rec} lies outside the peer's reservation")
-                mapping._map(start, size, fd)
-        except BaseException:
-            mapping.close()
-            raise
+        with UndoStack() as undo:
+            undo.push(mapping.close)
+            for i, ((start, size), fd) in enumerate(zip(spans, fds, strict=True)):
+                mapping._map(i, start, size, fd)
         return mapping
 
-    def _map(self, offset: int, size: int, fd: int) -> None:
-        handle = self.driver.import_fd(fd, size)
-        va = self.base_ptr + offset
+    def _map(self, index: int, offset: int, size: int, fd: int) -> None:
         try:
+            handle = self.driver.import_fd(fd, size)
+        except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: VmmError
+            raise IpcError(f"chunk {index}: the peer's fd cannot be imported as {size} bytes: "
+                           f"{exc}") from exc
+        va = self.base_ptr + offset
+        with UndoStack() as undo:
+            undo.push(self.driver.release, handle)
             self.driver.map(va, size, handle)
-        except BaseException:
-            self.driver.release(handle)
-            raise
+            undo.push(self.driver.unmap, va, size)
+            self.driver.set_access(va, size, self.access_devices)
         self._chunks.append(_ImportedChunk(va, size, handle))
-        self.driver.set_access(va, size, self.access_devices)
+
+    @property
+    def live_views(self) -> int:
+        """Views from :meth:`view` (and tensors derived from them) still referenced."""
+        return len(self._views)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """uint8 tensor of ``nbytes`` at reservation offset ``offset``; must lie in one chunk."""
         if self._closed:
             raise RuntimeError("PeerMapping used after close()")
+        checked_int("view offset in bytes", offset, minimum=0, maximum=self.capacity_bytes)
+        checked_int("view size in bytes", nbytes, maximum=self.capacity_bytes)
         addr = self.base_ptr + offset
         for c in self._chunks:
             if c.va <= addr and addr + nbytes <= c.va + c.size:
-                return pointer_view(addr, nbytes, self.driver, self)
+                return pointer_view(addr, nbytes, self.driver, (self, self._reservation),
+                                    self._views)
         raise ValueError(f"range [{offset}, {offset + nbytes}) is not inside one imported chunk")
 
     def close(self) -> None:
+        """Unmap and release the imported chunks and free the reservation (idempotent); the
+        reservation outlives this call while views are referenced (they then fault)."""
         if self._closed:
             return
         self._closed = True
@@ -254,7 +207,9 @@ class PeerMapping:
                 c = self._chunks.pop()
                 self.driver.unmap_and_release(c.va, c.size, c.handle)
         finally:
-            self.driver.free_reserved(self.base_ptr, self.capacity_bytes)
+            reservation, self._reservation = self._reservation, None
+            if reservation is not None and not self._views:
+                reservation.release()
 
     def __enter__(self) -> PeerMapping:
         return self
@@ -267,3 +222,61 @@ class PeerMapping:
             self.close()
         except Exception:
             pass
+
+
+# -- the export message ----------------------------------------------------------------------
+def export_message(tensors: Sequence[Any]) -> tuple[dict[str, Any], list[int]]:
+    """The export message for ``tensors`` (ExtensibleTensors created shareable) and its fds,
+    one per chunk in record order. The caller owns the fds (close them after sending); on
+    failure none stays open."""
+    records: list[dict[str, int]] = []
+    fds: list[int] = []
+    with UndoStack() as undo:
+        for ti, t in enumerate(tensors):
+            for ch in t.export_handles():
+                undo.push(os.close, ch.fd)
+                fds.append(ch.fd)
+                records.append({"tensor": ti, "segment": ch.segment, "offset": ch.offset,
+                                "size": ch.size})
+    info = [{"capacity_bytes": t.capacity_bytes, "segment_capacity": t.segment_capacity}
+            for t in tensors]
+    return {"op": "chunks", "tensors": info, "chunks": records}, fds
+
+
+def import_message(driver: VmmDriver, message: Any, fds: Sequence[int],
+                   access_devices: Sequence[int] = ()) -> list[PeerMapping]:
+    """Map every tensor of a peer's export message (one :class:`PeerMapping` each, in the
+    peer's tensor order). Every field is validated; anything malformed raises
+    :class:`IpcError` and nothing stays mapped. The fds remain owned by the caller; the
+    returned mappings are the caller's to close."""
+    if not isinstance(message, dict) or message.get("op") != "chunks":
+        raise IpcError("malformed export message: expected an object with op 'chunks'")
+    tensors, chunks = message.get("tensors"), message.get("chunks")
+    if not isinstance(tensors, list) or not isinstance(chunks, list):
+        raise IpcError("malformed export message: 'tensors' and 'chunks' must be lists")
+    if len(tensors) > MAX_EXPORTED_TENSORS:
+        raise IpcError(f"export message lists {len(tensors)} tensors (limit "
+                       f"{MAX_EXPORTED_TENSORS})")
+    if len(chunks) != len(fds):
+        raise IpcError(f"export message has {len(chunks)} chunk records but {len(fds)} fds")
+    if chunks and not tensors:
+        raise IpcError(f"export message has {len(chunks)} chunk records but no tensors")
+    per_tensor: list[tuple[list[Any], list[int]]] = [([], []) for _ in tensors]
+    for i, (rec, fd) in enumerate(zip(chunks, fds, strict=True)):
+        if not isinstance(rec, dict) or "tensor" not in rec:
+            raise IpcError(f"chunk record {i} is not an object with a 'tensor' field")
+        ti = _peer_int(f"chunk {i} tensor index", rec["tensor"], maximum=len(tensors) - 1)
+        per_tensor[ti][0].append(rec)
+        per_tensor[ti][1].append(fd)
+    mappings: list[PeerMapping] = []
+    with UndoStack() as undo:
+        for ti, (info, (recs, tfds)) in enumerate(zip(tensors, per_tensor, strict=True)):
+            if not isinstance(info, dict) or not {"capacity_bytes", "segment_capacity"} <= \
+                    info.keys():
+                raise IpcError(f"tensor {ti} must be an object with capacity_bytes and "
+                               "segment_capacity")
+            m = PeerMapping.import_chunks(driver, info["capacity_bytes"],
+                                          info["segment_capacity"], recs, tfds, access_devices)
+            undo.push(m.close)
+            mappings.append(m)
+    return mappings

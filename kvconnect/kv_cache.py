@@ -4,14 +4,14 @@ One :class:`~kvconnect.tensor.ExtensibleTensor` per KV cache tensor of the confi
 the packed layout), with the segment count its physical layout needs (K/V split: 2, each a
 block prefix; block-major, MLA, Mamba, packed: 1). The commit protocol::
 
-    cache = ExtensibleKVCache(cfg, "cuda:0", shareable=True)
+    cache = ExtensibleKVCache(cfg, "cuda:0", options=AllocationOptions(shareable=True))
     cache.allocate()                    # reserve capacity, commit 1 block per segment
     graphs = capture(cache.kv_caches()) # pointer-stable views over the whole reservation
     cache.ensure_kv_cache_blocks(n)     # the prefix warm-up touches
     cache.extend_kv_cache(final)        # the final size; one physical allocation per segment
     regions = cache.committed_regions() # register these (and only these) with a connector
     cache.release_physical(); cache.recommit()   # sleep / wake: zeroed, same addresses
-    cache.free()
+    cache.close()                       # refused while views are referenced: close(force=True)
 
 Units: blocks are logical blocks of the config; bytes unless a name says blocks.
 """
@@ -24,10 +24,13 @@ from typing import Any
 
 import torch
 
+from .checks import checked_int, round_up
 from .layout import KVCacheConfig, LayoutPlan, build_kv_caches, plan_layout
+from .lifetime import Closeable, LiveViewsError
 from .tensor import ExtensibleTensor
+from .undo import UndoStack
 from .views import CommittedRegion, committed_regions, narrow_kv_caches_to_num_blocks
-from .vmm import VmmDriver, parse_device
+from .vmm import AllocationOptions, VmmDriver, parse_device
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +41,8 @@ DEFAULT_CAPACITY_FACTOR = 4
 
 
 class KVCacheStateError(RuntimeError):
-    """An operation that the cache's current state (not allocated, released, final, freed)
+    """An operation that the cache's current state (not allocated, released, final, closed)
     does not allow; the message says which state and what to call."""
-
-
-def _positive_blocks(what: str, n: object) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{what} must be a positive int number of blocks, got {n!r}")
-    return n
 
 
 def capacity_step_blocks(plan: LayoutPlan, granule: int) -> int:
@@ -58,30 +55,32 @@ def capacity_step_blocks(plan: LayoutPlan, granule: int) -> int:
     return step
 
 
-class ExtensibleKVCache:
+class ExtensibleKVCache(Closeable):
     """A KV cache whose tensors keep their addresses while their committed block count grows.
 
     ``capacity_blocks`` (default: ``DEFAULT_CAPACITY_FACTOR * cfg.num_blocks``) is rounded up
     so every segment's capacity is a granule multiple; the reservation is virtual. The
     geometry at ``capacity_blocks`` committed blocks equals an ordinary allocation of the
     same layout with that many blocks (:func:`kvconnect.layout.allocate_kv_caches`).
-    ``device`` is ``"cpu"`` (host VMM backend), ``"cuda:N"`` or a VmmDriver.
+    ``device`` is ``"cpu"`` (host VMM backend), ``"cuda:N"`` or a VmmDriver. ``options``
+    (:class:`~kvconnect.vmm.AllocationOptions`) is what every tensor's physical memory is
+    requested with; the ``shareable=``/``rdma_capable=`` keywords are the older spelling.
     """
 
     def __init__(self, cfg: KVCacheConfig, device: Any = "cpu",
-                 capacity_blocks: int | None = None, shareable: bool = False,
-                 rdma_capable: bool = False) -> None:
+                 capacity_blocks: int | None = None, shareable: bool | None = None,
+                 rdma_capable: bool | None = None, *,
+                 options: AllocationOptions | None = None) -> None:
         self._plan = plan_layout(cfg)
         self._config = cfg
         self._device_arg = device
-        self._shareable = bool(shareable)
-        self._rdma_capable = bool(rdma_capable)
-        self._granule = ExtensibleTensor.commit_granule(device, shareable=shareable,
-                                                        rdma_capable=rdma_capable)
+        self._options = AllocationOptions.resolve(options, shareable=shareable,
+                                                  rdma_capable=rdma_capable)
+        self._granule = ExtensibleTensor.commit_granule(device, self._options)
         wanted = (DEFAULT_CAPACITY_FACTOR * cfg.num_blocks if capacity_blocks is None
-                  else _positive_blocks("capacity_blocks", capacity_blocks))
+                  else checked_int("capacity_blocks", capacity_blocks))
         step = capacity_step_blocks(self._plan, self._granule)
-        self._capacity_blocks = -(-wanted // step) * step
+        self._capacity_blocks = round_up(wanted, step)
         if self._capacity_blocks != wanted:
             logger.debug("capacity_blocks %d rounded up to %d (multiple of %d blocks keeps "
                          "every segment a %d-byte granule multiple)", wanted,
@@ -91,7 +90,7 @@ class ExtensibleKVCache:
         self._num_blocks = 0
         self._final = False
         self._released = False
-        self._freed = False
+        self._closed = False
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -130,6 +129,11 @@ class ExtensibleKVCache:
                 for _ in range(tp.num_segments)]
 
     @property
+    def options(self) -> AllocationOptions:
+        """What every tensor's physical memory is requested with."""
+        return self._options
+
+    @property
     def granule(self) -> int:
         """Bytes every segment commit rounds up to."""
         return self._granule
@@ -145,7 +149,11 @@ class ExtensibleKVCache:
 
     @property
     def is_allocated(self) -> bool:
-        return bool(self._tensors) and not self._freed
+        return bool(self._tensors) and not self._closed
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
 
     @property
     def is_final(self) -> bool:
@@ -173,25 +181,21 @@ class ExtensibleKVCache:
     # -- lifecycle -------------------------------------------------------------------------
     def allocate(self) -> None:
         """Reserve ``capacity_blocks`` for every KV tensor and commit one block per segment.
-        On failure everything reserved so far is freed."""
-        if self._freed:
-            raise KVCacheStateError("allocate() after free(): build a new ExtensibleKVCache")
+        On failure everything reserved so far is released."""
+        if self._closed:
+            raise KVCacheStateError("allocate() after close(): build a new ExtensibleKVCache")
         if self._tensors:
             raise KVCacheStateError("allocate() called twice")
         made: list[ExtensibleTensor] = []
-        try:
+        with UndoStack() as undo:
             for tp in self._plan.tensors:
                 t = ExtensibleTensor(self._capacity_blocks * tp.bytes_per_block,
                                      self._device_arg, num_segments=tp.num_segments,
-                                     shareable=self._shareable, rdma_capable=self._rdma_capable)
+                                     options=self._options)
+                undo.push(t.close, force=True)
                 made.append(t)
                 t.commit(tp.segment_bytes_per_block)
-            kv = build_kv_caches(self._plan, [t.full_view() for t in made],
-                                 self._capacity_blocks)
-        except BaseException:
-            for t in made:
-                t.free()
-            raise
+            kv = self._build_views(made)
         self._tensors = made
         self._kv_caches = kv
         self._num_blocks = 1
@@ -201,7 +205,7 @@ class ExtensibleKVCache:
         smaller count is a no-op. Raises past ``capacity_blocks`` or after the final commit;
         a failed commit leaves ``num_blocks`` and every mapping as they were."""
         self._check_ready()
-        num_blocks = _positive_blocks("num_blocks", num_blocks)
+        num_blocks = checked_int("num_blocks", num_blocks)
         if num_blocks <= self._num_blocks:
             return
         if self._final:
@@ -221,7 +225,7 @@ class ExtensibleKVCache:
         Register with connectors only after this returns.
         """
         self._check_ready()
-        num_blocks = _positive_blocks("num_blocks", num_blocks)
+        num_blocks = checked_int("num_blocks", num_blocks)
         if self._final:
             if num_blocks == self._num_blocks:
                 return
@@ -299,21 +303,33 @@ class ExtensibleKVCache:
                 t.release_physical()  # a no-op for a tensor already released
             raise
 
-    def free(self) -> None:
-        """Release everything (idempotent). Views from :meth:`kv_caches` keep the
-        reservations alive until they are dropped, but touching them is undefined."""
-        if self._freed:
+    def close(self, *, force: bool = False) -> None:
+        """Release every tensor (idempotent).
+
+        Refused with :class:`~kvconnect.lifetime.LiveViewsError` (nothing released, the cache
+        stays usable) while views handed out (:meth:`kv_caches`, :meth:`narrowed_kv_caches`,
+        :meth:`region_view`, a tensor's views, or tensors derived from any of them) are still
+        referenced outside the cache. ``force=True`` releases the physical memory anyway and
+        keeps the address ranges reserved until the last view is gone: a stale view faults
+        instead of reaching a later allocation.
+        """
+        if self._closed:
             return
-        self._freed = True
-        self._kv_caches = None
-        for t in self._tensors:
-            t.free()
-
-    def __enter__(self) -> ExtensibleKVCache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.free()
+        self._kv_caches = None  # the cache's own views; what is left is held by others
+        live = sum(t.live_views for t in self._tensors)
+        if live and not force:
+            self._kv_caches = self._build_views(self._tensors)
+            raise LiveViewsError("KV cache", live,
+                                 "kv_caches()/narrowed_kv_caches()/region_view()")
+        self._closed = True
+        first_error: Exception | None = None
+        for t in self._tensors:  # every tensor is closed even if one fails
+            try:
+                t.close(force=True)
+            except Exception as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
     # -- views -----------------------------------------------------------------------------
     def kv_caches(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
@@ -349,6 +365,11 @@ class ExtensibleKVCache:
         return t.committed_view(region.base_ptr - t.base_ptr, region.span)
 
     # -- internals -------------------------------------------------------------------------
+    def _build_views(self, tensors: list[ExtensibleTensor]
+                     ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        return build_kv_caches(self._plan, [t.full_view() for t in tensors],
+                               self._capacity_blocks)
+
     def _check_region(self, r: CommittedRegion) -> ExtensibleTensor:
         if not 0 <= r.tensor_index < len(self._tensors):
             raise ValueError(f"region {r.layer_name}/{r.part}: tensor_index {r.tensor_index} "
@@ -373,19 +394,15 @@ class ExtensibleKVCache:
 
     def _grow(self, num_blocks: int) -> None:
         self._check_capacity(num_blocks)
-        before = [t.committed_bytes for t in self._tensors]
-        try:
+        with UndoStack() as undo:
             for t, tp in zip(self._tensors, self._plan.tensors, strict=True):
+                undo.push(t.shrink_to, t.committed_bytes)
                 t.commit(num_blocks * tp.segment_bytes_per_block)
-        except BaseException:
-            for t, sizes in zip(self._tensors, before, strict=True):
-                t.shrink_to(sizes)
-            raise
         self._num_blocks = num_blocks
 
     def _check_alive(self) -> None:
-        if self._freed:
-            raise KVCacheStateError("the KV cache was freed")
+        if self._closed:
+            raise KVCacheStateError("the KV cache was closed")
         if not self._tensors:
             raise KVCacheStateError("the KV cache is not allocated: call allocate() first")
 

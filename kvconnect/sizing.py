@@ -19,6 +19,8 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .checks import checked_int, round_up
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -51,18 +53,6 @@ class KVSizing:
     capped: bool = False
 
 
-def _nonneg_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int number of bytes, got {value!r}")
-    return value
-
-
-def _pos_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _fmt(nbytes: int) -> str:
     if nbytes >= 2**30:
         return f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB)"
@@ -71,17 +61,13 @@ def _fmt(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def committed_bytes_for_blocks(num_blocks: int, segment_bytes_per_block: Sequence[int],
                                granule: int = 1) -> int:
     """Bytes mapped when every segment commits ``num_blocks`` blocks, each segment rounded up
     to ``granule`` (``ExtensibleKVCache.segment_bytes_per_block`` and ``.granule``)."""
-    _nonneg_int("num_blocks", num_blocks)
-    _pos_int("granule", granule)
-    return sum(_round_up(num_blocks * _pos_int("segment bytes per block", s), granule)
+    checked_int("num_blocks", num_blocks, minimum=0)
+    checked_int("granule", granule)
+    return sum(round_up(num_blocks * checked_int("segment bytes per block", s), granule)
                for s in segment_bytes_per_block)
 
 
@@ -116,7 +102,7 @@ def _fit(budget: int, bytes_per_block: int, segments: Sequence[int] | None, gran
                 hi = mid - 1
         n = lo
     capped = False
-    if capacity_blocks is not None and n > _pos_int("capacity_blocks", capacity_blocks):
+    if capacity_blocks is not None and n > checked_int("capacity_blocks", capacity_blocks):
         warnings.warn(f"the memory budget fits {n} KV blocks but the reservation holds "
                       f"{capacity_blocks}; committing {capacity_blocks} (reserve more to use "
                       f"the rest)", stacklevel=3)
@@ -139,12 +125,12 @@ def blocks_for_utilization(total_memory_bytes: int, utilization: float,
     Raises ValueError for a utilization outside (0, 1] and
     :class:`InsufficientMemoryError` (saying how many bytes are missing) when no block fits.
     """
-    total = _pos_int("total_memory_bytes", total_memory_bytes)
+    total = checked_int("total_memory_bytes", total_memory_bytes)
     if not isinstance(utilization, (int, float)) or isinstance(utilization, bool) or not (
             0.0 < float(utilization) <= 1.0):
         raise ValueError(f"utilization must be a fraction in (0, 1], got {utilization!r}")
-    non_kv = _nonneg_int("non_kv_memory_bytes", non_kv_memory_bytes)
-    bpb = _pos_int("bytes_per_block", bytes_per_block)
+    non_kv = checked_int("non_kv_memory_bytes", non_kv_memory_bytes, minimum=0)
+    bpb = checked_int("bytes_per_block", bytes_per_block)
     usable = int(total * float(utilization))
     budget = usable - non_kv
     what = (f"utilization {utilization} of {total} bytes ({usable} usable) minus "
@@ -159,8 +145,8 @@ def blocks_for_kv_cache_memory_bytes(kv_cache_memory_bytes: int, bytes_per_block
                                      capacity_blocks: int | None = None) -> KVSizing:
     """One-pass sizing: the blocks that ``kv_cache_memory_bytes`` holds, committed as-is
     (no warm-up measurement adjusts it). Granule rounding counts when segments are given."""
-    budget = _nonneg_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
-    bpb = _pos_int("bytes_per_block", bytes_per_block)
+    budget = checked_int("kv_cache_memory_bytes", kv_cache_memory_bytes, minimum=0)
+    bpb = checked_int("bytes_per_block", bytes_per_block)
     return _fit(budget, bpb, segment_bytes_per_block, granule, capacity_blocks,
                 f"kv_cache_memory_bytes={budget}", "kv_cache_memory_bytes")
 
@@ -177,7 +163,7 @@ def measure_non_kv_memory_bytes(device: object = "cuda:0", kv_committed_bytes: i
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     if dev.type != "cuda":
         raise ValueError(f"measure_non_kv_memory_bytes measures CUDA memory, got {dev}")
-    kv = _nonneg_int("kv_committed_bytes", kv_committed_bytes)
+    kv = checked_int("kv_committed_bytes", kv_committed_bytes, minimum=0)
     torch.cuda.synchronize(dev)
     free, total = torch.cuda.mem_get_info(dev)
     used = total - free

@@ -6,14 +6,21 @@ commits a prefix that only grows. Pointers never move across commit, release and
 
 Typical life (the extensible KV cache's protocol)::
 
-    t = ExtensibleTensor(capacity, "cuda:0", num_segments=2, shareable=True)
+    t = ExtensibleTensor(capacity, "cuda:0", num_segments=2,
+                         options=AllocationOptions(shareable=True))
     t.commit(one_block)            # before warm-up / graph capture
     t.commit(warmup_prefix)
     t.commit(final_size, single_handle=True)   # one physical allocation per segment
                                                # (UCX, ucx #11283), warm-up chunks released
     ... register with a connector ...
     t.release_physical(); t.recommit()   # sleep / wake (zeroed pages, same addresses)
-    t.free()
+    t.close()                      # refused while views are referenced (LiveViewsError)
+
+Every view this tensor hands out is tracked (weakly): :meth:`close` refuses while one is
+referenced, and ``close(force=True)`` (what leaving a ``with`` block and the deprecated
+:meth:`free` do) releases the physical memory at once but keeps the address range reserved
+until the last view is gone, so a stale view faults instead of reaching whatever is mapped
+there next.
 """
 
 from __future__ import annotations
@@ -21,12 +28,16 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ._pointer_view import pointer_view
-from .vmm import GrantedFlags, PhysicalHandle, VmmDriver, probe_vmm, round_up
+from ._pointer_view import ViewAnchor, pointer_view
+from .checks import checked_int, round_up
+from .lifetime import Closeable, LiveViewsError
+from .undo import UndoStack
+from .vmm import AllocationOptions, GrantedFlags, PhysicalHandle, Reservation, VmmDriver, probe_vmm
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +79,20 @@ class _Mapped:
 
 @dataclass
 class _State:
-    """Everything that must be released; owned by one ExtensibleTensor (and its finalizer)."""
+    """Everything that must be released; owned by one ExtensibleTensor (and its finalizer).
+
+    ``views`` holds the anchors of the views handed out and still referenced; each anchor
+    also holds the reservation, which is therefore freed only when both this state and the
+    last view have let go of it.
+    """
 
     driver: VmmDriver
+    reservation: Reservation | None
     base_ptr: int
     capacity_bytes: int
     chunks: list[list[_Mapped]] = field(default_factory=list)
-    freed: bool = False
+    views: weakref.WeakSet[ViewAnchor] = field(default_factory=weakref.WeakSet)
+    closed: bool = False
 
     def unmap_all(self) -> None:
         if any(self.chunks):
@@ -84,14 +102,18 @@ class _State:
                 m = seg.pop()
                 self.driver.unmap_and_release(m.va, m.size, m.handle)
 
-    def free(self) -> None:
-        if self.freed:
+    def close(self) -> None:
+        """Unmap and release every chunk; free the reservation now unless a view still
+        holds it (then it goes with the last view). Idempotent."""
+        if self.closed:
             return
-        self.freed = True
+        self.closed = True
         try:
             self.unmap_all()
         finally:
-            self.driver.free_reserved(self.base_ptr, self.capacity_bytes)
+            reservation, self.reservation = self.reservation, None
+            if reservation is not None and not self.views:
+                reservation.release()
 
 
 def _resolve_driver(device: object) -> VmmDriver:
@@ -106,20 +128,14 @@ def _resolve_driver(device: object) -> VmmDriver:
     return probe.driver
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of bytes, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
-class ExtensibleTensor:
+class ExtensibleTensor(Closeable):
     """A VA reservation of ``capacity_bytes`` in ``num_segments`` equal segments, each
     committing a grow-only prefix of physical memory.
 
-    ``shareable`` requests POSIX-FD exportable allocations (CUDA IPC, :meth:`export_handles`);
-    ``rdma_capable`` requests GPUDirect-RDMA-capable ones. Flags the device cannot grant are
+    ``options`` (:class:`~kvconnect.vmm.AllocationOptions`) says what the physical memory is
+    requested with: ``shareable`` for POSIX-FD exportable allocations (CUDA IPC,
+    :meth:`export_handles`), ``rdma_capable`` for GPUDirect-RDMA-capable ones. The older
+    ``shareable=``/``rdma_capable=`` keywords still work. Flags the device cannot grant are
     dropped with a warning; :attr:`granted` says what every chunk really has.
     """
 
@@ -129,13 +145,16 @@ class ExtensibleTensor:
         device: object = "cpu",
         *,
         num_segments: int = 1,
-        shareable: bool = False,
-        rdma_capable: bool = False,
+        options: AllocationOptions | None = None,
+        shareable: bool | None = None,
+        rdma_capable: bool | None = None,
     ) -> None:
-        capacity_bytes = _positive_int("capacity_bytes", capacity_bytes)
-        num_segments = _positive_int("num_segments", num_segments)
+        capacity_bytes = checked_int("capacity_bytes", capacity_bytes)
+        num_segments = checked_int("num_segments", num_segments, maximum=capacity_bytes)
+        options = AllocationOptions.resolve(options, shareable=shareable,
+                                            rdma_capable=rdma_capable)
         driver = _resolve_driver(device)
-        granule = self.commit_granule(driver, shareable=shareable, rdma_capable=rdma_capable)
+        granule = self.commit_granule(driver, options)
         if capacity_bytes % num_segments:
             raise ValueError(
                 f"capacity_bytes {capacity_bytes} does not split into {num_segments} equal segments"
@@ -148,26 +167,25 @@ class ExtensibleTensor:
                 f"{granule} bytes; round capacity_bytes up to {good} (a multiple of "
                 f"num_segments * granule = {num_segments * granule})"
             )
-        self._shareable = bool(shareable)
-        self._rdma_capable = bool(rdma_capable)
+        self._options = options
         self._granule = granule
         self._num_segments = num_segments
         self._segment_capacity = seg_cap
         self._committed = [0] * num_segments
         self._released_sizes: list[int] | None = None
-        driver.ensure_context()
-        base = driver.reserve(capacity_bytes, alignment=granule)
-        self._state = _State(driver, base, capacity_bytes, [[] for _ in range(num_segments)])
-        self._finalizer = weakref.finalize(self, _State.free, self._state)
+        reservation = Reservation(driver, capacity_bytes, alignment=granule)
+        self._state = _State(driver, reservation, reservation.va, capacity_bytes,
+                             [[] for _ in range(num_segments)])
+        self._finalizer = weakref.finalize(self, _State.close, self._state)
 
     # -- static helpers --------------------------------------------------------
     @staticmethod
-    def commit_granule(device: object = "cpu", *, shareable: bool = False,
-                       rdma_capable: bool = False) -> int:
-        """Bytes every commit rounds up to: max(driver granularity, 2 MiB)."""
-        drv = _resolve_driver(device)
-        return max(drv.granularity(shareable=shareable, rdma_capable=rdma_capable),
-                   MIN_COMMIT_GRANULE)
+    def commit_granule(device: object = "cpu", options: AllocationOptions | None = None, *,
+                       shareable: bool | None = None, rdma_capable: bool | None = None) -> int:
+        """Bytes every commit rounds up to: max(driver granularity for ``options``, 2 MiB)."""
+        options = AllocationOptions.resolve(options, shareable=shareable,
+                                            rdma_capable=rdma_capable)
+        return max(_resolve_driver(device).granularity(options), MIN_COMMIT_GRANULE)
 
     # -- properties ------------------------------------------------------------
     @property
@@ -213,23 +231,40 @@ class ExtensibleTensor:
         """Flags held by every mapped chunk (requested flags when nothing is mapped yet)."""
         handles = [m.handle for seg in self._state.chunks for m in seg]
         if not handles:
-            return GrantedFlags(self._shareable, self._rdma_capable)
+            return GrantedFlags(self._options.shareable, self._options.rdma_capable)
         return GrantedFlags(
             shareable=all(h.granted.shareable for h in handles),
             rdma_capable=all(h.granted.rdma_capable for h in handles),
         )
 
     @property
-    def requested(self) -> GrantedFlags:
-        return GrantedFlags(self._shareable, self._rdma_capable)
+    def options(self) -> AllocationOptions:
+        """What the physical memory is requested with (see :attr:`granted` for what it has)."""
+        return self._options
+
+    @property
+    def requested(self) -> AllocationOptions:
+        """Same as :attr:`options` (the older name)."""
+        return self._options
 
     @property
     def is_released(self) -> bool:
         return self._released_sizes is not None
 
     @property
+    def is_closed(self) -> bool:
+        return self._state.closed
+
+    @property
     def is_freed(self) -> bool:
-        return self._state.freed
+        """Same as :attr:`is_closed` (the older name)."""
+        return self._state.closed
+
+    @property
+    def live_views(self) -> int:
+        """How many views handed out by this tensor (and tensors derived from them) are
+        still referenced somewhere; :meth:`close` refuses while this is not 0."""
+        return len(self._state.views)
 
     def segment_base(self, segment: int) -> int:
         """Address of segment ``segment``'s first byte."""
@@ -262,7 +297,7 @@ class ExtensibleTensor:
         left *released* with the target sizes remembered: :meth:`recommit` retries.
         """
         self._check_alive()
-        bytes_per_segment = _positive_int("bytes_per_segment", bytes_per_segment)
+        bytes_per_segment = checked_int("bytes_per_segment", bytes_per_segment)
         if self.is_released:
             raise RuntimeError("commit() while physical memory is released: call recommit() first")
         if bytes_per_segment > self._segment_capacity:
@@ -275,20 +310,16 @@ class ExtensibleTensor:
         if single_handle:
             self._rebuild_single([max(target, c) for c in self._committed], zero=False)
             return
-        added: list[tuple[int, _Mapped]] = []
-        try:
+        grown = []
+        with UndoStack() as undo:
             for s in range(self._num_segments):
                 have = self._committed[s]
                 if target > have:
                     m = self._map_new(self.segment_base(s) + have, target - have)
                     self._state.chunks[s].append(m)
-                    added.append((s, m))
-        except BaseException:
-            for s, m in reversed(added):
-                self._state.chunks[s].remove(m)
-                self._unmap_one(m)
-            raise
-        for s, _ in added:
+                    undo.push(self._drop_chunk, s, m)
+                    grown.append(s)
+        for s in grown:
             self._committed[s] = target
 
     def _rebuild_single(self, sizes: list[int], *, zero: bool) -> None:
@@ -308,32 +339,36 @@ class ExtensibleTensor:
 
     def _map_new(self, va: int, size: int) -> _Mapped:
         drv = self.driver
-        handle = drv.create(size, self.driver.device_index, shareable=self._shareable,
-                            rdma_capable=self._rdma_capable)
-        try:
+        with UndoStack() as undo:
+            handle = drv.create(size, drv.device_index, self._options)
+            undo.push(drv.release, handle)
             drv.map(va, size, handle)
-        except BaseException:
-            drv.release(handle)
-            raise
-        m = _Mapped(va, size, handle)
-        try:
+            undo.push(drv.unmap, va, size)
             drv.set_access(va, size)
-        except BaseException:
-            self._unmap_one(m)
-            raise
-        return m
+        return _Mapped(va, size, handle)
 
     def _unmap_one(self, m: _Mapped) -> None:
         self.driver.unmap_and_release(m.va, m.size, m.handle)
 
-    def shrink_to(self, bytes_per_segment: tuple[int, ...] | list[int]) -> None:
+    def _drop_chunk(self, segment: int, m: _Mapped) -> None:
+        self._state.chunks[segment].remove(m)
+        self._unmap_one(m)
+
+    def shrink_to(self, bytes_per_segment: Sequence[int]) -> None:
         """Undo later commits: unmap and release each segment's chunks that start at or past
-        ``bytes_per_segment[s]`` (a size this tensor had earlier). A chunk straddling that
-        size cannot be split and stays whole. Used to roll back a commit spread over several
-        tensors that failed part-way."""
+        ``bytes_per_segment[s]`` (a size this tensor had earlier, in ``[0, segment_capacity]``;
+        anything else raises ValueError before anything is released). A chunk straddling
+        that size cannot be split and stays whole. Used to roll back a commit spread over
+        several tensors that failed part-way."""
         self._check_alive()
+        if isinstance(bytes_per_segment, (str, bytes)) or not isinstance(bytes_per_segment,
+                                                                         Sequence):
+            raise ValueError(f"shrink_to takes one size per segment, got {bytes_per_segment!r}")
         if len(bytes_per_segment) != self._num_segments:
             raise ValueError(f"need {self._num_segments} sizes, got {len(bytes_per_segment)}")
+        bytes_per_segment = [checked_int(f"shrink_to size of segment {s}", n, minimum=0,
+                                         maximum=self._segment_capacity)
+                             for s, n in enumerate(bytes_per_segment)]
         if tuple(bytes_per_segment) == self.committed_bytes:
             return
         self.driver.synchronize()
@@ -410,14 +445,14 @@ class ExtensibleTensor:
         n = self._committed[segment]
         if n == 0:
             raise ValueError(f"segment {segment} has no committed memory")
-        return pointer_view(self.segment_base(segment), n, self.driver, self)
+        return self._view(self.segment_base(segment), n)
 
     def committed_view(self, offset: int, nbytes: int) -> torch.Tensor:
         """uint8 tensor of ``nbytes`` at ``base_ptr + offset``; its storage is exactly that
         size. The range must lie inside one segment's committed prefix (else ValueError)."""
         self._check_alive()
-        if offset < 0 or nbytes <= 0:
-            raise ValueError(f"bad view range: offset {offset}, nbytes {nbytes}")
+        checked_int("view offset in bytes", offset, minimum=0)
+        checked_int("view size in bytes", nbytes)
         seg, inner = divmod(offset, self._segment_capacity)
         if seg >= self._num_segments or inner + nbytes > self._committed[seg]:
             where = f"segment {seg}" if seg < self._num_segments else "past the reservation"
@@ -426,7 +461,7 @@ class ExtensibleTensor:
                 f"view [{offset}, {offset + nbytes}) is not inside committed memory: {where} has "
                 f"{have} committed bytes from offset {seg * self._segment_capacity}"
             )
-        return pointer_view(self.base_ptr + offset, nbytes, self.driver, self)
+        return self._view(self.base_ptr + offset, nbytes)
 
     def full_view(self) -> torch.Tensor:
         """uint8 tensor over the WHOLE reservation; pointer-stable (what CUDA graphs capture).
@@ -434,51 +469,62 @@ class ExtensibleTensor:
         Unsafe past the committed prefixes: touching uncommitted bytes faults.
         """
         self._check_alive()
-        return pointer_view(self.base_ptr, self.capacity_bytes, self.driver, self)
+        return self._view(self.base_ptr, self.capacity_bytes)
+
+    def _view(self, ptr: int, nbytes: int) -> torch.Tensor:
+        """A tracked view: it keeps this tensor and the reservation alive, and counts in
+        :attr:`live_views` while it (or a tensor derived from it) is referenced."""
+        return pointer_view(ptr, nbytes, self.driver, (self, self._state.reservation),
+                            self._state.views)
 
     # -- sharing ---------------------------------------------------------------
     def export_handles(self) -> list[ExportedChunk]:
         """Export every chunk as a POSIX fd (caller owns and must close the fds)."""
         self._check_alive()
-        if not self.granted.shareable or not self._shareable:
+        if not self.granted.shareable or not self._options.shareable:
             raise RuntimeError(
                 "export_handles() needs shareable allocations: create the ExtensibleTensor with "
-                f"shareable=True (granted here: {self.granted})"
+                f"options=AllocationOptions(shareable=True) (granted here: {self.granted})"
             )
         out: list[ExportedChunk] = []
-        try:
+        with UndoStack() as undo:
             for s, seg in enumerate(self._state.chunks):
                 start = self.segment_base(s)
                 for m in seg:
-                    out.append(ExportedChunk(s, m.va - start, m.size,
-                                             self.driver.export_fd(m.handle)))
-        except BaseException:
-            for e in out:
-                os.close(e.fd)
-            raise
+                    fd = self.driver.export_fd(m.handle)
+                    undo.push(os.close, fd)
+                    out.append(ExportedChunk(s, m.va - start, m.size, fd))
         return out
 
     # -- lifetime --------------------------------------------------------------
-    def free(self) -> None:
-        """Unmap, release and unreserve everything. Idempotent."""
+    def close(self, *, force: bool = False) -> None:
+        """Unmap and release every chunk and free the reservation. Idempotent.
+
+        Refused with :class:`LiveViewsError` (nothing released) while views handed out by
+        :meth:`segment_view`, :meth:`committed_view` or :meth:`full_view` (or tensors
+        derived from them) are still referenced: drop them first. ``force=True`` releases
+        the physical memory anyway and keeps only the address range reserved until the last
+        view is gone, so touching a stale view faults (SIGSEGV on the host, an illegal
+        address on a GPU) rather than reading or writing a later allocation.
+        """
+        if self._state.closed:
+            return
+        live = self.live_views
+        if live and not force:
+            raise LiveViewsError("ExtensibleTensor", live,
+                                 "segment_view/committed_view/full_view")
         self._finalizer()
 
-    def __enter__(self) -> ExtensibleTensor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.free()
-
     def _check_alive(self) -> None:
-        if self._state.freed:
-            raise RuntimeError("ExtensibleTensor used after free()")
+        if self._state.closed:
+            raise RuntimeError("ExtensibleTensor used after close()")
 
     def _check_segment(self, segment: int) -> None:
         if not 0 <= segment < self._num_segments:
             raise IndexError(f"segment {segment} out of range (tensor has {self._num_segments})")
 
     def __repr__(self) -> str:
-        state = "freed" if self.is_freed else ("released" if self.is_released else "live")
+        state = "closed" if self.is_closed else ("released" if self.is_released else "live")
         return (f"ExtensibleTensor({self.driver.name}:{self.driver.device_index}, capacity="
                 f"{self.capacity_bytes}, segments={self._num_segments}, committed="
                 f"{list(self._committed)}, chunks={self.num_physical_chunks}, {state})")

@@ -15,6 +15,7 @@ import torch
 
 from kvconnect import ExtensibleTensor, VmmUnavailableError
 from kvconnect.ipc import private_socket_dir, recv_message, send_message
+from kvconnect.vmm.base import DEFAULT_OPTIONS
 from kvconnect.vmm.host import HostVmmDriver
 
 MiB = 1024 * 1024
@@ -117,7 +118,7 @@ def test_bad_input_raises_clear_errors() -> None:
         ExtensibleTensor(0, "cpu")
     with pytest.raises(ValueError, match="positive"):
         ExtensibleTensor(-G, "cpu")
-    with pytest.raises(TypeError, match="int"):
+    with pytest.raises(ValueError, match="int"):
         ExtensibleTensor(1.5, "cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"round capacity_bytes up to 8388608"):
         ExtensibleTensor(3 * G, "cpu", num_segments=2)
@@ -133,10 +134,10 @@ def test_bad_input_raises_clear_errors() -> None:
         t.export_handles()
     with pytest.raises(IndexError):
         t.segment_view(2)
-    t.free()
-    t.free()  # idempotent
+    t.close()
+    t.close()  # idempotent
     for call in (lambda: t.commit(G), t.full_view, t.release_physical, t.recommit_single_handle):
-        with pytest.raises(RuntimeError, match="after free"):
+        with pytest.raises(RuntimeError, match="after close"):
             call()
 
 
@@ -148,11 +149,11 @@ class FaultInjectingHostDriver(HostVmmDriver):
         self.calls = 0
         self.fail_at = fail_at
 
-    def create(self, size, device=None, *, shareable=False, rdma_capable=False):  # type: ignore[override]
+    def create(self, size, device=None, options=DEFAULT_OPTIONS):  # type: ignore[override]
         self.calls += 1
         if self.calls == self.fail_at:
             raise MemoryError("injected: out of device memory")
-        return super().create(size, device, shareable=shareable, rdma_capable=rdma_capable)
+        return super().create(size, device, options)
 
 
 def test_failed_commit_leaves_nothing_mapped() -> None:
@@ -187,7 +188,7 @@ def test_free_leaves_no_fds_and_no_mappings() -> None:
     t.commit(3 * G)
     assert any("kvconnect-chunk" in m for m in _maps_overlapping(lo, hi))
     assert len(set(os.listdir("/proc/self/fd")) - fds_before) == 4  # one memfd per chunk
-    t.free()
+    t.close()
     assert set(os.listdir("/proc/self/fd")) == fds_before
     assert _maps_overlapping(lo, hi) == []
 
@@ -360,3 +361,150 @@ def test_failed_single_handle_commit_is_retryable() -> None:
         assert t.is_released and t.num_physical_chunks == 0
         t.recommit()
         assert t.committed_bytes == (4 * G,) and t.num_physical_chunks == 1
+
+
+# -- sizes at the boundary, shrink_to, and who may release memory under a view ------------------
+@pytest.mark.parametrize(("capacity", "error"), [
+    (1 << 70, "platform's limit"),
+    ((1 << 64) + 4 * MiB, "platform's limit"),  # ctypes kept 4 MiB of it: mapped over libs
+    (True, "must be an int"),
+])
+def test_capacities_past_the_platform_range_are_refused(capacity, error) -> None:
+    lo_maps = len(_maps_overlapping(0, 1 << 64))
+    with pytest.raises(ValueError, match=error):
+        ExtensibleTensor(capacity, "cpu")
+    assert len(_maps_overlapping(0, 1 << 64)) == lo_maps  # nothing was reserved
+
+
+def test_sizes_past_the_platform_range_are_refused_everywhere() -> None:
+    drv = HostVmmDriver()
+    with ExtensibleTensor(2 * 4 * G, drv, num_segments=2) as t:
+        t.commit(G)
+        for call in (lambda: t.commit(1 << 70), lambda: t.committed_view(1 << 70, 1),
+                     lambda: t.committed_view(0, 1 << 70), lambda: drv.reserve(1 << 70),
+                     lambda: drv.create((1 << 64) + G), lambda: drv.memset(t.base_ptr, 0, 1 << 64),
+                     lambda: drv.unmap(t.base_ptr, 1 << 70), lambda: drv.import_fd(0, 1 << 70)):
+            with pytest.raises(ValueError, match="platform's limit"):
+                call()
+        assert t.committed_bytes == (G, G)
+
+
+@pytest.mark.parametrize("sizes", [[-5, 0], [0, -5], ["0", 0], [0.0, 0], [0, 8 * G + 1],
+                                   [0], [0, 0, 0], "ab"])
+def test_shrink_to_refuses_bad_sizes_and_releases_nothing(sizes) -> None:
+    with ExtensibleTensor(2 * 4 * G, "cpu", num_segments=2) as t:
+        t.commit(G)
+        t.commit(2 * G)
+        with pytest.raises(ValueError):
+            t.shrink_to(sizes)
+        assert t.committed_bytes == (2 * G, 2 * G) and t.num_physical_chunks == 4
+        t.shrink_to([G, 0])
+        assert t.committed_bytes == (G, 0)
+
+
+def test_close_refuses_while_views_are_referenced() -> None:
+    from kvconnect import LiveViewsError
+
+    t = ExtensibleTensor(2 * 4 * G, "cpu", num_segments=2)
+    t.commit(G)
+    seg = t.segment_view(0)
+    derived = t.committed_view(4 * G, 100).view(torch.int32)[:3]  # a view of a view
+    full = t.full_view()
+    assert t.live_views == 3
+    with pytest.raises(LiveViewsError) as err:
+        t.close()
+    assert err.value.live_views == 3 and not t.is_closed
+    seg.fill_(1)  # nothing was released
+    del seg, full
+    with pytest.raises(LiveViewsError) as err:
+        t.close()
+    assert err.value.live_views == 1
+    del derived
+    assert t.live_views == 0
+    t.close()
+    assert t.is_closed
+
+
+def test_forced_close_keeps_the_addresses_until_the_last_view_goes() -> None:
+    """A stale view can never reach a later allocation: its range stays reserved (and faults)
+    until it is dropped; then the reservation goes too."""
+    t = ExtensibleTensor(8 * G, "cpu")
+    t.commit(G)
+    stale = t.segment_view(0)
+    lo, hi = t.base_ptr, t.base_ptr + t.capacity_bytes
+    t.close(force=True)
+    assert t.is_closed and t.num_physical_chunks == 0
+    maps = _maps_overlapping(lo, hi)
+    assert maps and not any("kvconnect-chunk" in m for m in maps)  # reserved, nothing mapped
+    with ExtensibleTensor(8 * G, "cpu") as fresh:
+        fresh.commit(G)
+        assert not (lo <= fresh.base_ptr < hi) and not (fresh.base_ptr <= lo < fresh.base_ptr
+                                                         + fresh.capacity_bytes)
+    del stale
+    assert _maps_overlapping(lo, hi) == []  # the last view took the reservation with it
+
+
+_STALE_VIEW_CHILD = textwrap.dedent(
+    """
+    from kvconnect import ExtensibleTensor
+    G = 2 * 1024 * 1024
+    t = ExtensibleTensor(8 * G, "cpu")
+    t.commit(G)
+    stale = t.segment_view(0)
+    with ExtensibleTensor(8 * G, "cpu") as other:   # leaving a with block forces the close
+        pass
+    t.close(force=True)
+    again = ExtensibleTensor(8 * G, "cpu")
+    again.commit(G)
+    again.segment_view(0).fill_(7)
+    print("writing through the stale view", flush=True)
+    stale.fill_(1)                                  # must fault, not land in `again`
+    print("wrote", int(again.segment_view(0).min()), flush=True)
+    """
+)
+
+
+def test_writing_through_a_stale_view_faults_instead_of_corrupting() -> None:
+    proc = subprocess.run([sys.executable, "-c", _STALE_VIEW_CHILD], capture_output=True,
+                          text=True, timeout=120)
+    assert "writing through the stale view" in proc.stdout, proc.stderr
+    assert "wrote" not in proc.stdout
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr
+
+
+def test_free_is_a_deprecated_forced_close() -> None:
+    t = ExtensibleTensor(8 * G, "cpu")
+    t.commit(G)
+    view = t.segment_view(0)
+    with pytest.deprecated_call():
+        t.free()
+    assert t.is_closed and t.is_freed and t.live_views == 1
+    del view
+
+
+def test_options_dataclass_and_older_keywords() -> None:
+    from kvconnect import AllocationOptions
+
+    with ExtensibleTensor(4 * G, "cpu", options=AllocationOptions(shareable=True)) as a, \
+            ExtensibleTensor(4 * G, "cpu", shareable=True) as b:
+        assert a.options == b.options == AllocationOptions(shareable=True, rdma_capable=False)
+    with pytest.raises(TypeError, match="not both"):
+        ExtensibleTensor(4 * G, "cpu", options=AllocationOptions(), shareable=True)
+    with pytest.raises(TypeError, match="must be a bool"):
+        AllocationOptions(shareable=1)  # type: ignore[arg-type]
+
+
+def test_reservation_is_freed_once_by_release_or_by_its_last_reference() -> None:
+    from kvconnect.vmm import Reservation
+
+    drv = HostVmmDriver()
+    with Reservation(drv, 4 * G) as r:
+        assert len(_maps_overlapping(r.va, r.va + r.size)) == 1 and not r.released
+    assert r.released and _maps_overlapping(r.va, r.va + r.size) == []
+    r.release()  # idempotent
+    r2 = Reservation(drv, 4 * G)
+    va = r2.va
+    del r2  # the last reference: freed by its finalizer
+    assert _maps_overlapping(va, va + 4 * G) == []
+    with pytest.raises(ValueError, match="platform's limit"):
+        Reservation(drv, 1 << 70)

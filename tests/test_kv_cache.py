@@ -8,7 +8,7 @@ import torch
 from kvconnect.kv_cache import ExtensibleKVCache, KVCacheStateError, capacity_step_blocks
 from kvconnect.layout import LAYOUTS, LayoutError, allocate_kv_caches, plan_layout, preset
 from kvconnect.views import committed_regions
-from kvconnect.vmm.base import VmmError
+from kvconnect.vmm.base import DEFAULT_OPTIONS, VmmError
 from kvconnect.vmm.host import HostVmmDriver
 
 MIB = 1024 * 1024
@@ -26,14 +26,14 @@ class OomInjectingHostDriver(HostVmmDriver):
         self.live_reservations = 0
         self.live_handles = 0
 
-    def create(self, size, device=None, *, shareable=False, rdma_capable=False):
+    def create(self, size, device=None, options=DEFAULT_OPTIONS):
         if self.fail_after is not None:
             if self.fail_after == 0:
                 if not self.fail_always:
                     self.fail_after = None
                 raise VmmError("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", "injected")
             self.fail_after -= 1
-        h = super().create(size, device, shareable=shareable, rdma_capable=rdma_capable)
+        h = super().create(size, device, options)
         self.live_handles += 1
         return h
 
@@ -85,8 +85,10 @@ def test_commit_protocol(vmm_device: str) -> None:
             cache.ensure_kv_cache_blocks(101)
         with pytest.raises(KVCacheStateError, match="already final"):
             cache.extend_kv_cache(120)
-    assert all(t.is_freed for t in cache.tensors)
-    cache.free()  # idempotent
+    assert all(t.is_closed for t in cache.tensors) and cache.is_closed
+    cache.close()  # idempotent
+    with pytest.deprecated_call():
+        cache.free()  # the older verb still works
 
 
 def test_extend_without_single_handle_keeps_chunks() -> None:
@@ -221,10 +223,10 @@ def test_state_errors() -> None:
     cache.ensure_kv_cache_blocks(4)
     with pytest.raises(ValueError, match="never shrinks"):
         cache.extend_kv_cache(3)
-    cache.free()
-    with pytest.raises(KVCacheStateError, match="freed"):
+    cache.close()
+    with pytest.raises(KVCacheStateError, match="closed"):
         cache.kv_caches()
-    with pytest.raises(KVCacheStateError, match="after free"):
+    with pytest.raises(KVCacheStateError, match="after close"):
         cache.allocate()
     with pytest.raises(ValueError, match="capacity_blocks"):
         ExtensibleKVCache(_small(), capacity_blocks=0)
@@ -307,3 +309,66 @@ def test_default_presets_allocate_small_on_host() -> None:
             for r in cache.committed_regions():
                 got += cache.region_view(r).sum()
             assert float(got) == 0.0
+
+
+def test_close_refuses_while_handed_out_views_are_referenced() -> None:
+    from kvconnect import LiveViewsError
+
+    cache = ExtensibleKVCache(_small(), capacity_blocks=64)
+    cache.allocate()
+    cache.extend_kv_cache(8)
+    kv = cache.kv_caches()
+    region = cache.region_view(cache.committed_regions()[0])
+    with pytest.raises(LiveViewsError) as err:
+        cache.close()
+    assert err.value.live_views >= 2 and not cache.is_closed
+    assert cache.kv_caches().keys() == kv.keys()  # still usable after a refusal
+    del kv
+    with pytest.raises(LiveViewsError) as err:
+        cache.close()
+    assert err.value.live_views == 1
+    del region
+    cache.close()  # the cache's own views do not count
+    assert cache.is_closed and all(t.is_closed for t in cache.tensors)
+
+
+def test_forced_close_and_with_block_release_under_live_views() -> None:
+    with ExtensibleKVCache(_small(), capacity_blocks=64) as cache:
+        cache.allocate()
+        kv = cache.kv_caches()
+    assert cache.is_closed and cache.num_physical_chunks == 0
+    assert all(t.live_views == 1 for t in cache.tensors)  # kv keeps the addresses reserved
+    del kv
+    assert all(t.live_views == 0 for t in cache.tensors)
+
+
+def test_a_32_layer_cache_probes_once_and_shares_one_driver(monkeypatch) -> None:
+    """One driver per device: 32 layers build one driver with one probe reservation (it was
+    33 drivers and 65 reservations), and every tensor reserves once."""
+    import kvconnect.vmm as vmm
+    from kvconnect.vmm import host
+
+    monkeypatch.setattr(vmm, "_DRIVERS", {})
+    built: list[HostVmmDriver] = []
+    reserves: list[int] = []
+
+    class CountingHostVmmDriver(host.HostVmmDriver):
+        def __init__(self, device_index: int = 0) -> None:
+            super().__init__(device_index)
+            built.append(self)
+
+        def reserve(self, size, alignment=0):
+            reserves.append(size)
+            return super().reserve(size, alignment)
+
+    monkeypatch.setattr(host, "HostVmmDriver", CountingHostVmmDriver)
+    cfg = _small(num_layers=32)
+    with ExtensibleKVCache(cfg, "cpu", capacity_blocks=64) as cache:
+        cache.allocate()
+        cache.extend_kv_cache(16)
+        assert len(cache.tensors) == 32
+        assert {id(t.driver) for t in cache.tensors} == {id(built[0])}
+    again = ExtensibleKVCache(cfg, "cpu")  # a second cache on the device: no new probe
+    assert len(built) == 1
+    assert len(reserves) == 1 + 32  # the probe's, then one per tensor
+    assert again.granule == cache.granule

@@ -32,7 +32,13 @@ from typing import Any
 import pytest
 
 from kvconnect.vmm import _driver_api as api
-from kvconnect.vmm.base import DLPACK_CUDA, DLPACK_ROCM, GrantedFlags, VmmError
+from kvconnect.vmm.base import (
+    DLPACK_CUDA,
+    DLPACK_ROCM,
+    AllocationOptions,
+    GrantedFlags,
+    VmmError,
+)
 from kvconnect.vmm.cuda import CudaVmmDriver, probe_cuda
 from kvconnect.vmm.hip import HipVmmDriver, probe_hip
 
@@ -389,6 +395,29 @@ class SimulatedDriverLibraryNoGpu:
         self.released.append(handle)
         return 0
 
+    def _device_get_count(self, out: Any) -> int:
+        _deref(out).value = 1
+        return 0
+
+    def _mem_address_reserve(self, out: Any, size: int, align: int, addr: int,
+                             flags: int) -> int:
+        self._next_va = getattr(self, "_next_va", 0x7000_0000_0000)
+        _deref(out).value = self._next_va
+        self._next_va += size
+        return 0
+
+    def _mem_address_free(self, va: int, size: int) -> int:
+        return 0
+
+    def _mem_set_access(self, va: int, size: int, descs: Any, count: int) -> int:
+        return 0
+
+    def _mem_unmap(self, va: int, size: int) -> int:
+        return 0
+
+    def _ctx_synchronize(self) -> int:
+        return 0
+
 
 def _sim_driver(cls: type = CudaVmmDriver, **kw: Any) -> tuple[Any, SimulatedDriverLibraryNoGpu]:
     lib = SimulatedDriverLibraryNoGpu(cls.backend, **kw)
@@ -403,7 +432,7 @@ def _create_props(lib: SimulatedDriverLibraryNoGpu) -> list[tuple[int, int]]:
 def test_flags_granted_when_supported(caplog: pytest.LogCaptureFixture) -> None:
     drv, lib = _sim_driver(gdr=1)
     with caplog.at_level(logging.WARNING):
-        h = drv.create(4 * MiB, shareable=True, rdma_capable=True)
+        h = drv.create(4 * MiB, options=AllocationOptions(shareable=True, rdma_capable=True))
     assert h.granted == GrantedFlags(shareable=True, rdma_capable=True)
     assert _create_props(lib) == [(api.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 1)]
     plain = drv.create(2 * MiB)
@@ -415,8 +444,8 @@ def test_flags_granted_when_supported(caplog: pytest.LogCaptureFixture) -> None:
 def test_rdma_flag_only_where_attribute_is_one(caplog: pytest.LogCaptureFixture) -> None:
     drv, lib = _sim_driver(gdr=0)
     with caplog.at_level(logging.WARNING, logger="kvconnect.vmm.cuda"):
-        a = drv.create(2 * MiB, rdma_capable=True)
-        b = drv.create(2 * MiB, shareable=True, rdma_capable=True)
+        a = drv.create(2 * MiB, options=AllocationOptions(rdma_capable=True))
+        b = drv.create(2 * MiB, options=AllocationOptions(shareable=True, rdma_capable=True))
     assert a.granted == GrantedFlags(False, False)
     assert b.granted == GrantedFlags(True, False)
     # the flag was never sent to cuMemCreate
@@ -427,14 +456,14 @@ def test_rdma_flag_only_where_attribute_is_one(caplog: pytest.LogCaptureFixture)
     # a new driver instance warns again
     drv2, _ = _sim_driver(gdr=0)
     with caplog.at_level(logging.WARNING, logger="kvconnect.vmm.cuda"):
-        drv2.create(2 * MiB, rdma_capable=True)
+        drv2.create(2 * MiB, options=AllocationOptions(rdma_capable=True))
     assert len(caplog.records) == 2
 
 
 def test_refused_flags_fall_back_and_are_recorded(caplog: pytest.LogCaptureFixture) -> None:
     drv, lib = _sim_driver(gdr=1, refuse_rdma=True, refuse_posix=True)
     with caplog.at_level(logging.WARNING, logger="kvconnect.vmm.cuda"):
-        h = drv.create(2 * MiB, shareable=True, rdma_capable=True)
+        h = drv.create(2 * MiB, options=AllocationOptions(shareable=True, rdma_capable=True))
     assert h.granted == GrantedFlags(False, False)
     # RDMA dropped first, then the handle type
     assert _create_props(lib) == [(1, 1), (1, 0), (0, 0)]
@@ -447,7 +476,7 @@ def test_refused_flags_fall_back_and_are_recorded(caplog: pytest.LogCaptureFixtu
 def test_out_of_memory_is_not_retried() -> None:
     drv, lib = _sim_driver(gdr=1, oom=True)
     with pytest.raises(VmmError, match="CUDA_ERROR_OUT_OF_MEMORY") as err:
-        drv.create(2 * MiB, shareable=True, rdma_capable=True)
+        drv.create(2 * MiB, options=AllocationOptions(shareable=True, rdma_capable=True))
     assert err.value.call == "cuMemCreate"
     assert len(_create_props(lib)) == 1
     assert drv.fallback_reasons == []
@@ -485,7 +514,7 @@ def test_hip_driver_uses_implicit_device_and_offset_zero() -> None:
     drv, lib = _sim_driver(HipVmmDriver, gdr=1)
     assert drv.capabilities().posix_fd_handles  # no HIP attribute: follows VMM support
     lib.current_device = 0
-    h = drv.create(4 * MiB, shareable=True)
+    h = drv.create(4 * MiB, options=AllocationOptions(shareable=True))
     assert h.granted.shareable
     with pytest.raises(ValueError, match="hipMemMap requires offset 0"):
         drv.map(0x7000_0000_0000, 2 * MiB, h, offset=2 * MiB)
@@ -500,7 +529,8 @@ def test_hip_rdma_attribute_missing_reads_as_unsupported() -> None:
     drv, lib = _sim_driver(HipVmmDriver, gdr=None)
     caps = drv.capabilities()
     assert caps.vmm and not caps.gpudirect_rdma_with_vmm
-    assert drv.create(2 * MiB, rdma_capable=True).granted.rdma_capable is False
+    h = drv.create(2 * MiB, options=AllocationOptions(rdma_capable=True))
+    assert h.granted.rdma_capable is False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -656,13 +686,13 @@ def test_gpu_errors_are_named(cuda_driver: CudaVmmDriver) -> None:
 def test_gpu_granted_flags_follow_attributes(cuda_driver: CudaVmmDriver) -> None:
     drv = cuda_driver
     caps = drv.capabilities()
-    g = drv.granularity(shareable=True, rdma_capable=True)
+    g = drv.granularity(AllocationOptions(shareable=True, rdma_capable=True))
     handles = []
     try:
         plain = drv.create(g)
         handles.append(plain)
         assert plain.granted == GrantedFlags(False, False)
-        both = drv.create(g, shareable=True, rdma_capable=True)
+        both = drv.create(g, options=AllocationOptions(shareable=True, rdma_capable=True))
         handles.append(both)
         assert both.granted.shareable == caps.posix_fd_handles
         assert both.granted.rdma_capable == caps.gpudirect_rdma_with_vmm
@@ -684,8 +714,8 @@ def test_gpu_rdma_fallback_warns_once(cuda_driver: CudaVmmDriver,
     drv._caps[0] = replace(drv.capabilities(), gpudirect_rdma_with_vmm=False)
     g = drv.granularity()
     with caplog.at_level(logging.WARNING, logger="kvconnect.vmm.cuda"):
-        a = drv.create(g, rdma_capable=True)
-        b = drv.create(g, rdma_capable=True)
+        a = drv.create(g, options=AllocationOptions(rdma_capable=True))
+        b = drv.create(g, options=AllocationOptions(rdma_capable=True))
     try:
         assert not a.granted.rdma_capable and not b.granted.rdma_capable
         assert len(caplog.records) == 1
@@ -734,9 +764,9 @@ def test_gpu_posix_fd_export_import_in_another_process(cuda_driver: CudaVmmDrive
     drv = cuda_driver
     if not drv.capabilities().posix_fd_handles:
         pytest.skip("device cannot export POSIX file descriptors")
-    size = drv.granularity(shareable=True) * 4
+    size = drv.granularity(AllocationOptions(shareable=True)) * 4
     va = drv.reserve(size)
-    h = drv.create(size, shareable=True)
+    h = drv.create(size, options=AllocationOptions(shareable=True))
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     fd = -1
     proc = None
@@ -833,3 +863,31 @@ def test_gpu_commit_latency_sanity(cuda_driver: CudaVmmDriver) -> None:
     finally:
         drv.free_reserved(va, size)
     assert elapsed < 1.0, f"1 GiB commit took {elapsed * 1e3:.1f} ms"
+
+
+def test_one_driver_per_device_and_one_fallback_warning(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Eight ExtensibleTensors on "cuda:0" (a simulated driver without GPUDirect RDMA) probe
+    once, build one driver and warn once about the dropped RDMA flag, not once per tensor."""
+    import kvconnect.vmm as vmm
+    from kvconnect import AllocationOptions as Options
+    from kvconnect import ExtensibleTensor
+
+    lib = SimulatedDriverLibraryNoGpu(api.CUDA, gdr=0)
+    monkeypatch.setattr(vmm, "_DRIVERS", {})
+    monkeypatch.setattr(api, "load_library", lambda backend, path=None: lib)
+    with caplog.at_level(logging.WARNING, logger="kvconnect.vmm.cuda"):
+        tensors = [ExtensibleTensor(4 * MiB, "cuda:0", options=Options(rdma_capable=True))
+                   for _ in range(8)]
+        for t in tensors:
+            t.commit(2 * MiB)
+    try:
+        assert len({id(t.driver) for t in tensors}) == 1
+        assert sum(1 for name, _ in lib.calls if name == "device_get_count") == 1  # one probe
+        assert sum(1 for name, _ in lib.calls if name == "mem_address_reserve") == 1 + 8
+        assert len(caplog.records) == 1  # warned once for the device
+        assert len(tensors[0].driver.fallback_reasons) == 8  # every fallback still recorded
+        assert all(t.granted == GrantedFlags(False, False) for t in tensors)
+    finally:
+        for t in tensors:
+            t.close()

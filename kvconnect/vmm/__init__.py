@@ -2,17 +2,26 @@
 
 :func:`probe_vmm` picks and checks a backend for a device and says why not when it can't;
 :func:`get_vmm_driver` does the same and warns with the reason when it falls back.
+
+There is one driver per device and process: the first successful probe of a device builds
+it, later probes (every ``ExtensibleTensor`` of a KV cache) get the same object, as
+cuda.core keeps one ``Device`` per device. Per-driver state (the granularity and capability
+caches, the once-only fallback warning) is therefore per device.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from dataclasses import dataclass
 
 from .base import (
+    DEFAULT_OPTIONS,
     DLPACK_CPU,
     DLPACK_CUDA,
     DLPACK_ROCM,
+    AllocationOptions,
     DeviceCapabilities,
     GrantedFlags,
     PhysicalHandle,
@@ -20,14 +29,21 @@ from .base import (
     VmmError,
     round_up,
 )
+from .reservation import Reservation
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DLPACK_CPU", "DLPACK_CUDA", "DLPACK_ROCM", "DeviceCapabilities", "GrantedFlags",
-    "PhysicalHandle", "VmmDriver", "VmmError", "VmmProbe", "get_vmm_driver", "probe_vmm",
-    "parse_device", "round_up", "HostVmmDriver", "CudaVmmDriver", "HipVmmDriver",
+    "DEFAULT_OPTIONS", "DLPACK_CPU", "DLPACK_CUDA", "DLPACK_ROCM", "AllocationOptions",
+    "DeviceCapabilities", "GrantedFlags", "PhysicalHandle", "Reservation", "VmmDriver",
+    "VmmError", "VmmProbe", "get_vmm_driver", "probe_vmm", "parse_device", "round_up",
+    "HostVmmDriver", "CudaVmmDriver", "HipVmmDriver",
 ]
+
+# (pid, backend kind, device index) -> the driver of that device in this process. A forked
+# child gets its own (CUDA contexts do not survive fork).
+_DRIVERS: dict[tuple[int, str, int], VmmDriver] = {}
+_DRIVERS_LOCK = threading.Lock()
 
 
 def __getattr__(name: str) -> object:
@@ -85,11 +101,25 @@ def parse_device(device: object) -> tuple[str, int]:
 
 
 def probe_vmm(device: object = "cpu") -> VmmProbe:
-    """Find a working VMM backend for ``device``: library loads, a VA reservation works,
-    and the device attribute says VMM is supported. Never raises for a missing backend."""
+    """The driver of ``device``, built and checked on the first call (library loads, a VA
+    reservation works, the device attribute says VMM is supported) and the same object on
+    every later call in this process. Never raises for a missing backend: returns
+    ``VmmProbe(None, reason)`` (failures are not cached; the next call probes again)."""
     if isinstance(device, VmmDriver):
         return VmmProbe(device)
     kind, index = parse_device(device)
+    key = (os.getpid(), kind, index)
+    with _DRIVERS_LOCK:
+        driver = _DRIVERS.get(key)
+        if driver is not None:
+            return VmmProbe(driver)
+        probe = _probe_backend(kind, index)
+        if probe.driver is not None:
+            _DRIVERS[key] = probe.driver
+        return probe
+
+
+def _probe_backend(kind: str, index: int) -> VmmProbe:
     if kind == "host":
         try:
             from .host import HostVmmDriver
@@ -98,7 +128,7 @@ def probe_vmm(device: object = "cpu") -> VmmProbe:
             va = drv.reserve(drv.granularity())
             drv.free_reserved(va, drv.granularity())
             return VmmProbe(drv)
-        except OSError as exc:
+        except (OSError, VmmError) as exc:
             return VmmProbe(None, f"host VMM backend unavailable: {exc}")
     if kind == "cuda":
         from .cuda import probe_cuda

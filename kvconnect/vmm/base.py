@@ -6,7 +6,7 @@ A driver is bound to one device (``device_index``); every method acts on that de
 The protocol mirrors CUDA's VMM API:
 
     va = drv.reserve(size)                   # cuMemAddressReserve
-    h  = drv.create(size, shareable=..., rdma_capable=...)   # cuMemCreate
+    h  = drv.create(size, options=AllocationOptions(shareable=True))   # cuMemCreate
     drv.map(va, size, h)                     # cuMemMap
     drv.set_access(va, size)                 # cuMemSetAccess (read/write)
     drv.unmap(va, size)                      # cuMemUnmap (whole mappings only)
@@ -19,6 +19,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ..checks import round_up
+
+__all__ = [
+    "DEFAULT_OPTIONS", "DLPACK_CPU", "DLPACK_CUDA", "DLPACK_ROCM", "AllocationOptions",
+    "DeviceCapabilities",
+    "GrantedFlags", "PhysicalHandle", "VmmDriver", "VmmError", "round_up",
+]
 
 #: DLPack device types (dlpack.h ``DLDeviceType``).
 DLPACK_CPU = 1
@@ -39,11 +47,47 @@ class VmmError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class GrantedFlags:
-    """The flags one physical allocation really has (requested flags may be refused)."""
+class AllocationOptions:
+    """What physical allocations are requested with; one value carried from the caller
+    (``ExtensibleTensor``, ``ExtensibleKVCache``) down to :meth:`VmmDriver.create`, as
+    cuda.core's ``VirtualMemoryResourceOptions``.
+
+    ``shareable``: exportable as a POSIX file descriptor (IPC, :meth:`VmmDriver.export_fd`).
+    ``rdma_capable``: GPUDirect-RDMA capable (``gpuDirectRDMACapable``), for NIC access.
+    A flag the device cannot grant is dropped with one warning per device; the handle's
+    :class:`GrantedFlags` say what it really has.
+    """
 
     shareable: bool = False
     rdma_capable: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("shareable", "rdma_capable"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def resolve(cls, options: AllocationOptions | None, *, shareable: bool | None = None,
+                rdma_capable: bool | None = None) -> AllocationOptions:
+        """``options``, or options built from the older ``shareable=``/``rdma_capable=``
+        keywords (kept for callers written before this class); giving both is an error."""
+        if options is not None:
+            if shareable is not None or rdma_capable is not None:
+                raise TypeError("pass either options=AllocationOptions(...) or the "
+                                "shareable=/rdma_capable= keywords, not both")
+            if not isinstance(options, AllocationOptions):
+                raise TypeError(f"options must be an AllocationOptions, got {options!r}")
+            return options
+        return cls(bool(shareable), bool(rdma_capable))
+
+
+@dataclass(frozen=True)
+class GrantedFlags(AllocationOptions):
+    """The options one physical allocation really has (requested flags may be refused)."""
+
+
+#: plain allocations: not shareable, not RDMA-capable
+DEFAULT_OPTIONS = AllocationOptions()
 
 
 @dataclass(frozen=True)
@@ -87,8 +131,8 @@ class VmmDriver(abc.ABC):
 
     # -- queries ---------------------------------------------------------------
     @abc.abstractmethod
-    def granularity(self, *, shareable: bool = False, rdma_capable: bool = False) -> int:
-        """Minimum allocation/mapping granularity in bytes for these flags."""
+    def granularity(self, options: AllocationOptions = DEFAULT_OPTIONS) -> int:
+        """Minimum allocation/mapping granularity in bytes for allocations with ``options``."""
 
     @abc.abstractmethod
     def capabilities(self) -> DeviceCapabilities:
@@ -117,14 +161,13 @@ class VmmDriver(abc.ABC):
 
     # -- physical memory -------------------------------------------------------
     @abc.abstractmethod
-    def create(
-        self, size: int, device: int | None = None, *, shareable: bool = False,
-        rdma_capable: bool = False,
-    ) -> PhysicalHandle:
+    def create(self, size: int, device: int | None = None,
+               options: AllocationOptions = DEFAULT_OPTIONS) -> PhysicalHandle:
         """Create a physical allocation of ``size`` bytes (a granularity multiple).
 
-        Flags that the device cannot grant fall back (with one warning per driver);
-        the returned handle's ``granted`` says what it really has.
+        Flags that the device cannot grant fall back (with one warning per driver, and there
+        is one driver per device: :func:`kvconnect.vmm.probe_vmm`); the returned handle's
+        ``granted`` says what it really has.
         """
 
     @abc.abstractmethod
@@ -167,9 +210,3 @@ class VmmDriver(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}:{self.device_index}>"
 
-
-def round_up(value: int, multiple: int) -> int:
-    """Round ``value`` up to a multiple of ``multiple`` (bytes)."""
-    if multiple <= 0:
-        raise ValueError(f"multiple must be positive, got {multiple}")
-    return -(-value // multiple) * multiple

@@ -9,7 +9,8 @@ Contracts (all sizes in bytes):
 - ``create(shareable=True)`` requests POSIX file-descriptor handles; ``rdma_capable=True`` sets
   ``gpuDirectRDMACapable`` only where ``GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`` is 1. A flag
   the device cannot grant (attribute 0, or ``cuMemCreate`` refuses it) is dropped with one
-  ``logging`` warning per driver instance; :attr:`PhysicalHandle.granted` records the flags the
+  ``logging`` warning per driver, and there is one driver per device
+  (:func:`kvconnect.vmm.probe_vmm` caches it); :attr:`PhysicalHandle.granted` records the flags the
   allocation really has (read back with ``cuMemGetAllocationPropertiesFromHandle``).
 - Every call runs with this device's primary context current. On a thread with no current
   context the primary context is made current and left so (as ``torch`` would); on a thread
@@ -27,15 +28,17 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from ..checks import checked_int, round_up
 from . import _driver_api as api
 from .base import (
+    DEFAULT_OPTIONS,
     DLPACK_CUDA,
+    AllocationOptions,
     DeviceCapabilities,
     GrantedFlags,
     PhysicalHandle,
     VmmDriver,
     VmmError,
-    round_up,
 )
 
 if TYPE_CHECKING:
@@ -47,6 +50,12 @@ logger = logging.getLogger(__name__)
 # never released: releasing it while allocations live would destroy them with the context.
 _PRIMARY_CTX: dict[tuple[int, str, int], int] = {}
 _PRIMARY_LOCK = threading.Lock()
+
+
+def _check_va(va: int, size: int) -> None:
+    """A device range ``[va, va+size)`` that fits ``CUdeviceptr``/``size_t`` untruncated."""
+    checked_int("size in bytes", size)
+    checked_int("device address", va, minimum=0, maximum=(1 << 64) - 1 - size)
 
 
 class GpuVmmDriver(VmmDriver):
@@ -173,10 +182,11 @@ class GpuVmmDriver(VmmDriver):
         prop.allocFlags.gpuDirectRDMACapable = 1 if rdma else 0
         return prop
 
-    def granularity(self, *, shareable: bool = False, rdma_capable: bool = False) -> int:
+    def granularity(self, options: AllocationOptions = DEFAULT_OPTIONS) -> int:
         """Minimum granularity (bytes) for allocations with the flags the device would grant."""
         caps = self.capabilities()
-        key = (shareable and caps.posix_fd_handles, rdma_capable and caps.gpudirect_rdma_with_vmm)
+        key = (options.shareable and caps.posix_fd_handles,
+               options.rdma_capable and caps.gpudirect_rdma_with_vmm)
         gran = self._granularity.get(key)
         if gran is None:
             out = ctypes.c_size_t()
@@ -209,8 +219,8 @@ class GpuVmmDriver(VmmDriver):
 
     # -- address space -------------------------------------------------------------------------
     def _check_size(self, what: str, size: int, multiple: int) -> None:
-        if size <= 0:
-            raise ValueError(f"{what} size must be positive, got {size} bytes")
+        """Sizes are checked before ctypes sees them (``c_size_t`` would truncate them)."""
+        checked_int(f"{what} size in bytes", size)
         if size % multiple:
             raise ValueError(f"{what} size {size} is not a multiple of the {multiple}-byte "
                              f"granularity; use {round_up(size, multiple)}")
@@ -218,8 +228,7 @@ class GpuVmmDriver(VmmDriver):
     def reserve(self, size: int, alignment: int = 0) -> int:
         """Reserve ``size`` bytes (a granularity multiple) of device VA; returns the base."""
         self._check_size("reservation", size, self.granularity())
-        if alignment < 0:
-            raise ValueError(f"alignment must be >= 0, got {alignment}")
+        checked_int("alignment in bytes", alignment, minimum=0)
         out = api.CUdeviceptr()
         with self._active():
             self.lib.call("mem_address_reserve", ctypes.byref(out), size, alignment, 0, 0)
@@ -227,6 +236,7 @@ class GpuVmmDriver(VmmDriver):
 
     def free_reserved(self, va: int, size: int) -> None:
         """Free a reservation (every mapping in it must be unmapped first)."""
+        _check_va(va, size)
         with self._active():
             self.lib.call("mem_address_free", va, size)
 
@@ -235,7 +245,7 @@ class GpuVmmDriver(VmmDriver):
         self.fallback_reasons.append(reason)
         if not self._warned:
             self._warned = True
-            logger.warning("%s: %s. Falling back without that flag (warned once per driver; "
+            logger.warning("%s: %s. Falling back without that flag (warned once per device; "
                            "PhysicalHandle.granted records each allocation's real flags).",
                            self, reason)
 
@@ -261,18 +271,18 @@ class GpuVmmDriver(VmmDriver):
             rdma_capable=bool(prop.allocFlags.gpuDirectRDMACapable),
         )
 
-    def create(self, size: int, device: int | None = None, *, shareable: bool = False,
-               rdma_capable: bool = False) -> PhysicalHandle:
+    def create(self, size: int, device: int | None = None,
+               options: AllocationOptions = DEFAULT_OPTIONS) -> PhysicalHandle:
         """``cuMemCreate`` ``size`` bytes (a granularity multiple) on ``device``.
 
-        Flags the device cannot grant are dropped (one warning per driver); out-of-memory and
-        every other failure raise :class:`VmmError`.
+        Flags the device cannot grant are dropped (one warning per driver, i.e. per device);
+        out-of-memory and every other failure raise :class:`VmmError`.
         """
-        ordinal = self.device_index if device is None else int(device)
-        self._check_size("allocation", size,
-                         self.granularity(shareable=shareable, rdma_capable=rdma_capable))
+        ordinal = (self.device_index if device is None
+                   else checked_int("device ordinal", device, minimum=0, maximum=1 << 16))
+        self._check_size("allocation", size, self.granularity(options))
         caps = self.capabilities(ordinal)
-        posix_fd, rdma = shareable, rdma_capable
+        posix_fd, rdma = options.shareable, options.rdma_capable
         if posix_fd and not caps.posix_fd_handles:
             self._fallback(f"device {ordinal} cannot export POSIX file descriptors "
                            "(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED=0): not shareable")
@@ -305,7 +315,9 @@ class GpuVmmDriver(VmmDriver):
         """Map ``size`` bytes of ``handle`` from ``offset`` at ``va`` (no access yet)."""
         if handle.released:
             raise ValueError("cannot map a released physical handle")
-        if size <= 0 or offset < 0 or offset + size > handle.size:
+        _check_va(va, size)
+        checked_int("mapping offset in bytes", offset, minimum=0)
+        if offset + size > handle.size:
             raise ValueError(f"mapping [{offset}, {offset + size}) does not fit the "
                              f"{handle.size}-byte allocation")
         if offset and self.map_offset_must_be_zero:
@@ -317,8 +329,10 @@ class GpuVmmDriver(VmmDriver):
     def set_access(self, va: int, size: int, devices: Sequence[int] | None = None) -> None:
         """Grant read/write access to ``[va, va+size)`` to this device and ``devices``
         (peer GPUs, e.g. the device that owns an imported allocation)."""
-        ordinals = [self.device_index, *(int(d) for d in devices or ()
-                                         if int(d) != self.device_index)]
+        _check_va(va, size)
+        peers = [checked_int("peer device ordinal", d, minimum=0, maximum=1 << 16)
+                 for d in devices or ()]
+        ordinals = [self.device_index, *(d for d in peers if d != self.device_index)]
         descs = (self.backend.access_desc_struct * len(ordinals))()
         for desc, ordinal in zip(descs, ordinals, strict=True):
             desc.location.type = api.CU_MEM_LOCATION_TYPE_DEVICE
@@ -329,6 +343,7 @@ class GpuVmmDriver(VmmDriver):
 
     def unmap(self, va: int, size: int) -> None:
         """Unmap whole mappings in ``[va, va+size)``; call :meth:`synchronize` first."""
+        _check_va(va, size)
         with self._active():
             self.lib.call("mem_unmap", va, size)
 
@@ -342,10 +357,8 @@ class GpuVmmDriver(VmmDriver):
 
     def memset(self, va: int, value: int, size: int) -> None:
         """Fill ``size`` mapped bytes at ``va`` with ``value`` and wait for it."""
-        if not 0 <= value <= 255:
-            raise ValueError(f"memset value must be a byte (0..255), got {value}")
-        if size <= 0:
-            raise ValueError(f"memset size must be positive, got {size} bytes")
+        checked_int("memset value (a byte)", value, minimum=0, maximum=255)
+        _check_va(va, size)
         with self._active():
             self.lib.call("memset_d8", va, value, size)
             self._sync_in_context()
@@ -360,7 +373,8 @@ class GpuVmmDriver(VmmDriver):
             raise ValueError("cannot export a released physical handle")
         if not handle.granted.shareable:
             raise ValueError("allocation was not created shareable (granted flags: "
-                             f"{handle.granted}); create it with shareable=True on a device "
+                             f"{handle.granted}); create it with AllocationOptions(shareable="
+                             "True) on a device "
                              "that supports POSIX file-descriptor handles")
         # The driver writes an int; an 8-byte zeroed slot also fits a pointer-sized write.
         slot = ctypes.c_uint64(0)
@@ -374,9 +388,9 @@ class GpuVmmDriver(VmmDriver):
 
     def import_fd(self, fd: int, size: int) -> PhysicalHandle:
         """Import an allocation from a POSIX fd (which stays owned by the caller)."""
-        if fd < 0:
-            raise ValueError(f"bad file descriptor {fd}")
-        self._check_size("imported allocation", size, self.granularity(shareable=True))
+        checked_int("file descriptor", fd, minimum=0, maximum=(1 << 31) - 1)
+        self._check_size("imported allocation", size,
+                         self.granularity(AllocationOptions(shareable=True)))
         out = api.CUmemGenericAllocationHandle()
         with self._active():
             # For POSIX fds the driver takes the fd *value* in the pointer argument.

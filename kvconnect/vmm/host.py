@@ -19,7 +19,17 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .base import DLPACK_CPU, DeviceCapabilities, GrantedFlags, PhysicalHandle, VmmDriver, VmmError
+from ..checks import MAX_BYTES, checked_int, round_up
+from .base import (
+    DEFAULT_OPTIONS,
+    DLPACK_CPU,
+    AllocationOptions,
+    DeviceCapabilities,
+    GrantedFlags,
+    PhysicalHandle,
+    VmmDriver,
+    VmmError,
+)
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
@@ -45,8 +55,9 @@ def _errno_error(call: str) -> VmmError:
 
 
 def _check_range(va: int, size: int) -> None:
-    if size <= 0:
-        raise ValueError(f"size must be positive, got {size} bytes")
+    """Sizes and addresses are checked before ctypes sees them (it would truncate them)."""
+    checked_int("size in bytes", size)
+    checked_int("address", va, minimum=0, maximum=MAX_BYTES - size)
     if va % _PAGE or size % _PAGE:
         raise ValueError(f"va {va:#x} and size {size} must be multiples of the page size {_PAGE}")
 
@@ -64,7 +75,7 @@ class HostVmmDriver(VmmDriver):
             raise OSError("the host VMM backend needs Linux with memfd_create")
         super().__init__(device_index)
 
-    def granularity(self, *, shareable: bool = False, rdma_capable: bool = False) -> int:
+    def granularity(self, options: AllocationOptions = DEFAULT_OPTIONS) -> int:
         return HOST_GRANULARITY
 
     def capabilities(self) -> DeviceCapabilities:
@@ -77,6 +88,7 @@ class HostVmmDriver(VmmDriver):
 
     def reserve(self, size: int, alignment: int = 0) -> int:
         _check_range(0, size)
+        checked_int("alignment in bytes", alignment, minimum=0, maximum=1 << 40)
         align = max(alignment, HOST_GRANULARITY)
         # Over-reserve, then trim to an aligned window (like cuMemAddressReserve's alignment).
         total = size + align
@@ -84,7 +96,7 @@ class HostVmmDriver(VmmDriver):
         raw = _libc.mmap(None, total, _PROT_NONE, flags, -1, 0)
         if raw in (None, _MAP_FAILED):
             raise _errno_error(f"mmap(PROT_NONE, {total} bytes)")
-        base = -(-raw // align) * align
+        base = round_up(raw, align)
         head, tail = base - raw, raw + total - (base + size)
         if head:
             _libc.munmap(raw, head)
@@ -97,9 +109,10 @@ class HostVmmDriver(VmmDriver):
         if _libc.munmap(va, size) != 0:
             raise _errno_error("munmap")
 
-    def create(self, size: int, device: int | None = None, *, shareable: bool = False,
-               rdma_capable: bool = False) -> PhysicalHandle:
-        if size <= 0 or size % HOST_GRANULARITY:
+    def create(self, size: int, device: int | None = None,
+               options: AllocationOptions = DEFAULT_OPTIONS) -> PhysicalHandle:
+        checked_int("allocation size in bytes", size)
+        if size % HOST_GRANULARITY:
             raise ValueError(f"size must be a positive multiple of {HOST_GRANULARITY} bytes, got {size}")
         fd = os.memfd_create("kvconnect-chunk", os.MFD_CLOEXEC)
         try:
@@ -115,7 +128,8 @@ class HostVmmDriver(VmmDriver):
         _check_range(va, size)
         if handle.released:
             raise ValueError("cannot map a released physical handle")
-        if offset < 0 or offset + size > handle.size:
+        checked_int("mapping offset in bytes", offset, minimum=0)
+        if offset + size > handle.size:
             raise ValueError(f"mapping [{offset}, {offset + size}) exceeds the {handle.size}-byte allocation")
         got = _libc.mmap(va, size, _PROT_NONE, mmap.MAP_SHARED | _MAP_FIXED, handle.handle, offset)
         if got != va:
@@ -139,6 +153,9 @@ class HostVmmDriver(VmmDriver):
         os.close(handle.handle)
 
     def memset(self, va: int, value: int, size: int) -> None:
+        checked_int("memset size in bytes", size)
+        checked_int("memset address", va, minimum=1, maximum=MAX_BYTES - size)
+        checked_int("memset value", value, minimum=0, maximum=255)
         ctypes.memset(va, value, size)
 
     def export_fd(self, handle: PhysicalHandle) -> int:
@@ -147,6 +164,8 @@ class HostVmmDriver(VmmDriver):
         return os.dup(handle.handle)
 
     def import_fd(self, fd: int, size: int) -> PhysicalHandle:
+        checked_int("file descriptor", fd, minimum=0, maximum=(1 << 31) - 1)
+        checked_int("imported allocation size in bytes", size)
         actual = os.fstat(fd).st_size
         if actual < size:
             raise ValueError(f"imported fd holds {actual} bytes, fewer than the {size} expected")

@@ -1,0 +1,51 @@
+"""One verb for "release what you own": ``close()``, idempotent, and ``with`` everywhere.
+
+:class:`Closeable` gives a class that owns memory with views over it the shared surface:
+``close(force=False)`` (the class implements it, refusing with :class:`LiveViewsError`
+while views are referenced unless ``force``), ``with`` blocks that close with ``force=True``
+(raising on the way out would hide the exception leaving the block), and ``free()``, the
+older verb, kept as a deprecated ``close(force=True)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TypeVar
+
+__all__ = ["Closeable", "LiveViewsError"]
+
+C = TypeVar("C", bound="Closeable")
+
+
+class LiveViewsError(RuntimeError):
+    """``close()`` refused: ``live_views`` views of the memory are still referenced."""
+
+    def __init__(self, owner: str, live_views: int, which: str) -> None:
+        super().__init__(
+            f"close() refused: {live_views} view(s) of this {owner} are still referenced "
+            f"({which} results, or tensors derived from them); drop them first, or "
+            "close(force=True) to release the memory now and keep the addresses reserved "
+            "until the views are gone")
+        self.live_views = live_views
+
+
+class Closeable:
+    """Mixin: ``free()`` and ``with`` on top of the subclass's ``close(*, force)``."""
+
+    def close(self, *, force: bool = False) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Deprecated: ``close(force=True)``, what ``free()`` always did (now without the
+        risk of a stale view reaching a later allocation). Use ``close()``."""
+        warnings.warn(f"{type(self).__name__}.free() is deprecated: use close() (which "
+                      "refuses while views are referenced) or close(force=True)",
+                      DeprecationWarning, stacklevel=2)
+        self.close(force=True)
+
+    def __enter__(self: C) -> C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Leaving the block releases unconditionally (``close(force=True)``)."""
+        self.close(force=True)
