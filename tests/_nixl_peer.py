@@ -98,7 +98,7 @@ def make_cache(spec: dict[str, Any]) -> Any:
         if spec.get("final", True):
             cache.extend_kv_cache(spec["num_blocks"], single_handle=spec.get("single_handle", True))
     except BaseException:
-        cache.free()
+        cache.close()
         raise
     return cache
 
@@ -202,7 +202,7 @@ def main() -> int:
         for worker in workers.values():
             worker.close()
         for cache in caches.values():
-            cache.free()
+            cache.close()
     return 0
 
 

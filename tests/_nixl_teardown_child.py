@@ -90,7 +90,7 @@ def prefill(engine_id: str, progress_thread: bool) -> int:
         return 0
     finally:
         worker.close()
-        cache.close() if hasattr(cache, "close") else cache.free()
+        cache.close()
 
 
 class Peer:
@@ -284,7 +284,7 @@ def decode(scenario: str) -> int:
         for peer in peers:
             peer.stop()
         gc.collect()
-        cache.close() if hasattr(cache, "close") else cache.free()
+        cache.close()
     return 0
 
 

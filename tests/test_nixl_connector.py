@@ -190,7 +190,7 @@ def open_pair(prefill_device: str = "cpu", decode_device: str = "cpu") -> Iterat
         for w in p.workers.values():
             w.close()
         for c in p.caches.values():
-            c.free()
+            c.close()
         if p.peer is not None:
             p.peer.stop()
 
