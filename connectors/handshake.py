@@ -138,7 +138,8 @@ class LayoutFingerprint:
     joined by ``","`` for Mamba states); ``layout`` the physical layout name (``"kv_split_hnd"``
     and ``"kv_split_nhd"`` have equal block lengths but different byte orders);
     ``kernel_block_size`` the kernel block split in tokens. A field that is ``None`` on either
-    side is not compared.
+    side is not compared. ``kvconnect_version`` is informational (reports show it); the wire
+    schema, not the package version, decides whether two peers can talk.
     """
 
     regions: tuple[RegionFingerprint, ...]
@@ -221,9 +222,9 @@ class LayoutFingerprint:
         ``"block_len of layer model.layers.0/k: local 4096 != remote 8192"``.
         """
         diffs: list[str] = []
-        if self.kvconnect_version != remote.kvconnect_version:
-            diffs.append(f"kvconnect version: local {self.kvconnect_version} != "
-                         f"remote {remote.kvconnect_version}")
+        # The package version is reported, never compared: peers of different kvconnect
+        # releases talk as long as the wire schema (HANDSHAKE_SCHEMA, checked on parse) and
+        # the layout agree, as vLLM's NIXL connector compares a protocol version.
         if (self.block_size is not None and remote.block_size is not None
                 and self.block_size != remote.block_size):
             diffs.append(f"block_size (tokens): local {self.block_size} != remote {remote.block_size}")
