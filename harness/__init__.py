@@ -3,11 +3,14 @@
 Modules, one concept each: :mod:`.cli` (arguments, exit codes), :mod:`.config` (the run
 config every worker gets), :mod:`.report` (checks, transfers, JSON / JUnit), :mod:`.display`
 (live progress, final tables), :mod:`.environment` (versions, devices, boot id),
-:mod:`.orchestrator` (local runs: spawn, watch, clean up), :mod:`.rendezvous` (multi-host
-runs over a TCPStore), :mod:`.control` (what a worker uses to talk to the run),
-:mod:`.worker` (worker process entry), :mod:`.scenario` (the steps per worker),
-:mod:`.content` (block contents and digests), :mod:`.transports` (ipc and nixl fetches),
-:mod:`.ucx_lanes` (which UCX lane carried a NIXL READ).
+:mod:`.orchestrator` (local runs: the coordinator's event loop, failures, teardown),
+:mod:`.launch` (starting, stopping and probing local worker processes), :mod:`.rundir` (a
+run's private directory), :mod:`.lifetime` (how harness processes end),
+:mod:`.rendezvous` (multi-host runs over a TCPStore), :mod:`.control` (what a worker uses to
+talk to the run), :mod:`.worker` (worker process entry), :mod:`.scenario` (the steps per
+worker), :mod:`.content` (block contents and digests), :mod:`.transports` (ipc and nixl
+fetches), :mod:`.ucx_lanes` (which UCX lane carried a NIXL READ).
 
-Nothing below the harness imports it.
+Worker processes import nothing of the coordinator side (cli, orchestrator, launch,
+rendezvous, display). Nothing below the harness imports it.
 """

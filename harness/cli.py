@@ -14,7 +14,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import NoReturn
 
 from .config import PREFILL, ROLES, TRANSPORTS, RunConfig
 from .display import Display
@@ -24,6 +23,7 @@ from .environment import (
     nixl_available,
     resolve_device,
 )
+from .lifetime import exit_now
 from .rendezvous import Membership, membership_from_env, parse_hostport
 from .report import EXIT_USAGE, Report
 
@@ -147,26 +147,14 @@ def _check_layout(cfg: RunConfig) -> None:
     """Reject unknown presets (listing the known ones) and configs the preset cannot build."""
     from kvconnect import layout
 
-    names = _preset_names(layout)
-    if names and cfg.layout not in names:
+    if cfg.layout not in layout.PRESETS:
         raise UsageError(f"--layout {cfg.layout!r} is not a known preset; choose from "
-                         + ", ".join(sorted(names)))
+                         + ", ".join(sorted(layout.PRESETS)))
     try:
         layout.preset(cfg.layout, num_blocks=cfg.num_blocks, num_layers=cfg.num_layers)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--layout {cfg.layout} with --num-layers {cfg.num_layers} and "
                          f"--num-blocks {cfg.num_blocks}: {exc}") from None
-
-
-def _preset_names(layout_module: object) -> list[str]:
-    for attr in ("PRESETS", "PRESET_NAMES"):
-        value = getattr(layout_module, attr, None)
-        if value:
-            return list(value)
-    fn = getattr(layout_module, "preset_names", None)
-    if callable(fn):
-        return list(fn())
-    return []
 
 
 def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None]:
@@ -239,18 +227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         exit_now(_main(None))
     return _main(argv)
-
-
-def exit_now(code: int) -> NoReturn:
-    """Flush logging and stdio, then leave without interpreter teardown. Only for process
-    entry points whose resources are all released already."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:

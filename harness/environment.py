@@ -7,7 +7,6 @@ workers, so a run that cannot work fails fast with exit code 3 and says what is 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -15,7 +14,6 @@ import platform
 import socket
 import sys
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 #: test hook: pretend to run on another host. ``"<boot id>"`` for this process, or
@@ -86,17 +84,6 @@ def nixl_available() -> tuple[bool, str]:
             continue
     return False, ("NIXL is not installed (no nixl_cu13 / nixl_cu12 / nixl module); install "
                    "kvconnect[nixl] (nixl-cu13==1.5.1) or drop nixl from --transports")
-
-
-def import_nixl() -> tuple[ModuleType | None, str]:
-    """Import NIXL's ``_api`` module: ``(module, "")`` or ``(None, reason)``."""
-    errors = []
-    for mod in NIXL_MODULES:
-        try:
-            return importlib.import_module(mod), ""
-        except ImportError as exc:
-            errors.append(f"{mod}: {exc}")
-    return None, "NIXL cannot be imported (" + "; ".join(errors) + ")"
 
 
 def nixl_version() -> str | None:
@@ -181,12 +168,6 @@ class ResolvedDevice:
     kind: str
     num_gpus: int = 0
     note: str = ""
-
-    def for_worker(self, index: int) -> str:
-        """Device string for the ``index``-th worker (round-robin over the GPUs)."""
-        if self.kind == "host":
-            return "cpu"
-        return f"cuda:{index % self.num_gpus}"
 
 
 def _probe_cuda() -> tuple[int, str]:

@@ -18,7 +18,6 @@ the private directory removed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -27,18 +26,27 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .display import Display
+from .launch import (
+    exit_text,
+    fd_target,
+    kill_process,
+    launch_method,
+    log_tail,
+    open_fds,
+    preload_worker_modules,
+    proc_state,
+    start_worker,
+)
 from .report import FAIL, PASS, SKIP, Check, Report, Transfer
-from .ucx_lanes import PROTO_INFO_ENV
+from .rundir import run_dir
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +63,7 @@ class _Worker:
     role: str
     rank: int
     device: str
-    proc: Any  # subprocess.Popen or _ForkedWorker
+    proc: Any  # subprocess.Popen or launch.ForkedWorker
     log_path: str
     sock: socket.socket | None = None
     phase: str = "spawned"
@@ -97,7 +105,7 @@ def run_local(cfg: RunConfig, report: Report, display: Display) -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_term)
-    fds_before = _open_fds()
+    fds_before = open_fds()
     coordinator = Coordinator(cfg, report, display)
     try:
         coordinator.run()
@@ -128,7 +136,7 @@ class Coordinator:
 
     # -- top level -----------------------------------------------------------------------------
     def run(self) -> None:
-        with socket_dir() as directory:
+        with run_dir() as directory:
             self.dir = directory
             path = os.path.join(directory, "coord.sock")
             self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -150,24 +158,14 @@ class Coordinator:
     def _spawn_all(self, path: str) -> None:
         method = launch_method(self.cfg)
         if method == "fork":
-            _preload_worker_modules()
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault(PROTO_INFO_ENV, "y")  # UCX names its lanes: transfers are attributed
+            preload_worker_modules()
         for role, count in ((PREFILL, self.cfg.num_prefill), (DECODE, self.cfg.num_decode)):
             for rank in range(count):
                 name = worker_name(role, rank)
                 log_path = os.path.join(self.dir, f"{name}.log")
                 device = self.cfg.device_for(role, rank)
                 args = ["--connect", path, "--role", role, "--rank", str(rank)]
-                if method == "fork":
-                    proc: Any = _ForkedWorker.start(args, log_path, self.listener)
-                else:
-                    cmd = [sys.executable, "-m", "kvconnect.harness.worker", *args]
-                    with open(log_path, "wb") as logf:
-                        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf,
-                                                stderr=subprocess.STDOUT, env=env,
-                                                close_fds=True)
+                proc = start_worker(method, args, log_path, self.listener)
                 w = _Worker(role, rank, device, proc, log_path)
                 self.workers.append(w)
                 self.display.worker(name, proc.pid, device)
@@ -185,7 +183,7 @@ class Coordinator:
             for pid in list(pending):
                 w = by_pid[pid]
                 if w.proc.poll() is not None:
-                    self._fail_worker(w, f"{w.who} exited with {_exit_text(w.proc.returncode)} "
+                    self._fail_worker(w, f"{w.who} exited with {exit_text(w.proc.returncode)} "
                                          "during start-up, before connecting", state="dead")
                     return False
             left = deadline - time.monotonic()
@@ -352,10 +350,10 @@ class Coordinator:
             return
         try:
             code = w.proc.wait(timeout=2.0)
-            how = _exit_text(code)
+            how = exit_text(code)
         except subprocess.TimeoutExpired:
             how = f"closed its connection ({reason}) but is still running; killed it"
-            _kill(w.proc)
+            kill_process(w.proc)
         self._fail_worker(w, f"{w.who} died in phase {w.phase}: {how}", state="dead")
 
     def _tick(self) -> None:
@@ -378,7 +376,7 @@ class Coordinator:
                 continue
             silent = now - w.last_seen
             if silent > self.cfg.heartbeat_timeout:
-                state = _proc_state(w.proc.pid)
+                state = proc_state(w.proc.pid)
                 self._fail_worker(
                     w, f"{w.who} stopped responding in phase {w.phase}: no heartbeat for "
                        f"{silent:.1f} s (process state: {state}); killed it",
@@ -390,17 +388,17 @@ class Coordinator:
                        f"{self.cfg.timeout:g} s); killed it", state="dead", kill=True)
             elif w.proc.poll() is not None:
                 self._fail_worker(w, f"{w.who} died in phase {w.phase}: "
-                                     f"{_exit_text(w.proc.returncode)}", state="dead")
+                                     f"{exit_text(w.proc.returncode)}", state="dead")
 
     # -- failures --------------------------------------------------------------------------------
     def _fail_worker(self, w: _Worker, message: str, *, state: str, kill: bool = False,
                      tail: bool = True) -> None:
         w.state = state
         if kill:
-            _kill(w.proc)
+            kill_process(w.proc)
         detail = message
         if tail:
-            lines = _tail(w.log_path, LOG_TAIL_LINES)
+            lines = log_tail(w.log_path, LOG_TAIL_LINES)
             if lines:
                 detail += "\n--- last lines of its log ---\n" + lines
         self.report.add_check(f"worker/{w.name}", FAIL, detail)
@@ -433,7 +431,7 @@ class Coordinator:
                 if not w.finished:
                     self._fail_worker(w, f"{w.who} was still running in phase {w.phase} when "
                                          "the run ended; killed it", state="dead")
-                _kill(w.proc)
+                kill_process(w.proc)
         for w in self.workers:
             try:
                 w.proc.wait(timeout=10)
@@ -467,9 +465,9 @@ class Coordinator:
             problems.append("processes still present: " + ", ".join(alive))
         if self.dir and os.path.exists(self.dir):
             problems.append(f"socket directory {self.dir} still exists")
-        leaked = sorted(_open_fds() - fds_before)
+        leaked = sorted(open_fds() - fds_before)
         if leaked:
-            problems.append(f"fds left open: {[_fd_target(fd) for fd in leaked][:8]}")
+            problems.append(f"fds left open: {[fd_target(fd) for fd in leaked][:8]}")
         self.report.add_check(
             "cleanup", FAIL if problems else PASS, "; ".join(problems) if problems else
             f"{len(self.workers)} workers reaped, socket directory removed, no fd left open")
@@ -489,198 +487,6 @@ class Coordinator:
             self.report.add_check("workers", PASS,
                                   f"{len(self.workers)} workers ran to the end and exited 0")
         elif bad and not any(c.status == FAIL for c in self.report.checks):
-            names = ", ".join(f"{w.name} ({w.state}, {_exit_text(w.proc.returncode)})"
+            names = ", ".join(f"{w.name} ({w.state}, {exit_text(w.proc.returncode)})"
                               for w in bad)
             self.report.add_check("workers", FAIL, f"workers did not finish cleanly: {names}")
-
-
-LAUNCH_ENV = "KVCONNECT_VALIDATE_LAUNCH"
-#: a Unix socket path must fit sockaddr_un.sun_path (108 bytes with the NUL)
-_MAX_SOCKET_DIR = 80
-
-
-@contextlib.contextmanager
-def socket_dir() -> Iterator[str]:
-    """A fresh private (0700) directory for this run's sockets, removed on exit.
-
-    Under ``$TMPDIR``, unless that is too long for Unix socket paths; then under ``/tmp``.
-    """
-    base = tempfile.gettempdir()
-    if len(base) > _MAX_SOCKET_DIR - 16:
-        log.warning("TMPDIR %s is too long for Unix socket paths; using /tmp", base)
-        base = "/tmp"
-    path = tempfile.mkdtemp(prefix="kvv-", dir=base)
-    try:
-        os.chmod(path, 0o700)
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-
-def launch_method(cfg: RunConfig) -> str:
-    """``fork`` for the host backend (workers start without re-importing torch: seconds
-    saved per worker on small machines), ``subprocess`` for CUDA (a process that may have
-    initialised CUDA must not fork). ``KVCONNECT_VALIDATE_LAUNCH`` overrides."""
-    forced = os.environ.get(LAUNCH_ENV, "")
-    if forced in ("fork", "subprocess"):
-        if forced == "fork" and cfg.device != "host":
-            raise ValueError(f"{LAUNCH_ENV}=fork is only safe on the host backend")
-        return forced
-    return "fork" if cfg.device == "host" else "subprocess"
-
-
-def _preload_worker_modules() -> None:
-    """Import what every worker needs once, before forking (never initialises a device)."""
-    import kvconnect.connectors.cpu_offload  # noqa: F401
-    import kvconnect.connectors.nixl  # noqa: F401
-    import kvconnect.kv_cache  # noqa: F401
-
-    from . import scenario, transports, worker  # noqa: F401
-
-
-class _ForkedWorker:
-    """A worker forked from the coordinator (host backend). The subset of Popen's interface
-    the coordinator uses: ``pid``, ``poll``, ``wait``, ``kill``, ``returncode``.
-
-    Fork happens before the coordinator starts any thread, so the child inherits no lock held
-    by another thread; the child closes the listening socket, points stdout/stderr at its log
-    and leaves through ``os._exit`` (never back into the coordinator's stack).
-    """
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    @classmethod
-    def start(cls, args: list[str], log_path: str, listener: socket.socket | None,
-              ) -> _ForkedWorker:
-        if threading.active_count() > 1:
-            raise RuntimeError("cannot fork workers once the coordinator runs threads")
-        logfd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            pid = os.fork()
-        except BaseException:
-            os.close(logfd)
-            raise
-        if pid == 0:  # pragma: no cover - runs in the child (covered by the e2e tests)
-            code = 1
-            try:
-                if listener is not None:
-                    os.close(listener.detach())
-                null = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(null, 0)
-                os.close(null)
-                os.dup2(logfd, 1)
-                os.dup2(logfd, 2)
-                os.close(logfd)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.environ["PYTHONUNBUFFERED"] = "1"
-                os.environ.setdefault(PROTO_INFO_ENV, "y")
-                from .worker import main as worker_main
-
-                code = worker_main(args)
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
-        os.close(logfd)
-        return cls(pid)
-
-    def _reap(self, flags: int) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, flags)
-            except ChildProcessError:
-                self.returncode = -signal.SIGKILL if self.returncode is None else self.returncode
-                return self.returncode
-            if pid == self.pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def poll(self) -> int | None:
-        return self._reap(os.WNOHANG)
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.005
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout or 0)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        assert self.returncode is not None
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-
-
-def _kill(proc: Any) -> None:
-    if proc.poll() is None:
-        try:
-            proc.kill()
-        except ProcessLookupError:
-            pass
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _open_fds() -> set[int]:
-    """This process's open fds (empty where /proc is missing)."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return set()
-    fds = {int(n) for n in names}
-    return {fd for fd in fds if _fd_target(fd) != ""}  # drop the one listdir itself used
-
-
-def _fd_target(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
-
-
-def _proc_state(pid: int) -> str:
-    """The ``State:`` line of /proc/PID/status (e.g. ``T (stopped)``), or ``gone``."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("State:"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "gone"
-
-
-def _tail(path: str, lines: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 16384))
-            data = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(data.rstrip().splitlines()[-lines:])

@@ -28,8 +28,8 @@ from typing import Any
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .control import HEARTBEAT_S, Control, PeerFailure
 from .display import Display
-from .orchestrator import socket_dir
 from .report import FAIL, PASS, Check, Report, Transfer
+from .rundir import run_dir
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
         # only a prefill serving ipc needs a socket directory (a killed process cannot remove
         # its own, so nobody else makes one)
         serves_ipc = m.role == PREFILL and "ipc" in cfg.transports
-        with socket_dir() if serves_ipc else contextlib.nullcontext("") as ipc_dir:
+        with run_dir() if serves_ipc else contextlib.nullcontext("") as ipc_dir:
             if not _agree_on_config(ctl, cfg, m, report):
                 ctl.finish(error="configuration differs between processes")
                 return

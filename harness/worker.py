@@ -19,6 +19,7 @@ import traceback
 from . import environment
 from .config import ROLES
 from .control import Control, PeerFailure
+from .lifetime import exit_now
 
 log = logging.getLogger("kvconnect.harness.worker")
 
@@ -84,6 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from .cli import exit_now
-
     exit_now(main())
