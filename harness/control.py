@@ -58,16 +58,21 @@ class Control(abc.ABC):
         self._send_phase(phase)
         _run_test_hooks(self.name, phase)
 
-    def check(self, name: str, status: str, detail: str = "", seconds: float = 0.0) -> Check:
-        c = Check(name=name, status=status, detail=detail, worker=self.name, seconds=seconds)
+    def check(self, name: str, status: str, detail: str = "", seconds: float = 0.0,
+              data: dict[str, Any] | None = None) -> Check:
+        """Report a verdict: ``detail`` in words, ``data`` the same facts as JSON values."""
+        c = Check(name=name, status=status, detail=detail, worker=self.name, seconds=seconds,
+                  data=dict(data or {}))
         self._send_check(c)
         return c
 
-    def passed(self, name: str, detail: str = "", seconds: float = 0.0) -> Check:
-        return self.check(name, PASS, detail, seconds)
+    def passed(self, name: str, detail: str = "", seconds: float = 0.0,
+               data: dict[str, Any] | None = None) -> Check:
+        return self.check(name, PASS, detail, seconds, data)
 
-    def failed(self, name: str, detail: str, seconds: float = 0.0) -> Check:
-        return self.check(name, FAIL, detail, seconds)
+    def failed(self, name: str, detail: str, seconds: float = 0.0,
+               data: dict[str, Any] | None = None) -> Check:
+        return self.check(name, FAIL, detail, seconds, data)
 
     def skipped(self, name: str, reason: str) -> Check:
         return self.check(name, SKIP, reason)

@@ -43,6 +43,7 @@ from .launch import (
     open_fds,
     preload_worker_modules,
     proc_state,
+    signal_name,
     start_worker,
 )
 from .report import FAIL, PASS, SKIP, Check, Report, Transfer
@@ -184,14 +185,18 @@ class Coordinator:
                 w = by_pid[pid]
                 if w.proc.poll() is not None:
                     self._fail_worker(w, f"{w.who} exited with {exit_text(w.proc.returncode)} "
-                                         "during start-up, before connecting", state="dead")
+                                         "during start-up, before connecting", state="dead",
+                                      cause="exited")
                     return False
             left = deadline - time.monotonic()
             if left <= 0:
                 names = ", ".join(by_pid[p].name for p in sorted(pending))
                 self.report.add_check("startup", FAIL,
                                       f"workers {names} did not connect within --timeout "
-                                      f"{self.cfg.timeout:g} s (still importing? hung?)")
+                                      f"{self.cfg.timeout:g} s (still importing? hung?)",
+                                      data={"cause": "startup_timeout",
+                                            "workers": [by_pid[p].name for p in sorted(pending)],
+                                            "timeout": self.cfg.timeout})
                 return False
             ready, _, _ = select.select([self.listener], [], [], min(left, 0.2))
             if not ready:
@@ -218,7 +223,8 @@ class Coordinator:
             except (IpcError, OSError, KeyError, ValueError) as exc:
                 conn.close()
                 if w is not None:
-                    self._fail_worker(w, f"{w.who}: bad start-up handshake: {exc}", state="dead")
+                    self._fail_worker(w, f"{w.who}: bad start-up handshake: {exc}", state="dead",
+                                      cause="bad_handshake")
                     return False
                 continue
             conn.settimeout(None)
@@ -303,15 +309,18 @@ class Coordinator:
                     # not its own failure: the run was aborted under it
                     w.state = "failed"
                     self.report.add_check(f"worker/{w.name}", SKIP,
-                                          f"{w.who} stopped in phase {phase} because the {text}")
+                                          f"{w.who} stopped in phase {phase} because the {text}",
+                                          data={**self._who(w), "phase": phase,
+                                                "cause": "aborted"})
                 else:
+                    w.phase = phase
                     self._fail_worker(w, f"{w.who} failed in phase {phase}: {text}",
-                                      state="failed", tail=False)
+                                      state="failed", tail=False, cause="error")
             else:
                 raise ValueError(f"unknown op {op!r}")
         except (KeyError, TypeError, ValueError) as exc:
             self._fail_worker(w, f"{w.who} sent a malformed message ({exc}); killed it",
-                              state="dead", kill=True)
+                              state="dead", kill=True, cause="malformed_message")
 
     def _on_get(self, w: _Worker, rid: int, key: str, timeout: float) -> None:
         if key in self.store:
@@ -354,7 +363,8 @@ class Coordinator:
         except subprocess.TimeoutExpired:
             how = f"closed its connection ({reason}) but is still running; killed it"
             kill_process(w.proc)
-        self._fail_worker(w, f"{w.who} died in phase {w.phase}: {how}", state="dead")
+        self._fail_worker(w, f"{w.who} died in phase {w.phase}: {how}", state="dead",
+                          cause="died")
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -369,7 +379,10 @@ class Coordinator:
             msg = (f"{wt.worker.who} timed out after {wt.timeout:g} s in phase "
                    f"{wt.worker.phase} waiting for {wt.key!r}: {where}")
             self._reply(wt.worker, {"op": "fail", "id": wt.rid, "message": msg})
-            self.report.add_check(f"deadline/{wt.worker.name}", FAIL, msg)
+            self.report.add_check(f"deadline/{wt.worker.name}", FAIL, msg, data={
+                **self._who(wt.worker), "phase": wt.worker.phase, "cause": "wait_timeout",
+                "key": wt.key, "owner": owner, "owner_phase": peer.phase if peer else None,
+                "timeout": wt.timeout})
             self._abort(msg)
         for w in self.workers:
             if w.state != "running":
@@ -380,28 +393,42 @@ class Coordinator:
                 self._fail_worker(
                     w, f"{w.who} stopped responding in phase {w.phase}: no heartbeat for "
                        f"{silent:.1f} s (process state: {state}); killed it",
-                    state="dead", kill=True)
+                    state="dead", kill=True, cause="unresponsive",
+                    data={"process_state": state, "silent_seconds": round(silent, 3)})
             elif w.waiting == 0 and now - w.last_progress > self._progress_deadline:
                 self._fail_worker(
                     w, f"{w.who} made no progress for {now - w.last_progress:.0f} s in phase "
                        f"{w.phase} (its own steps time out after --timeout "
-                       f"{self.cfg.timeout:g} s); killed it", state="dead", kill=True)
+                       f"{self.cfg.timeout:g} s); killed it", state="dead", kill=True,
+                    cause="no_progress")
             elif w.proc.poll() is not None:
                 self._fail_worker(w, f"{w.who} died in phase {w.phase}: "
-                                     f"{exit_text(w.proc.returncode)}", state="dead")
+                                     f"{exit_text(w.proc.returncode)}", state="dead",
+                                  cause="died")
 
     # -- failures --------------------------------------------------------------------------------
-    def _fail_worker(self, w: _Worker, message: str, *, state: str, kill: bool = False,
-                     tail: bool = True) -> None:
+    @staticmethod
+    def _who(w: _Worker) -> dict[str, Any]:
+        return {"worker": w.name, "role": w.role, "rank": w.rank, "pid": w.proc.pid}
+
+    def _fail_worker(self, w: _Worker, message: str, *, state: str, cause: str,
+                     kill: bool = False, tail: bool = True,
+                     data: dict[str, Any] | None = None) -> None:
+        """Fail the run because of ``w``: one ``worker/<name>`` check whose ``data`` names
+        the worker, its role, rank and phase and the ``cause`` (``died``, ``unresponsive``,
+        ``no_progress``, ``error``, ...), then abort every other worker."""
         w.state = state
         if kill:
             kill_process(w.proc)
+        code = w.proc.poll() if state == "dead" else None
         detail = message
         if tail:
             lines = log_tail(w.log_path, LOG_TAIL_LINES)
             if lines:
                 detail += "\n--- last lines of its log ---\n" + lines
-        self.report.add_check(f"worker/{w.name}", FAIL, detail)
+        self.report.add_check(f"worker/{w.name}", FAIL, detail, data={
+            **self._who(w), "phase": w.phase, "cause": cause, "exit_code": code,
+            "signal": signal_name(code), **(data or {})})
         self.display.message(f"FAIL {message}")
         self._abort(message)
 
@@ -430,7 +457,8 @@ class Coordinator:
             except subprocess.TimeoutExpired:
                 if not w.finished:
                     self._fail_worker(w, f"{w.who} was still running in phase {w.phase} when "
-                                         "the run ended; killed it", state="dead")
+                                         "the run ended; killed it", state="dead",
+                                      cause="still_running")
                 kill_process(w.proc)
         for w in self.workers:
             try:

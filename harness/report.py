@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
@@ -23,22 +24,29 @@ FAIL = "fail"
 SKIP = "skip"
 STATUSES = (PASS, FAIL, SKIP)
 
-#: exit codes of ``kvconnect-validate``
+#: exit codes of ``kvconnect-validate``; a run stopped by a signal exits ``128 + signal``
+#: (130 after SIGINT, 143 after SIGTERM), as a shell reports a process the signal killed
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
+EXIT_SIGNAL_BASE = 128
 
 
 @dataclass
 class Check:
-    """One verdict. ``worker`` is who produced it (``prefill0``, ``decode1``, ``coordinator``)."""
+    """One verdict. ``worker`` is who produced it (``prefill0``, ``decode1``, ``coordinator``).
+
+    ``detail`` is for people; ``data`` holds the same facts for programs (JSON values, e.g.
+    ``{"block": 17, "offset": 4093}``): tests and tools read ``data``, never ``detail``.
+    """
 
     name: str
     status: str
     detail: str = ""
     worker: str = ""
     seconds: float = 0.0
+    data: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -46,9 +54,12 @@ class Check:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Check:
+        data = obj.get("data") or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"check data must be a JSON object, got {type(data).__name__}")
         return cls(name=str(obj["name"]), status=str(obj["status"]),
                    detail=str(obj.get("detail", "")), worker=str(obj.get("worker", "")),
-                   seconds=float(obj.get("seconds", 0.0)))
+                   seconds=float(obj.get("seconds", 0.0)), data=dict(data))
 
 
 @dataclass
@@ -108,15 +119,34 @@ class Report:
     wall_seconds: float = 0.0
     #: set when the run could not be carried out at all (exit 3), with what is missing
     environment_error: str = ""
-    #: set when the processes of a run disagree on its configuration (exit 2)
+    #: set when the arguments cannot work (exit 2): processes of a multi-host run disagree
+    #: on the configuration, or the run needs more than this machine could ever give
     usage_error: str = ""
+    #: set when a signal stopped the run (exit ``128 + signal``): ``signal`` (``SIGTERM``),
+    #: ``stage`` (``preflight``, ``startup``, ``run``, ``teardown``) and ``phases``, the phase
+    #: each worker was in (``{"decode0": "transfer:ipc:prefill0:round1"}``)
+    interrupted: dict[str, Any] | None = None
+    #: what the run needs and what the machine has (see :mod:`.resources`), checked before
+    #: any worker starts
+    resources: dict[str, Any] = field(default_factory=dict)
 
     # -- building ----------------------------------------------------------------
     def add_check(self, name: str, status: str, detail: str = "", worker: str = "coordinator",
-                  seconds: float = 0.0) -> Check:
-        check = Check(name, status, detail, worker, seconds)
+                  seconds: float = 0.0, data: dict[str, Any] | None = None) -> Check:
+        check = Check(name, status, detail, worker, seconds, dict(data or {}))
         self.checks.append(check)
         return check
+
+    def interrupt(self, signum: int, stage: str, phases: dict[str, str]) -> None:
+        """Record that signal ``signum`` stopped the run in ``stage`` (first signal wins)."""
+        if self.interrupted is not None:
+            return
+        name = signal_name(signum)
+        self.interrupted = {"signal": name, "signum": signum, "stage": stage,
+                            "phases": dict(phases)}
+        where = ", ".join(f"{w} in {p}" for w, p in phases.items()) or "no worker running"
+        self.add_check("run", FAIL, f"interrupted by {name} during {stage} ({where}) before "
+                                    "the run finished", data=self.interrupted)
 
     def apply_bandwidth_floor(self, min_gbps: float | None) -> None:
         """Add one check per transfer under ``min_gbps`` (and one passing check otherwise)."""
@@ -127,7 +157,9 @@ class Report:
             self.add_check(f"bandwidth/{t.pair}/{t.transport}/round{t.round}", FAIL,
                            f"{t.label}: {t.gbps:.3f} GB/s is under the --min-gbps floor of "
                            f"{min_gbps:g} GB/s ({t.bytes} bytes in {t.seconds:.4f} s via "
-                           f"{t.backend or t.transport})")
+                           f"{t.backend or t.transport})",
+                           data={"pair": t.pair, "transport": t.transport, "round": t.round,
+                                 "gbps": t.gbps, "min_gbps": min_gbps})
         if not slow:
             if self.transfers:
                 low = min(self.transfers, key=lambda t: t.gbps)
@@ -149,6 +181,8 @@ class Report:
 
     @property
     def exit_code(self) -> int:
+        if self.interrupted is not None:
+            return EXIT_SIGNAL_BASE + int(self.interrupted["signum"])
         if self.usage_error:
             return EXIT_USAGE
         if self.environment_error:
@@ -163,12 +197,17 @@ class Report:
 
     def summary(self) -> str:
         """One line: verdict and counts."""
+        c = self.counts()
+        verified = sum(1 for t in self.transfers if t.verified)
+        if self.interrupted is not None:
+            return (f"INTERRUPTED by {self.interrupted['signal']} during "
+                    f"{self.interrupted['stage']}: {c[PASS]} passed, {c[FAIL]} failed, "
+                    f"{c[SKIP]} skipped; {verified}/{len(self.transfers)} transfers verified "
+                    f"in {self.wall_seconds:.1f} s")
         if self.usage_error:
             return f"BAD CONFIGURATION: {self.usage_error}"
         if self.environment_error:
             return f"CANNOT RUN: {self.environment_error}"
-        c = self.counts()
-        verified = sum(1 for t in self.transfers if t.verified)
         verdict = "PASSED" if self.passed else "FAILED"
         return (f"{verdict}: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped; "
                 f"{verified}/{len(self.transfers)} transfers verified in {self.wall_seconds:.1f} s")
@@ -182,6 +221,8 @@ class Report:
             "summary": self.summary(),
             "environment_error": self.environment_error,
             "usage_error": self.usage_error,
+            "interrupted": self.interrupted,
+            "resources": self.resources,
             "wall_seconds": round(self.wall_seconds, 3),
             "config": self.config,
             "environment": self.environment,
@@ -231,6 +272,14 @@ class Report:
         ET.indent(root)
         text = ET.tostring(root, encoding="unicode", xml_declaration=False)
         _atomic_write(path, '<?xml version="1.0" encoding="utf-8"?>\n' + text + "\n")
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``signal 99`` for a number Python has no name for."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _first_line(text: str, limit: int = 200) -> str:

@@ -160,7 +160,8 @@ class _Worker:
         ctl.check("kv_cache/one_chunk_per_segment",
                   "pass" if all(n == 1 for n in per_seg) else "fail",
                   f"{before} physical chunks before the single-handle recommit, {after} after, "
-                  f"for {segments} segments (per segment: {sorted(set(per_seg))}){note}")
+                  f"for {segments} segments (per segment: {sorted(set(per_seg))}){note}",
+                  data={"chunks_before": before, "chunks_after": after, "segments": segments})
         self.check_view_sizes()
         self.specs = region_specs(cache)
 
@@ -394,7 +395,8 @@ class PrefillWorker(_Worker):
         rows[block, offset] ^= 0xFF
         self.ctl.passed("negative_control/armed",
                         f"--corrupt: flipped byte {offset} of block {block} {spec.label} after "
-                        "digesting; the transfers of this block must fail")
+                        "digesting; the transfers of this block must fail",
+                        data={"block": block, "region": spec.label, "offset": offset})
 
     def offload_round_trip(self) -> None:
         """CPU offload: save, clobber, load back (and into other blocks), compare bytes."""
@@ -530,7 +532,9 @@ class DecodeWorker(_Worker):
                     f"the same bytes {t.reference_gbps:.2f} GB/s, same run)")
             if mismatches:
                 ctl.failed(name, f"{head}: {len(mismatches)} block regions differ: "
-                                 + "; ".join(mismatches[:MAX_QUOTED]), result.seconds)
+                                 + "; ".join(_mismatch_text(m) for m in mismatches[:MAX_QUOTED]),
+                           result.seconds, data={"mismatches": mismatches[:MAX_QUOTED],
+                                                 "num_mismatches": len(mismatches)})
             else:
                 ctl.passed(name, f"{head}: every block byte-exact", result.seconds)
 
@@ -564,8 +568,11 @@ class DecodeWorker(_Worker):
                  local_ids)
 
     def verify(self, prefill: str, remote_specs: list[RegionSpec], remote_ids: list[int],
-               local_ids: list[int], expected: list[list[str]]) -> list[str]:
-        """Compare arrived blocks with the prefill's digests; describe each mismatch."""
+               local_ids: list[int], expected: list[list[str]]) -> list[dict[str, Any]]:
+        """Compare arrived blocks with the prefill's digests; one record per mismatch:
+        ``block`` (prefill's id), ``decode_block``, ``region`` and the first differing byte
+        ``offset`` with its ``expected`` and ``got`` values (None where the bytes equal the
+        expected pattern but not the prefill's digest)."""
         out = []
         pairs = zip(owners(self.specs), owners(remote_specs), strict=True)
         for j, (lspec, rspec) in enumerate(pairs):
@@ -578,12 +585,19 @@ class DecodeWorker(_Worker):
                                 torch.tensor([r], dtype=torch.int64, device=rows.device),
                                 lspec.block_len)[0]
                 diff = first_difference(rows[loc], want)
-                where = (f"first differing byte at offset {diff[0]} (expected 0x{diff[1]:02x}, "
-                         f"got 0x{diff[2]:02x})" if diff else
-                         "bytes equal the expected pattern but not the prefill's digest "
-                         "(the prefill's memory changed after digesting)")
-                out.append(f"block {r} (decode block {loc}) {rspec.label}: {where}")
+                offset, exp, got_byte = diff if diff else (None, None, None)
+                out.append({"block": r, "decode_block": loc, "region": rspec.label,
+                            "offset": offset, "expected": exp, "got": got_byte})
         return out
+
+
+def _mismatch_text(m: dict[str, Any]) -> str:
+    """One :meth:`DecodeWorker.verify` record in words."""
+    where = (f"first differing byte at offset {m['offset']} (expected 0x{m['expected']:02x}, "
+             f"got 0x{m['got']:02x})" if m["offset"] is not None else
+             "bytes equal the expected pattern but not the prefill's digest "
+             "(the prefill's memory changed after digesting)")
+    return f"block {m['block']} (decode block {m['decode_block']}) {m['region']}: {where}"
 
 
 class _ProgressPump:
