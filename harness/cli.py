@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -19,11 +20,12 @@ from .config import PREFILL, ROLES, TRANSPORTS, RunConfig
 from .display import Display
 from .environment import (
     EnvironmentProblem,
+    ResolvedDevice,
     describe,
     nixl_available,
     resolve_device,
 )
-from .lifetime import exit_now
+from .lifetime import InterruptSignals, exit_now
 from .rendezvous import Membership, membership_from_env, parse_hostport
 from .report import EXIT_USAGE, Report
 
@@ -230,60 +232,70 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    with InterruptSignals() as signals:
+        return _run(argv, signals)
+
+
+def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a message on bad syntax
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg, membership = build_config(args)
-        _check_layout(cfg)
     except UsageError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"kvconnect-validate: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error(parser, exc)
     started = time.monotonic()
     report = Report(config=cfg.to_json())
     display = Display(live=False if (args.plain or args.quiet) else None, quiet=args.quiet)
+    stage = "preflight"
+    device = None
     try:
-        try:
-            device = resolve_device(args.device)
-            cfg.device, cfg.num_gpus = device.kind, device.num_gpus
-            _select_transports(cfg, explicit=args.transports is not None)
-            report.config = cfg.to_json()
-            if device.note:
-                display.message(device.note)
-        except EnvironmentProblem as exc:
-            report.environment = describe()
-            report.environment_error = str(exc)
-            print(f"kvconnect-validate: cannot run: {exc}", file=sys.stderr)
-            return _finish(report, args, display, started)
-        for name, reason in cfg.skipped_transports.items():
-            report.add_check(f"transport/{name}", "skip", reason)
-        try:
-            if membership is None:
-                from .orchestrator import run_local
+        with signals.interruptible():
+            try:
+                _check_layout(cfg)
+            except UsageError as exc:
+                return _usage_error(parser, exc)
+            try:
+                device = resolve_device(args.device)
+                cfg.device, cfg.num_gpus = device.kind, device.num_gpus
+                _select_transports(cfg, explicit=args.transports is not None)
+                report.config = cfg.to_json()
+                if device.note:
+                    display.message(device.note)
+            except EnvironmentProblem as exc:
+                report.environment_error = str(exc)
+                print(f"kvconnect-validate: cannot run: {exc}", file=sys.stderr)
+                return _finish(report, args, display, started, signals, device)
+            for name, reason in cfg.skipped_transports.items():
+                report.add_check(f"transport/{name}", "skip", reason)
+            stage = "run"
+            try:
+                if membership is None:
+                    from .orchestrator import run_local
 
-                run_local(cfg, report, display)  # starts the live display after forking
-            else:
-                from .rendezvous import run_member
+                    run_local(cfg, report, display, signals)  # live display starts after fork
+                else:
+                    from .rendezvous import run_member
 
-                display.start()
-                run_member(cfg, membership, report, display)
-        finally:
-            display.close()
-        # after the workers exist: describe() loads UCX, which must not be inherited by fork
-        report.environment = describe(device, with_gpus=device.kind == "cuda")
-        report.apply_bandwidth_floor(cfg.min_gbps)
-        return _finish(report, args, display, started)
-    except KeyboardInterrupt:
-        report.add_check("run", "fail", "interrupted (SIGINT) before the run finished")
-        _finish(report, args, display, started)
-        return 130
+                    display.start()
+                    run_member(cfg, membership, report, display)
+            finally:
+                display.close()
+            report.apply_bandwidth_floor(cfg.min_gbps)
+    except KeyboardInterrupt as exc:
+        report.interrupt(getattr(exc, "signum", signal.SIGINT), stage, {})
     except Exception as exc:  # noqa: BLE001 - a harness bug still gets a report
         log.exception("kvconnect-validate failed")
         report.add_check("run", "fail", f"the harness itself failed: {type(exc).__name__}: "
                                         f"{exc}\n{traceback.format_exc(limit=6)}")
-        return _finish(report, args, display, started)
+    return _finish(report, args, display, started, signals, device)
+
+
+def _usage_error(parser: argparse.ArgumentParser, exc: UsageError) -> int:
+    parser.print_usage(sys.stderr)
+    print(f"kvconnect-validate: error: {exc}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _select_transports(cfg: RunConfig, explicit: bool) -> None:
@@ -300,7 +312,15 @@ def _select_transports(cfg: RunConfig, explicit: bool) -> None:
                                  + "; ".join(cfg.skipped_transports.values()))
 
 
-def _finish(report: Report, args: argparse.Namespace, display: Display, started: float) -> int:
+def _finish(report: Report, args: argparse.Namespace, display: Display, started: float,
+            signals: InterruptSignals, device: ResolvedDevice | None) -> int:
+    """Describe the environment, print the tables, write --json / --junit; the exit code.
+    Runs outside :meth:`InterruptSignals.interruptible`: a signal arriving now is recorded
+    in the report, and cuts nothing short."""
+    # after the workers exist: describe() loads UCX, which fork must not pass on
+    report.environment = describe(device, with_gpus=device is not None and device.kind == "cuda")
+    if signals.signum is not None:
+        report.interrupt(signals.signum, "teardown", {})  # no-op when already recorded
     report.wall_seconds = time.monotonic() - started
     display.final(report)
     for flag, path, write in (("--json", args.json, report.write_json),

@@ -156,7 +156,7 @@ def kill_process(proc: Any) -> None:
             pass
 
 
-def signal_name(code: int | None) -> str | None:
+def exit_signal_name(code: int | None) -> str | None:
     """``SIGKILL`` for an exit status of ``-9``; None for a normal exit or no exit yet."""
     if code is None or code >= 0:
         return None
@@ -171,7 +171,7 @@ def exit_text(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
-        return f"killed by {signal_name(code)}"
+        return f"killed by {exit_signal_name(code)}"
     return f"exit code {code}"
 
 

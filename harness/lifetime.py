@@ -6,10 +6,14 @@ so it imports nothing else from the harness.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
-from typing import NoReturn
+import threading
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 
 def exit_now(code: int) -> NoReturn:
@@ -23,3 +27,78 @@ def exit_now(code: int) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the run stops, reports where it was, and exits
+    ``128 + signum``. A KeyboardInterrupt, so code that already stops on Ctrl-C stops."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class InterruptSignals:
+    """SIGINT and SIGTERM, turned into :class:`RunInterrupted` where it is safe.
+
+    While entered (main thread only), the first SIGINT or SIGTERM is recorded in
+    :attr:`signum` and raised as :class:`RunInterrupted` where the main thread is, if it is
+    inside :meth:`interruptible` and not inside :meth:`deferred`; elsewhere it is only
+    recorded (entering :meth:`interruptible` afterwards raises it at once). Later signals are
+    recorded, never raised, so the cleanup the first one started (bounded by its own
+    deadlines) runs to the end.
+
+    CI timeouts and Kubernetes send SIGTERM, a terminal sends SIGINT: both end a run the same
+    way. Outside the main thread entering does nothing (Python delivers signals there).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._raised = False
+        self._interruptible = 0
+        self._deferred = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> InterruptSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self._raise_if_due()
+
+    def _raise_if_due(self) -> None:
+        if (self.signum is not None and not self._raised and self._interruptible
+                and not self._deferred):
+            self._raised = True
+            raise RunInterrupted(self.signum)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A section a signal may stop (the run itself): it raises there."""
+        self._interruptible += 1
+        try:
+            self._raise_if_due()
+            yield
+        finally:
+            self._interruptible -= 1
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A section inside :meth:`interruptible` that a signal must not cut short (teardown,
+        summaries): a signal arriving inside is recorded, and not raised."""
+        self._deferred += 1
+        try:
+            yield
+        finally:
+            self._deferred -= 1

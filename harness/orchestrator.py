@@ -35,6 +35,7 @@ from typing import Any
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .display import Display
 from .launch import (
+    exit_signal_name,
     exit_text,
     fd_target,
     kill_process,
@@ -43,10 +44,10 @@ from .launch import (
     open_fds,
     preload_worker_modules,
     proc_state,
-    signal_name,
     start_worker,
 )
-from .report import FAIL, PASS, SKIP, Check, Report, Transfer
+from .lifetime import InterruptSignals
+from .report import FAIL, PASS, SKIP, Check, Report, Transfer, signal_name
 from .rundir import run_dir
 
 log = logging.getLogger(__name__)
@@ -97,30 +98,28 @@ class _Waiter:
     deadline: float
 
 
-def run_local(cfg: RunConfig, report: Report, display: Display) -> None:
-    """Run the whole validation with local worker processes, filling ``report``."""
-    prev = signal.getsignal(signal.SIGTERM)
+def run_local(cfg: RunConfig, report: Report, display: Display,
+              signals: InterruptSignals | None = None) -> None:
+    """Run the whole validation with local worker processes, filling ``report``.
 
-    def _on_term(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_term)
+    A SIGINT / SIGTERM raised through ``signals`` (:class:`~.lifetime.InterruptSignals`)
+    stops the run: the workers are told to abort, then stopped and reaped, and ``report``
+    records the signal and every worker's phase (:meth:`Report.interrupt`)."""
     fds_before = open_fds()
-    coordinator = Coordinator(cfg, report, display)
-    try:
-        coordinator.run()
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, prev)
+    coordinator = Coordinator(cfg, report, display, signals or InterruptSignals())
+    coordinator.run()
     coordinator.check_cleanup(fds_before)
 
 
 class Coordinator:
     """One local run. Single-threaded except one reader thread per worker socket."""
 
-    def __init__(self, cfg: RunConfig, report: Report, display: Display) -> None:
+    def __init__(self, cfg: RunConfig, report: Report, display: Display,
+                 signals: InterruptSignals) -> None:
         self.cfg = cfg
+        self.signals = signals
+        #: what the coordinator is doing: ``startup`` (spawn, accept), ``run``, ``teardown``
+        self.stage = "startup"
         self.report = report
         self.display = display
         self.workers: list[_Worker] = []
@@ -147,13 +146,30 @@ class Coordinator:
                 self.listener.listen(self.cfg.num_prefill + self.cfg.num_decode + 4)
                 self._spawn_all(path)
                 if self._accept_all():
+                    self.stage = "run"
                     self._event_loop()
+            except KeyboardInterrupt as exc:
+                self._interrupted(getattr(exc, "signum", signal.SIGINT))
             finally:
-                try:
-                    self._teardown()
-                finally:
-                    self.listener.close()
-        self._summarise()
+                with self.signals.deferred():
+                    if self.signals.signum is not None:
+                        self._interrupted(self.signals.signum)
+                    self.stage = "teardown"
+                    try:
+                        self._teardown()
+                    finally:
+                        self.listener.close()
+        with self.signals.deferred():
+            self._summarise()
+
+    def _interrupted(self, signum: int) -> None:
+        """A signal stopped the run: record where everyone was, tell the workers to stop."""
+        if self.report.interrupted is not None:
+            return
+        self.report.interrupt(signum, self.stage, {w.name: w.phase for w in self.workers})
+        self.display.message(f"interrupted by {signal_name(signum)} during {self.stage}; "
+                             "stopping the workers")
+        self._abort(f"interrupted by {signal_name(signum)}")
 
     # -- spawning ------------------------------------------------------------------------------
     def _spawn_all(self, path: str) -> None:
@@ -428,7 +444,7 @@ class Coordinator:
                 detail += "\n--- last lines of its log ---\n" + lines
         self.report.add_check(f"worker/{w.name}", FAIL, detail, data={
             **self._who(w), "phase": w.phase, "cause": cause, "exit_code": code,
-            "signal": signal_name(code), **(data or {})})
+            "signal": exit_signal_name(code), **(data or {})})
         self.display.message(f"FAIL {message}")
         self._abort(message)
 

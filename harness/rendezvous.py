@@ -19,6 +19,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ from typing import Any
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .control import HEARTBEAT_S, Control, PeerFailure
 from .display import Display
-from .report import FAIL, PASS, Check, Report, Transfer
+from .report import FAIL, PASS, Check, Report, Transfer, signal_name
 from .rundir import run_dir
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,10 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
                 _gather(ctl, cfg, m, report)
             else:
                 _await_verdict(ctl, cfg, m, report)
+    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (lifetime.InterruptSignals)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        report.interrupt(signum, "run", {m.name: ctl.current_phase})
+        ctl.finish(error=f"interrupted by {signal_name(signum)}")  # the others stop too
     finally:
         ctl.close()
         report.workers.append({"name": m.name, "role": m.role, "rank": m.rank,

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -207,3 +210,78 @@ def test_a_hung_worker_is_reported_within_seconds(tmp_path: Path) -> None:
     assert d["process_state"].startswith("T")  # stopped
     assert run.report["wall_seconds"] < 10 + 15
     assert_clean_exit(run)
+
+
+def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+           ) -> tuple[subprocess.Popen, Path, Path, Path]:
+    """Start ``kvconnect-validate`` (host backend, plain output, --json and --junit) with
+    its own TMPDIR; returns the process, the tmpdir and both report paths."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir(exist_ok=True)
+    out, junit = tmp_path / "report.json", tmp_path / "junit.xml"
+    full_env = {**os.environ, "TMPDIR": str(tmpdir), **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        full_env.pop(k, None)
+    proc = subprocess.Popen([str(VALIDATE), "--device", "host", "--plain", "--json", str(out),
+                             "--junit", str(junit), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=full_env)
+    return proc, tmpdir, out, junit
+
+
+def _wait_for_line(proc: subprocess.Popen, suffix: str, timeout: float) -> list[str]:
+    """Read ``proc``'s output until a line ends with ``suffix`` (a progress line used only to
+    time a signal); fails past ``timeout`` seconds."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        seen.append(line)
+        if line.endswith(suffix):
+            return seen
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"no line ending {suffix!r} within {timeout} s:\n" + "\n".join(seen))
+
+
+def test_sigterm_stops_the_run_as_sigint_does_reports_written_workers_stopped(
+        tmp_path: Path) -> None:
+    """What a CI timeout or Kubernetes does: SIGTERM while prefill0 hangs serving round 1."""
+    proc, tmpdir, out, junit = _start(
+        tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
+        "--timeout", "60", env={"KVCONNECT_TEST_STOP": "prefill0:serve"})
+    try:
+        _wait_for_line(proc, "prefill0: serve:round1", timeout=PROCESS_TIMEOUT)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 143  # 128 + SIGTERM, as SIGINT gives 130
+    report = json.loads(out.read_text())
+    assert report["exit_code"] == 143 and report["passed"] is False
+    interrupted = report["interrupted"]
+    assert (interrupted["signal"], interrupted["stage"]) == ("SIGTERM", "run")
+    assert interrupted["phases"]["prefill0"] == "serve:round1"
+    assert set(interrupted["phases"]) == {"prefill0", "decode0"}
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite is not None and int(suite.get("failures", "0")) >= 1
+    run = Run(code, "", "", report, ET.parse(junit).getroot(), took, tmpdir)
+    assert_clean_exit(run)  # the stopped worker was killed and reaped, the directory removed
+    assert took < 20, f"SIGTERM took {took:.1f} s to stop the run"

@@ -119,3 +119,27 @@ def test_rich_display_escapes_markup_in_details() -> None:
     text = out.getvalue()
     assert "[1, 2]" in text and "[bold]not markup[/bold]" in text
     assert "FAILED" in text
+
+
+@pytest.mark.parametrize("signum, code", [(2, 130), (15, 143)])
+def test_an_interrupted_run_exits_128_plus_the_signal_and_says_where(
+        signum: int, code: int, tmp_path: Path) -> None:
+    r = _report()
+    r.interrupt(signum, "run", {"prefill0": "serve:round1", "decode0": "transfer:ipc"})
+    r.interrupt(9, "teardown", {})  # the first signal wins
+    assert r.exit_code == code and not r.passed
+    path = tmp_path / "r.json"
+    r.write_json(str(path))
+    d = json.loads(path.read_text())
+    assert d["exit_code"] == code
+    assert d["interrupted"]["signal"] == ("SIGINT" if signum == 2 else "SIGTERM")
+    assert d["interrupted"]["phases"]["prefill0"] == "serve:round1"
+    run_check = [c for c in d["checks"] if c["name"] == "run"]
+    assert run_check[0]["status"] == "fail" and run_check[0]["data"]["stage"] == "run"
+
+
+def test_check_data_round_trips_and_must_be_an_object() -> None:
+    c = Check("x", "fail", "block 3", data={"block": 3})
+    assert Check.from_json(json.loads(json.dumps(c.__dict__))) == c
+    with pytest.raises(ValueError, match="JSON object"):
+        Check.from_json({"name": "x", "status": "pass", "data": [1]})
