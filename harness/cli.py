@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -134,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_output_path(flag: str, path: str | None) -> None:
+    """Fail now, not after the run, when ``path`` cannot be written: try what the report
+    writer will do (create a temporary file beside it, then rename it into place)."""
     if path is None:
         return
     directory = os.path.dirname(os.path.abspath(path)) or "."
@@ -141,8 +144,13 @@ def _check_output_path(flag: str, path: str | None) -> None:
         raise UsageError(f"{flag} {path}: is a directory, expected a file path")
     if not os.path.isdir(directory):
         raise UsageError(f"{flag} {path}: directory {directory} does not exist")
-    if not os.access(directory, os.W_OK):
-        raise UsageError(f"{flag} {path}: directory {directory} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvconnect-probe-", dir=directory)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create a file in {directory}: "
+                         f"{exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _check_layout(cfg: RunConfig) -> None:

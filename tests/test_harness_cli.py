@@ -41,6 +41,8 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
     (["--layout", "no-such-model"], "not a known preset"),
     (["--layout", "jamba-hybrid-like", "--num-layers", "1"], "needs at least 2 layers"),
     (["--json", "/nonexistent-dir/x.json"], "does not exist"),
+    (["--json", "/proc/nope.json"], "cannot create a file in /proc"),  # even as root
+    (["--junit", "/sys/nope.xml"], "cannot create a file in /sys"),
     (["--json", "/tmp/same.out", "--junit", "/tmp/same.out"], "name the same file"),
     (["--role", "decode"], "needs --rendezvous, --role and --rank together"),
     (["--rendezvous", "localhost", "--role", "prefill", "--rank", "0"], "expected HOST:PORT"),
@@ -176,3 +178,8 @@ def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
               "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     assert "RANK" not in os.environ
+
+
+def test_the_output_path_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    cli._check_output_path("--json", str(tmp_path / "r.json"))
+    assert list(tmp_path.iterdir()) == []
