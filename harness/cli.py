@@ -288,6 +288,9 @@ def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
 
                     display.start()
                     run_member(cfg, membership, report, display)
+            except EnvironmentProblem as exc:  # the rendezvous store is out of reach
+                report.environment_error = str(exc)
+                print(f"kvconnect-validate: cannot run: {exc}", file=sys.stderr)
             finally:
                 display.close()
             report.apply_bandwidth_floor(cfg.min_gbps)

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from typing import Any
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .control import HEARTBEAT_S, Control, PeerFailure
 from .display import Display
+from .environment import EnvironmentProblem
 from .report import FAIL, PASS, Check, Report, Transfer, signal_name
 from .rundir import run_dir
 
@@ -113,11 +115,93 @@ def membership_from_env(env: Mapping[str, str], num_prefill: int, num_decode: in
                       local_rank=int(local) if local is not None and local.isdigit() else None)
 
 
-def _open_store(m: Membership, timeout: float, master: bool) -> Any:
+class RendezvousUnreachable(EnvironmentProblem):
+    """The TCPStore could not be hosted or reached within ``--timeout`` (exit code 3).
+    ``cause``: ``unresolvable``, ``refused`` (nothing accepted a connection), ``no_answer``
+    (something accepted but did not answer as a TCPStore) or ``error``."""
+
+    def __init__(self, message: str, cause: str, waited: float) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.waited = waited
+
+
+def open_store(m: Membership, timeout: float, master: bool) -> Any:
+    """A ``torch.distributed.TCPStore`` client (or the server, ``master``) within ``timeout``
+    seconds, or :class:`RendezvousUnreachable` with one line saying why.
+
+    TCPStore alone cannot keep that deadline: to a closed port it retries past its timeout and
+    throws 40 lines of C++ frames; to a listener that never answers it blocks until the
+    listener goes away. So a client first waits (retrying) until something accepts a TCP
+    connection at the address, then builds the store in a helper thread and waits for it
+    until the deadline. Past it the helper thread is abandoned (a daemon, blocked in C++; it
+    ends when the listener goes away) and the process reports and exits.
+    """
     from torch.distributed import TCPStore
 
-    return TCPStore(m.host, m.port, world_size=None, is_master=master,
-                    timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    start = time.monotonic()
+    deadline = start + timeout
+    where = f"{m.host}:{m.port}"
+    if not master:
+        _wait_for_listener(m.host, m.port, start, deadline)
+
+    def build(left: float) -> Any:
+        return TCPStore(m.host, m.port, world_size=None, is_master=master,
+                        timeout=datetime.timedelta(seconds=max(left, 0.1)),
+                        wait_for_workers=False)
+
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["store"] = build(deadline - time.monotonic())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+
+    helper = threading.Thread(target=target, name="kvv-store-connect", daemon=True)
+    helper.start()
+    helper.join(max(0.0, deadline - time.monotonic()))
+    waited = time.monotonic() - start
+    if "store" in box:
+        return box["store"]
+    if "error" in box:
+        what = "host the rendezvous store" if master else "join the rendezvous store"
+        raise RendezvousUnreachable(f"cannot {what} at {where}: "
+                                    f"{_first_line(box['error'])}", "error", waited) from None
+    raise RendezvousUnreachable(
+        f"{where} accepted a connection but did not answer as a TCPStore within --timeout "
+        f"{timeout:g} s (is something else listening on that port?)", "no_answer", waited)
+
+
+def _wait_for_listener(host: str, port: int, start: float, deadline: float) -> None:
+    """Return once a TCP connection to ``host:port`` is accepted; retry refusals (the host
+    may start later) until ``deadline`` (monotonic seconds)."""
+    last = ""
+    pause = 0.05
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RendezvousUnreachable(
+                f"nothing accepted a connection at {host}:{port} within --timeout "
+                f"{deadline - start:g} s ({last or 'no answer'}); is prefill rank 0 running "
+                "and the address right?", "refused", time.monotonic() - start)
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 2.0)):
+                return
+        except socket.gaierror as exc:
+            raise RendezvousUnreachable(f"cannot resolve the rendezvous host {host!r}: "
+                                        f"{exc.strerror or exc}", "unresolvable",
+                                        time.monotonic() - start) from None
+        except OSError as exc:
+            last = exc.strerror or str(exc)
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, 0.5)
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line (torch's C++ errors append dozens of stack frames)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class StoreControl(Control):
@@ -237,13 +321,20 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
     cfg.local_device = _local_device(cfg, m)
     display.worker(m.name, os.getpid(), cfg.device_for(m.role, m.rank))
     try:
-        store = _open_store(m, cfg.timeout, master=m.hosts_store)
-    except (RuntimeError, OSError) as exc:
-        report.add_check("rendezvous", FAIL, f"{m.name}: cannot reach the TCPStore at "
-                                             f"{m.host}:{m.port} within {cfg.timeout:g} s: {exc}")
-        return
-    ctl = StoreControl(m.name, cfg, store, lambda: _open_store(m, cfg.timeout, master=False),
-                       display)
+        store = open_store(m, cfg.timeout, master=m.hosts_store)
+    except RendezvousUnreachable as exc:
+        report.add_check("rendezvous", FAIL, str(exc), worker=m.name,
+                         data={"cause": exc.cause, "host": m.host, "port": m.port,
+                               "waited_seconds": round(exc.waited, 3),
+                               "timeout": cfg.timeout})
+        raise
+    try:
+        ctl = StoreControl(m.name, cfg, store, lambda: open_store(m, cfg.timeout, master=False),
+                           display)
+    except RendezvousUnreachable as exc:
+        report.add_check("rendezvous", FAIL, f"heartbeat connection: {exc}", worker=m.name,
+                         data={"cause": exc.cause, "host": m.host, "port": m.port})
+        raise
     try:
         # only a prefill serving ipc needs a socket directory (a killed process cannot remove
         # its own, so nobody else makes one)

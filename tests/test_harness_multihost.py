@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,13 @@ def _free_port() -> int:
 
 
 def _launch(tmp_path: Path, name: str, args: list[str], env: dict[str, str],
-            ) -> tuple[subprocess.Popen, Path]:
+            stderr: int = subprocess.STDOUT) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / f"{name}.json"
     base = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID")}
     proc = subprocess.Popen([str(VALIDATE), "--device", "host", "--plain", "--json", str(out),
                              *args], env={**base, **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=stderr, text=True)
     return proc, out
 
 
@@ -94,3 +95,37 @@ def test_a_dead_peer_is_reported_with_its_phase_torchrun_variables(tmp_path: Pat
     # the prefill removed its socket directory; the killed decode never needed one
     assert list(short_tmp.iterdir()) == []
     short_tmp.rmdir()
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[int]:
+    """A TCP port that accepts connections (the kernel's backlog) but never answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield int(s.getsockname()[1])
+
+
+def test_an_unreachable_rendezvous_exits_3_within_the_timeout_in_one_line(
+        tmp_path: Path, silent_listener: int) -> None:
+    closed = _free_port()  # bound once, then released: nothing listens there
+    args = ["--prefill", "1", "--decode", "1", "--role", "decode", "--rank", "0",
+            "--timeout", "5"]
+    runs = {name: _launch(tmp_path, name, [*args, "--rendezvous", f"127.0.0.1:{port}"], {},
+                          stderr=subprocess.PIPE)
+            for name, port in (("closed", closed), ("silent", silent_listener))}
+    for name, (proc, out) in runs.items():
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 3, (name, stderr)
+        report = json.loads(out.read_text())
+        assert report["exit_code"] == 3 and report["environment_error"]
+        [check] = [c for c in report["checks"] if c["name"] == "rendezvous"]
+        assert check["data"]["cause"] == {"closed": "refused", "silent": "no_answer"}[name]
+        assert 4.5 <= check["data"]["waited_seconds"] <= 7, check["data"]  # --timeout 5
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, (name, stderr)  # one clear line, no C++ stack frames
