@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from .config import RunConfig
+from .rundir import janitor_fds
 from .ucx_lanes import PROTO_INFO_ENV
 
 LAUNCH_ENV = "KVCONNECT_VALIDATE_LAUNCH"
@@ -91,6 +92,8 @@ class ForkedWorker:
             try:
                 if listener is not None:
                     os.close(listener.detach())
+                for fd in janitor_fds():
+                    os.close(fd)
                 null = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(null, 0)
                 os.close(null)

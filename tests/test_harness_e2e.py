@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,9 +51,29 @@ class Run:
         return found[0]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _short_tmp_root() -> Iterator[None]:
+    """Runs get their own TMPDIR under a short /tmp path: under a long one (pytest's) the
+    run directory would fall back to /tmp, where a test cannot see what is left behind."""
+    global _TMP_ROOT
+    _TMP_ROOT = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    try:
+        yield
+    finally:
+        shutil.rmtree(_TMP_ROOT, ignore_errors=True)
+
+
+_TMP_ROOT: Path | None = None
+
+
+def _run_tmpdir() -> Path:
+    """A fresh, short TMPDIR for one run (its run directory must land there)."""
+    assert _TMP_ROOT is not None
+    return Path(tempfile.mkdtemp(dir=_TMP_ROOT))
+
+
 def validate(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Run:
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir(exist_ok=True)
+    tmpdir = _run_tmpdir()
     out, junit = tmp_path / "report.json", tmp_path / "junit.xml"
     full_env = {**os.environ, "TMPDIR": str(tmpdir), **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
@@ -75,6 +98,7 @@ def assert_clean_exit(run: Run) -> None:
         except OSError:
             continue  # gone
         assert b"kvconnect" not in cmdline, f"worker pid {pid} is still running"
+    assert len(str(run.tmpdir)) < 60  # short: the run directory was made there
     assert [p.name for p in run.tmpdir.iterdir()] == []
     cleanup = [c for c in run.checks() if c["name"] == "cleanup"]
     assert cleanup and cleanup[0]["status"] == "pass", cleanup
@@ -216,8 +240,7 @@ def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
            ) -> tuple[subprocess.Popen, Path, Path, Path]:
     """Start ``kvconnect-validate`` (host backend, plain output, --json and --junit) with
     its own TMPDIR; returns the process, the tmpdir and both report paths."""
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir(exist_ok=True)
+    tmpdir = _run_tmpdir()
     out, junit = tmp_path / "report.json", tmp_path / "junit.xml"
     full_env = {**os.environ, "TMPDIR": str(tmpdir), **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
@@ -285,3 +308,41 @@ def test_sigterm_stops_the_run_as_sigint_does_reports_written_workers_stopped(
     run = Run(code, "", "", report, ET.parse(junit).getroot(), took, tmpdir)
     assert_clean_exit(run)  # the stopped worker was killed and reaped, the directory removed
     assert took < 20, f"SIGTERM took {took:.1f} s to stop the run"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if text.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_killed_coordinator_leaves_no_worker_and_no_run_directory(tmp_path: Path) -> None:
+    proc, tmpdir, out, _ = _start(
+        tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
+        "--timeout", "60", env={"KVCONNECT_TEST_STOP": "prefill0:serve"})
+    try:
+        _wait_for_line(proc, "prefill0: serve:round1", timeout=PROCESS_TIMEOUT)
+        assert [p.name for p in tmpdir.iterdir()][0].startswith("kvv-")
+        t0 = time.monotonic()
+        proc.kill()  # SIGKILL: nothing of the coordinator runs again
+        proc.wait(timeout=30)
+        # forked workers share the coordinator's command line, which names the report path
+        while time.monotonic() - t0 < 10 and (list(tmpdir.iterdir())
+                                              or _processes_mentioning(str(out))):
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _processes_mentioning(str(out)) == []  # the stopped prefill0 too
+    assert list(tmpdir.iterdir()) == [], f"left behind after {took:.1f} s"
+    print(f"\nrun directory gone {took:.2f} s after SIGKILL of the coordinator")
