@@ -180,6 +180,11 @@ def test_2p1d_passes_with_both_transports(tmp_path: Path) -> None:
     assert pairs == sorted((f"prefill{p}->decode0", tr, r) for p in (0, 1)
                            for tr in ("ipc", "nixl") for r in (1, 2))
     assert all(t["verified"] for t in run.report["transfers"])
+    # every NIXL READ names its UCX lane, prefill1's too (it reuses prefill0's selection)
+    nixl = {(t["pair"], t["round"]): t["backend"] for t in run.report["transfers"]
+            if t["transport"] == "nixl"}
+    assert len(set(nixl.values())) == 1, nixl
+    assert next(iter(nixl.values())).startswith("UCX ") and "UCX" not in nixl.values()
     assert_schema(run)
     assert_clean_exit(run)
 

@@ -56,4 +56,23 @@ def test_tracker_reads_only_new_output_and_remembers_the_peer(tmp_path: Path,
     assert tracker.lanes_after_read("prefill0") == ["cma/memory zero-copy (host<-host)"]
     # nothing new printed (UCX reuses its selection): the peer's lanes are remembered
     assert tracker.lanes_after_read("prefill0") == ["cma/memory zero-copy (host<-host)"]
-    assert tracker.lanes_after_read("prefill1") == []
+    # a new peer whose endpoint shares the configuration: UCX printed nothing, the READ
+    # reused the one selection made (before: attributed to no lane at all)
+    assert tracker.lanes_after_read("prefill1") == ["cma/memory zero-copy (host<-host)"]
+
+
+def test_a_reused_selection_among_several_is_named_as_alternatives(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    log = tmp_path / "worker.log"
+    log.write_text("")
+    monkeypatch.setattr("kvconnect.harness.ucx_lanes._stdout_file", lambda: str(log))
+    tracker = LaneTracker()
+    assert tracker.lanes_after_read("prefill0") == []  # no table yet: nothing is known
+    with log.open("a") as f:
+        f.write(SAMPLE + "\n")  # two READ selections: host (cfg#1) and cuda (cfg#2)
+    assert tracker.lanes_after_read("prefill0") == [
+        "cma/memory zero-copy (host<-host)", "tcp/lo software emulation (cuda<-cuda)"]
+    assert sorted(tracker.selections) == ["intra-node cfg#1 (host<-host)",
+                                          "intra-node cfg#2 (cuda<-cuda)"]
+    assert tracker.lanes_after_read("prefill1") == [
+        "one of: cma/memory zero-copy (host<-host) | tcp/lo software emulation (cuda<-cuda)"]
