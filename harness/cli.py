@@ -277,6 +277,8 @@ def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
                 return _finish(report, args, display, started, signals, device)
             for name, reason in cfg.skipped_transports.items():
                 report.add_check(f"transport/{name}", "skip", reason)
+            if not _resources_suffice(cfg, membership, report):
+                return _finish(report, args, display, started, signals, device)
             stage = "run"
             try:
                 if membership is None:
@@ -301,6 +303,32 @@ def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
         report.add_check("run", "fail", f"the harness itself failed: {type(exc).__name__}: "
                                         f"{exc}\n{traceback.format_exc(limit=6)}")
     return _finish(report, args, display, started, signals, device)
+
+
+def _resources_suffice(cfg: RunConfig, membership: Membership | None, report: Report) -> bool:
+    """Check the memory, fds and mappings the run needs before any worker starts; on a
+    shortfall set the report's usage (exit 2) or environment (exit 3) error and say so."""
+    from .launch import launch_method
+    from .resources import check_resources
+
+    if membership is None:
+        verdict = check_resources(cfg, cfg.num_prefill + cfg.num_decode,
+                                  forked=launch_method(cfg) == "fork")
+    else:  # one worker: this process
+        verdict = check_resources(cfg, 1, forked=True)
+    report.resources = verdict.to_json()
+    if verdict.exit_code == 0:
+        report.add_check("resources", "pass", verdict.message(),
+                         data={"needed_host_bytes": verdict.needed_host_bytes})
+        return True
+    report.add_check("resources", "fail", verdict.message(), data={
+        "problems": verdict.to_json()["problems"]})
+    if verdict.exit_code == EXIT_USAGE:
+        report.usage_error = verdict.message()
+    else:
+        report.environment_error = verdict.message()
+    print(f"kvconnect-validate: cannot run: {verdict.message()}", file=sys.stderr)
+    return False
 
 
 def _usage_error(parser: argparse.ArgumentParser, exc: UsageError) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import resource
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,7 @@ def test_a_hung_worker_is_reported_within_seconds(tmp_path: Path) -> None:
 
 
 def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+           preexec_fn: Callable[[], None] | None = None,
            ) -> tuple[subprocess.Popen, Path, Path, Path]:
     """Start ``kvconnect-validate`` (host backend, plain output, --json and --junit) with
     its own TMPDIR; returns the process, the tmpdir and both report paths."""
@@ -252,7 +254,8 @@ def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         full_env.pop(k, None)
     proc = subprocess.Popen([str(VALIDATE), "--device", "host", "--plain", "--json", str(out),
                              "--junit", str(junit), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=full_env)
+                            stderr=subprocess.STDOUT, text=True, env=full_env,
+                            preexec_fn=preexec_fn)
     return proc, tmpdir, out, junit
 
 
@@ -351,3 +354,40 @@ def test_a_killed_coordinator_leaves_no_worker_and_no_run_directory(tmp_path: Pa
     assert _processes_mentioning(str(out)) == []  # the stopped prefill0 too
     assert list(tmpdir.iterdir()) == [], f"left behind after {took:.1f} s"
     print(f"\nrun directory gone {took:.2f} s after SIGKILL of the coordinator")
+
+
+def _with_fd_limits(soft: int, hard: int) -> Callable[[], None]:
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_fd_limit_is_raised_to_the_hard_limit_or_the_run_refused_with_the_numbers(
+        tmp_path: Path) -> None:
+    """48 layers = 96 KV segments: each worker needs ~350 fds, more than a soft limit of 256
+    (before: 'Too many open files' in the transfers, after the workers had started)."""
+    args = ["--transports", "ipc", "--num-layers", "48", "--num-blocks", "8"]
+    runs = {}
+    for name, (soft, hard) in {"raised": (256, 4096), "refused": (256, 256)}.items():
+        (tmp_path / name).mkdir()
+        proc, tmpdir, out, _ = _start(tmp_path / name, *args,
+                                      preexec_fn=_with_fd_limits(soft, hard))
+        runs[name] = (proc, out)
+    reports = {}
+    for name, (proc, out) in runs.items():
+        try:
+            text, _ = proc.communicate(timeout=PROCESS_TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        reports[name] = (proc.returncode, json.loads(out.read_text()), text)
+    code, report, text = reports["raised"]
+    assert code == 0, text[-3000:]
+    available = report["resources"]["available"]
+    assert (available["fd_soft_limit_before"], available["fd_soft_limit"]) == (256, 4096)
+    code, report, text = reports["refused"]
+    assert code == 3 and report["exit_code"] == 3, text[-3000:]
+    [problem] = report["resources"]["problems"]
+    assert (problem["resource"], problem["limit"], problem["available"]) == \
+        ("fds", "RLIMIT_NOFILE", 256)
+    assert problem["needed"] == report["resources"]["needed"]["fds_per_process"] > 256
+    assert report["workers"] == []  # refused before any worker started
