@@ -1,8 +1,9 @@
 """``kvconnect-validate``: do KV blocks move between prefill and decode byte-exact and fast?
 
 Exit codes: 0 every check passed; 1 a check failed or a bandwidth floor was missed;
-2 bad arguments or configuration; 3 the environment cannot run what was asked (the message
-says what is missing).
+2 bad arguments or configuration, or a run that cannot fit this machine; 3 the environment
+cannot run what was asked now (the message says what is missing); 128 + the signal when
+SIGINT (130) or SIGTERM (143) stopped the run (the summary and reports are still written).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvconnect-validate",
         description="Start N prefill and M decode workers, move KV blocks between every "
                     "prefill/decode pair over each transport, and check they arrive byte-exact "
-                    "and fast. Exit 0 passed, 1 failed, 2 bad arguments, 3 environment lacking.",
+                    "and fast. Exit 0 passed, 1 failed, 2 bad arguments, 3 environment lacking, "
+                    "130/143 stopped by SIGINT/SIGTERM.",
     )
     p.add_argument("--prefill", type=_positive_int, default=1, metavar="N",
                    help="prefill workers (default 1)")
@@ -228,7 +230,7 @@ def _membership(args: argparse.Namespace) -> Membership | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point: exit code 0 pass, 1 fail, 2 usage, 3 environment.
+    """Console entry point: exit code 0 pass, 1 fail, 2 usage, 3 environment, 128 + signal.
 
     With ``argv`` given (programmatic use, tests) the code is returned. As the console script
     (``argv`` None) the process exits right after flushing its output, skipping the
