@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
+
 from .config import RunConfig
 from .report import FAIL, PASS, SKIP, Check, Transfer
 
@@ -137,9 +139,6 @@ class SocketControl(Control):
 
     def __init__(self, sock: socket.socket, name: str, config: RunConfig) -> None:
         super().__init__(name, config)
-        from kvconnect.ipc import send_message
-
-        self._send_message = send_message
         self._sock = sock
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -156,8 +155,6 @@ class SocketControl(Control):
     def connect(cls, path: str, role: str, rank: int, info: dict[str, Any],
                 timeout: float) -> SocketControl:
         """Connect to the coordinator at ``path``, say hello, receive the run config."""
-        from kvconnect.ipc import peer_credentials, recv_message, send_message
-
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
@@ -169,9 +166,7 @@ class SocketControl(Control):
                                   f"{os.getppid()})")
             send_message(sock, {"op": "hello", "role": role, "rank": rank, "pid": os.getpid(),
                                 "info": info})
-            reply, fds = recv_message(sock, timeout=timeout, max_fds=0)
-            for fd in fds:
-                os.close(fd)
+            reply = recv_json(sock, timeout=timeout)
             if reply.get("op") != "config":
                 raise PeerFailure(f"coordinator answered hello with {reply.get('op')!r}: "
                                   f"{reply.get('message', '')}")
@@ -185,7 +180,7 @@ class SocketControl(Control):
     # -- sending ---------------------------------------------------------------------------
     def _send(self, msg: dict[str, Any]) -> None:
         with self._send_lock:
-            self._send_message(self._sock, msg)
+            send_message(self._sock, msg)
 
     def _send_phase(self, phase: str) -> None:
         self._send({"op": "phase", "phase": phase})
@@ -240,13 +235,9 @@ class SocketControl(Control):
 
     # -- threads ---------------------------------------------------------------------------
     def _read_loop(self) -> None:
-        from kvconnect.ipc import IpcError, recv_message
-
         while True:
             try:
-                msg, fds = recv_message(self._sock, timeout=None, max_fds=0)
-                for fd in fds:
-                    os.close(fd)
+                msg = recv_json(self._sock, timeout=None)
             except (IpcError, OSError, ValueError) as exc:
                 if self._closing:
                     return

@@ -5,7 +5,7 @@ inside a private 0700 directory, spawns ``N`` prefill and ``M`` decode workers
 (``python -m kvconnect.harness.worker``), accepts only its own children (SO_PEERCRED pid
 and uid), and then runs one event loop:
 
-- worker messages (length-prefixed JSON, :mod:`kvconnect.ipc` framing) update phases,
+- worker messages (length-prefixed JSON, :mod:`kvconnect.framing`) update phases,
   collect checks and transfers, and implement publish / wait with per-wait deadlines;
 - a worker that dies (socket EOF, exit status), stops sending heartbeats (hung or stopped),
   makes no progress for ``--timeout`` seconds outside a wait, or reports a fatal error
@@ -31,6 +31,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
 
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .display import Display
@@ -191,8 +193,6 @@ class Coordinator:
     def _accept_all(self) -> bool:
         """Accept every worker's connection and hello; False (run failed) past the deadline
         or when a worker dies first."""
-        from kvconnect.ipc import IpcError, peer_credentials, recv_message, send_message
-
         by_pid = {w.proc.pid: w for w in self.workers}
         deadline = time.monotonic() + self.cfg.timeout
         pending = set(by_pid)
@@ -227,9 +227,7 @@ class Coordinator:
                                 "workers", creds.pid, creds.uid)
                     conn.close()
                     continue
-                hello, fds = recv_message(conn, timeout=max(1.0, min(left, 10.0)), max_fds=0)
-                for fd in fds:
-                    os.close(fd)
+                hello = recv_json(conn, timeout=max(1.0, min(left, 10.0)))
                 if (hello.get("op") != "hello" or hello.get("role") != w.role
                         or hello.get("rank") != w.rank):
                     raise IpcError(f"unexpected hello {hello!r}")
@@ -255,15 +253,11 @@ class Coordinator:
         return True
 
     def _read_loop(self, w: _Worker) -> None:
-        from kvconnect.ipc import IpcError, recv_message
-
         sock = w.sock
         assert sock is not None
         while True:
             try:
-                msg, fds = recv_message(sock, timeout=None, max_fds=0)
-                for fd in fds:
-                    os.close(fd)
+                msg = recv_json(sock, timeout=None)
             except (IpcError, OSError, ValueError) as exc:
                 self.events.put(("eof", w, str(exc)))
                 return
@@ -361,8 +355,6 @@ class Coordinator:
         self.waiters = keep
 
     def _reply(self, w: _Worker, msg: dict[str, Any]) -> None:
-        from kvconnect.ipc import send_message
-
         if w.sock is None or w.state in ("failed", "dead"):
             return
         try:
