@@ -18,7 +18,8 @@ Per worker process, from the layout plan (units: bytes, counts):
   commit step (first block, warm-up, final size). While decode maps a peer's chunks it holds
   two fds per peer segment (received + imported) beside its own one per segment; prefill
   holds one extra per segment while exporting. On CUDA only exported / imported handles are
-  fds. Plus :data:`BASE_FDS`.
+  fds. Plus :data:`BASE_FDS`. The ipc transport sends all of a worker's chunks in one
+  message, at most ``kvconnect.framing.MAX_FDS``.
 - **memory mappings** (``vm.max_map_count``): about :data:`MAPS_PER_SEGMENT` per segment
   (own chunks, the reservation's unmapped tail, a peer's chunk and tail) beyond
   :data:`BASE_MAPS` for the interpreter, torch and UCX.
@@ -37,6 +38,8 @@ import os
 import resource
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from kvconnect.framing import MAX_FDS
 
 from .config import RunConfig
 
@@ -201,8 +204,10 @@ def machine_limits() -> MachineLimits:
         max_map_count=_read_int("/proc/sys/vm/max_map_count"))
 
 
-def judge(workers: int, needs: WorkerNeeds, limits: MachineLimits) -> ResourceVerdict:
-    """Compare ``workers`` processes of ``needs`` with ``limits`` (no side effects)."""
+def judge(workers: int, needs: WorkerNeeds, limits: MachineLimits, *,
+          ipc: bool = False) -> ResourceVerdict:
+    """Compare ``workers`` processes of ``needs`` with ``limits`` (no side effects); ``ipc``:
+    the run uses the ipc transport (all of a worker's chunks travel in one message)."""
     verdict = ResourceVerdict(workers, needs, limits)
     host = verdict.needed_host_bytes
     what = (f"{workers} workers x {_gib(needs.host_bytes)} (KV cache "
@@ -234,6 +239,12 @@ def judge(workers: int, needs: WorkerNeeds, limits: MachineLimits) -> ResourceVe
             f"each worker needs {needs.fds} open files ({needs.segments} KV segments) but the "
             f"limit is {limits.fd_soft_limit} (hard limit {limits.fd_hard_limit}): raise it "
             f"(ulimit -n {needs.fds}) or lower --num-layers"))
+    if ipc and needs.segments > MAX_FDS:
+        verdict.problems.append(_problem(
+            "ipc_fds", needs.segments, MAX_FDS, "kvconnect.framing.MAX_FDS", True,
+            f"the ipc transport sends a worker's {needs.segments} KV chunks in one message, "
+            f"more than the {MAX_FDS} fds a message may carry: lower --num-layers or drop "
+            "ipc from --transports"))
     if limits.max_map_count is not None and needs.mappings > limits.max_map_count:
         verdict.problems.append(_problem(
             "mappings", needs.mappings, limits.max_map_count, "vm.max_map_count", False,
@@ -256,7 +267,7 @@ def check_resources(cfg: RunConfig, workers: int, *, forked: bool) -> ResourceVe
             before = _finite(soft)
         except (ValueError, OSError):
             pass
-    verdict = judge(workers, needs, machine_limits())
+    verdict = judge(workers, needs, machine_limits(), ipc="ipc" in cfg.transports)
     verdict.fd_soft_limit_before = before
     return verdict
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvconnect.framing import MAX_FDS
 from kvconnect.harness import cli
 from kvconnect.harness.config import RunConfig
 from kvconnect.harness.resources import (
@@ -54,6 +55,13 @@ def test_judge_picks_exit_2_when_it_cannot_fit_and_3_when_it_does_not_fit_now() 
     assert v.exit_code == 2 and v.problems[0]["limit"] == "fs.nr_open"
     v = judge(2, needs, replace(MACHINE, max_map_count=1000))
     assert v.exit_code == 3 and v.problems[0]["limit"] == "vm.max_map_count"
+    many = estimate_worker_needs(RunConfig(num_layers=4100, num_blocks=4), forked=True)
+    assert many.segments > MAX_FDS
+    v = judge(1, many, replace(MACHINE, mem_available_bytes=None, mem_total_bytes=None,
+                               fd_soft_limit=1 << 20), ipc=True)
+    assert v.exit_code == 2 and [p["resource"] for p in v.problems] == ["ipc_fds"]
+    assert judge(1, many, replace(MACHINE, mem_available_bytes=None, mem_total_bytes=None,
+                                  fd_soft_limit=1 << 20)).exit_code == 0  # nixl only
     cgroup = replace(MACHINE, cgroup_limit_bytes=2 * GIB, cgroup_available_bytes=GIB)
     v = judge(2, needs, cgroup)
     assert v.exit_code == 2 and v.problems[0]["limit"] == "memory cgroup limit"
