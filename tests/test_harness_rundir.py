@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,11 +64,22 @@ def test_sweep_never_touches_another_users_directory(tmp_path: Path) -> None:
     assert theirs.exists()
 
 
+@pytest.fixture
+def short_base() -> Iterator[Path]:
+    """A TMPDIR short enough for socket paths (pytest's, under xdist, is not: run_dir would
+    fall back to /tmp)."""
+    base = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_run_dir_records_its_owner_sweeps_and_removes_itself(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    base = tmp_path / "t"
-    base.mkdir()
+        short_base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = short_base
     monkeypatch.setattr(tempfile, "tempdir", str(base))
+    assert rundir.run_dir_base() == str(base)
     stale = _plant(base, "kvv-stale", {"pid": _dead_pid(), "start_ticks": 1,
                                        "boot_id": Owner.this_process().boot_id})
     with run_dir() as path:
