@@ -40,7 +40,16 @@ HEARTBEAT_S = 0.5
 
 
 class PeerFailure(RuntimeError):
-    """A peer died, hung, failed, or the run was aborted; the message says who and where."""
+    """A peer died, hung, failed, or the run was aborted; the message says who and where,
+    :attr:`data` the same for programs: ``peer``, its phase ``peer_phase`` and the ``cause``
+    (``unresponsive``, ``wait_timeout``, ``aborted``, ``store_lost``, ``oversized``) where
+    known."""
+
+    def __init__(self, message: str, *, peer: str | None = None,
+                 peer_phase: str | None = None, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.data: dict[str, Any] = {k: v for k, v in (("peer", peer), ("peer_phase", peer_phase),
+                                                       ("cause", cause)) if v is not None}
 
 
 class Control(abc.ABC):
@@ -110,8 +119,9 @@ class Control(abc.ABC):
     def _get(self, key: str, owner: str, timeout: float) -> Any: ...
 
     @abc.abstractmethod
-    def finish(self, error: str | None = None) -> None:
-        """Report the end of this worker: cleanly (``None``) or with a fatal error."""
+    def finish(self, error: str | None = None, data: dict[str, Any] | None = None) -> None:
+        """Report the end of this worker: cleanly (``None``) or with a fatal ``error``
+        (``data``: its facts as JSON values, e.g. :attr:`PeerFailure.data`)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -215,10 +225,11 @@ class SocketControl(Control):
             return reply["value"]
         raise PeerFailure(str(reply.get("message", "wait failed")))
 
-    def finish(self, error: str | None = None) -> None:
+    def finish(self, error: str | None = None, data: dict[str, Any] | None = None) -> None:
         msg: dict[str, Any] = {"op": "done"}
         if error is not None:
-            msg = {"op": "error", "phase": self.current_phase, "message": error}
+            msg = {"op": "error", "phase": self.current_phase, "message": error,
+                   "data": dict(data or {})}
         try:
             self._send(msg)
         except OSError:

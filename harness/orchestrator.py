@@ -324,8 +324,10 @@ class Coordinator:
                                                 "cause": "aborted"})
                 else:
                     w.phase = phase
+                    failure = msg.get("data")
                     self._fail_worker(w, f"{w.who} failed in phase {phase}: {text}",
-                                      state="failed", tail=False, cause="error")
+                                      state="failed", tail=False, cause="error",
+                                      data={"failure": failure} if failure else None)
             else:
                 raise ValueError(f"unknown op {op!r}")
         except (KeyError, TypeError, ValueError) as exc:

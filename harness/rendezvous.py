@@ -214,6 +214,8 @@ class StoreControl(Control):
         self.display = display
         self.checks: list[Check] = []
         self.transfers: list[Transfer] = []
+        #: this process's own fatal error as a check (set by :meth:`finish`)
+        self.failure: Check | None = None
         self._closing = False
         self._hb_store = store_factory()
         self._beater = threading.Thread(target=self._beat_loop, daemon=True, name="kvv-hb")
@@ -251,31 +253,37 @@ class StoreControl(Control):
                     raw = self.store.get(full)
                     if len(raw) > MAX_VALUE_BYTES:
                         raise PeerFailure(f"{owner} published {len(raw)} bytes for {what}, over "
-                                          f"the {MAX_VALUE_BYTES}-byte limit")
+                                          f"the {MAX_VALUE_BYTES}-byte limit", peer=owner,
+                                          cause="oversized")
                     return json.loads(raw)
                 if self.store.check([PREFIX + "abort"]):
-                    raise PeerFailure("run aborted: " + self.store.get(PREFIX + "abort").decode())
+                    raise PeerFailure("run aborted: " + self.store.get(PREFIX + "abort").decode(),
+                                      cause="aborted")
                 now = time.monotonic()
                 hb = int(self.store.add(PREFIX + f"hb/{owner}", 0))
                 if hb != last_hb:
                     last_hb, changed = hb, now
                 elif hb > 0 and now - changed > self.config.heartbeat_timeout:
+                    phase = self.peer_phase(owner)
                     raise PeerFailure(
-                        f"{owner} stopped responding in phase {self.peer_phase(owner)}: no "
+                        f"{owner} stopped responding in phase {phase}: no "
                         f"heartbeat for {now - changed:.1f} s (died or hung) while "
-                        f"{self.name} waited in phase {self.current_phase} for {what}")
+                        f"{self.name} waited in phase {self.current_phase} for {what}",
+                        peer=owner, peer_phase=phase, cause="unresponsive")
                 if now > deadline:
                     state = self.peer_phase(owner) if hb > 0 else "never started"
                     raise PeerFailure(f"{self.name} timed out after {timeout:g} s in phase "
                                       f"{self.current_phase} waiting for {owner}'s {what} "
-                                      f"({owner}: {state})")
+                                      f"({owner}: {state})", peer=owner, peer_phase=state,
+                                      cause="wait_timeout")
                 time.sleep(pause)
                 pause = min(pause * 1.5, 0.2)
         except PeerFailure:
             raise
         except (RuntimeError, OSError) as exc:  # DistStoreError, connection reset
             raise PeerFailure(f"lost the rendezvous store while waiting for {owner}'s {what} "
-                              f"(its host, prefill0, may have died): {exc}") from exc
+                              f"(its host, prefill0, may have died): {exc}", peer=owner,
+                              cause="store_lost") from exc
 
     def peer_phase(self, owner: str) -> str:
         try:
@@ -285,10 +293,15 @@ class StoreControl(Control):
             pass
         return "unknown"
 
-    def finish(self, error: str | None = None) -> None:
+    def finish(self, error: str | None = None, data: dict[str, Any] | None = None) -> None:
+        if error is not None:
+            self.failure = Check(f"worker/{self.name}", FAIL, f"{self.name} failed in phase "
+                                 f"{self.current_phase}: {error}", self.name,
+                                 data={"phase": self.current_phase, **(data or {})})
         result = {"checks": [asdict(c) for c in self.checks],
                   "transfers": [asdict(t) for t in self.transfers],
-                  "phase": self.current_phase, "error": error}
+                  "phase": self.current_phase, "error": error,
+                  "failure": asdict(self.failure) if self.failure is not None else None}
         try:
             if error is not None:
                 self.store.compare_set(PREFIX + "abort", "",
@@ -346,6 +359,8 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
             ctl.publish("info", {"pid": os.getpid(), **describe()})
             run_and_report(ctl, m.role, m.rank, ipc_dir)
             report.checks.extend(ctl.checks)
+            if ctl.failure is not None:
+                report.checks.append(ctl.failure)
             report.transfers.extend(ctl.transfers)
             if m.is_reporter:
                 _gather(ctl, cfg, m, report)
@@ -394,13 +409,16 @@ def _gather(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) ->
                                                     ("pid", "hostname", "boot_id", "device")}})
             result = ctl.get_raw(f"result/{name}", name, cfg.timeout * 4, what="result")
         except PeerFailure as exc:
-            report.add_check(f"worker/{name}", FAIL, str(exc))
+            report.add_check(f"worker/{name}", FAIL, str(exc), data=exc.data)
             continue
         report.checks.extend(Check.from_json(c) for c in result.get("checks", []))
         report.transfers.extend(Transfer.from_json(t) for t in result.get("transfers", []))
-        if result.get("error"):
+        if isinstance(result.get("failure"), dict):
+            report.checks.append(Check.from_json(result["failure"]))
+        elif result.get("error"):
             report.add_check(f"worker/{name}", FAIL, f"{name} failed in phase "
-                                                     f"{result.get('phase')}: {result['error']}")
+                                                     f"{result.get('phase')}: {result['error']}",
+                             worker=name)
     verdict = {"passed": report.passed and not report.failed_checks, "summary": report.summary()}
     ctl.store.set(PREFIX + "final", json.dumps(verdict))
     # keep the store (hosted here) up until everyone has read the verdict

@@ -46,7 +46,7 @@ def run_and_report(ctl: Control, role: str, rank: int, ipc_dir: str) -> int:
     try:
         run_worker(ctl, role, rank, ipc_dir)
     except PeerFailure as exc:
-        ctl.finish(error=str(exc))
+        ctl.finish(error=str(exc), data=exc.data)
         return 1
     except Exception as exc:  # noqa: BLE001 - report everything, with where it happened
         tb = traceback.format_exc(limit=8)

@@ -88,9 +88,12 @@ def test_a_dead_peer_is_reported_with_its_phase_torchrun_variables(tmp_path: Pat
     dcode, _, drep = _finish(*d)
     assert dcode == -9 and not drep  # SIGKILLed by the test hook: no report
     assert pcode == 1 and prep, ptext[-3000:]
-    failed = [c for c in prep["checks"] if c["status"] == "fail"]
-    text = " ".join(c["detail"] for c in failed)
-    assert "decode0 stopped responding in phase transfer:ipc:prefill0:round1" in text
+    # the reporter's own failure: it saw decode0 stop in its transfer
+    [failed] = [c for c in prep["checks"] if c["name"] == "worker/prefill0"]
+    assert failed["status"] == "fail" and failed["worker"] == "prefill0"
+    assert failed["data"] == {"phase": "serve:round1", "peer": "decode0",
+                              "peer_phase": "transfer:ipc:prefill0:round1",
+                              "cause": "unresponsive"}
     assert prep["wall_seconds"] < 120
     # the prefill removed its socket directory; the killed decode never needed one
     assert list(short_tmp.iterdir()) == []
