@@ -358,6 +358,7 @@ def _finish(report: Report, args: argparse.Namespace, display: Display, started:
     """Describe the environment, print the tables, write --json / --junit; the exit code.
     Runs outside :meth:`InterruptSignals.interruptible`: a signal arriving now is recorded
     in the report, and cuts nothing short."""
+    signals.stop_raising()
     # after the workers exist: describe() loads UCX, which fork must not pass on
     report.environment = describe(device, with_gpus=device is not None and device.kind == "cuda")
     if signals.signum is not None:

@@ -43,10 +43,10 @@ class InterruptSignals:
 
     While entered (main thread only), the first SIGINT or SIGTERM is recorded in
     :attr:`signum` and raised as :class:`RunInterrupted` where the main thread is, if it is
-    inside :meth:`interruptible` and not inside :meth:`deferred`; elsewhere it is only
-    recorded (entering :meth:`interruptible` afterwards raises it at once). Later signals are
-    recorded, never raised, so the cleanup the first one started (bounded by its own
-    deadlines) runs to the end.
+    inside :meth:`interruptible` and :meth:`stop_raising` was not called; elsewhere it is
+    only recorded (entering :meth:`interruptible` afterwards raises it at once). Later
+    signals are recorded, never raised, so the cleanup the first one started (bounded by its
+    own deadlines) runs to the end.
 
     CI timeouts and Kubernetes send SIGTERM, a terminal sends SIGINT: both end a run the same
     way. Outside the main thread entering does nothing (Python delivers signals there).
@@ -58,7 +58,7 @@ class InterruptSignals:
         self.signum: int | None = None
         self._raised = False
         self._interruptible = 0
-        self._deferred = 0
+        self._stopped = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> InterruptSignals:
@@ -79,7 +79,7 @@ class InterruptSignals:
 
     def _raise_if_due(self) -> None:
         if (self.signum is not None and not self._raised and self._interruptible
-                and not self._deferred):
+                and not self._stopped):
             self._raised = True
             raise RunInterrupted(self.signum)
 
@@ -93,12 +93,7 @@ class InterruptSignals:
         finally:
             self._interruptible -= 1
 
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        """A section inside :meth:`interruptible` that a signal must not cut short (teardown,
-        summaries): a signal arriving inside is recorded, and not raised."""
-        self._deferred += 1
-        try:
-            yield
-        finally:
-            self._deferred -= 1
+    def stop_raising(self) -> None:
+        """From now on a signal is only recorded in :attr:`signum`, never raised: call it
+        when cleanup starts (teardown, summaries), which must run to the end."""
+        self._stopped = True

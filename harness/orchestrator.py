@@ -153,16 +153,15 @@ class Coordinator:
             except KeyboardInterrupt as exc:
                 self._interrupted(getattr(exc, "signum", signal.SIGINT))
             finally:
-                with self.signals.deferred():
-                    if self.signals.signum is not None:
-                        self._interrupted(self.signals.signum)
-                    self.stage = "teardown"
-                    try:
-                        self._teardown()
-                    finally:
-                        self.listener.close()
-        with self.signals.deferred():
-            self._summarise()
+                self.signals.stop_raising()  # teardown must finish: later signals are noted
+                if self.signals.signum is not None:
+                    self._interrupted(self.signals.signum)
+                self.stage = "teardown"
+                try:
+                    self._teardown()
+                finally:
+                    self.listener.close()
+        self._summarise()
 
     def _interrupted(self, signum: int) -> None:
         """A signal stopped the run: record where everyone was, tell the workers to stop."""

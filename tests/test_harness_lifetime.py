@@ -30,9 +30,9 @@ def test_a_signal_raises_only_where_the_run_may_stop(signum: int) -> None:
     assert signal.getsignal(signum) is before
 
 
-def test_deferred_sections_finish_and_the_signal_is_kept() -> None:
+def test_after_stop_raising_a_signal_is_only_kept() -> None:
     with InterruptSignals() as signals, signals.interruptible():
-        with signals.deferred():
-            _signal_self(signal.SIGTERM)
-            finished = True
+        signals.stop_raising()  # cleanup started
+        _signal_self(signal.SIGTERM)
+        finished = True
         assert finished and signals.signum == signal.SIGTERM
