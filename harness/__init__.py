@@ -3,6 +3,7 @@
 Modules, one concept each: :mod:`.cli` (arguments, exit codes), :mod:`.config` (the run
 config every worker gets), :mod:`.report` (checks, transfers, JSON / JUnit), :mod:`.display`
 (live progress, final tables), :mod:`.environment` (versions, devices, boot id),
+:mod:`.resources` (memory, fds and mappings a run needs, checked before it starts),
 :mod:`.orchestrator` (local runs: the coordinator's event loop, failures, teardown),
 :mod:`.launch` (starting, stopping and probing local worker processes), :mod:`.rundir` (a
 run's private directory), :mod:`.lifetime` (how harness processes end),
@@ -11,6 +12,6 @@ talk to the run), :mod:`.worker` (worker process entry), :mod:`.scenario` (the s
 worker), :mod:`.content` (block contents and digests), :mod:`.transports` (ipc and nixl
 fetches), :mod:`.ucx_lanes` (which UCX lane carried a NIXL READ).
 
-Worker processes import nothing of the coordinator side (cli, orchestrator, launch,
-rendezvous, display). Nothing below the harness imports it.
+Worker processes import nothing of the coordinator side (cli, resources, orchestrator,
+launch, rundir, rendezvous, display). Nothing below the harness imports it.
 """
