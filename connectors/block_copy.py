@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "BlockCopyPlan",
     "BlockRegion",
+    "as_block_ids",
     "block_runs",
     "kernel_available",
 ]
@@ -152,7 +153,9 @@ def kernel_available(device: torch.device | str | None = None) -> str | None:
     return None
 
 
-def _ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -> np.ndarray:
+def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -> np.ndarray:
+    """Block ids as a 1-D int64 array; ``TypeError`` naming ``what`` for bools, floats,
+    non-integers or a tensor / array that is not 1-D integer."""
     if isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.is_floating_point() or values.is_complex():
             raise TypeError(f"{what} must be a 1-D integer tensor, got {values.dtype} of shape "
@@ -293,8 +296,8 @@ class BlockCopyPlan:
         Raises ``ValueError`` for mismatched lengths, ids out of range or destination ids
         repeated. Returns the bytes moved (``len(ids) * bytes_per_block``).
         """
-        src = _ids(src_ids, "src_ids")
-        dst = _ids(dst_ids, "dst_ids")
+        src = as_block_ids(src_ids, "src_ids")
+        dst = as_block_ids(dst_ids, "dst_ids")
         if src.size != dst.size:
             raise ValueError(f"{src.size} source ids but {dst.size} destination ids")
         if src.size == 0:
