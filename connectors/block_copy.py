@@ -364,6 +364,19 @@ class BlockCopyPlan:
                    "even": bool(np.all(self._table[:, 4] == self._table[0, 4]))}
         return self._anchor, self._dev_table, ids, options
 
+    def warm_up(self) -> None:
+        """Compile the kernel for this plan and upload its table now (a launch over zero
+        programs), so the first :meth:`copy` pays neither. No-op for other methods."""
+        if self.method != "kernel":
+            return
+        from ._triton_block_copy import launch_block_copy
+
+        with torch.cuda.device(self.device):
+            zero = np.zeros(1, dtype=np.int64)
+            anchor, table, ids, options = self.kernel_arguments(zero, zero, self.device)
+            launch_block_copy(anchor, table, ids, **{**options, "num_blocks": 0})
+        torch.cuda.synchronize(self.device)
+
     def _copy_kernel(self, src: np.ndarray, dst: np.ndarray) -> None:
         from ._triton_block_copy import launch_block_copy
 
@@ -402,6 +415,24 @@ class BlockCopyPlan:
         self._stream.wait_stream(current)
         memcpy_batch(dsts, srcs, sizes, self._stream.cuda_stream, self.device.index or 0)
         current.wait_stream(self._stream)
+
+    def read_blocks(self, side: str, ids: Iterable[int] | torch.Tensor | np.ndarray,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+        """A copy of logical blocks ``ids`` of the ``"src"`` or ``"dst"`` side as one
+        ``(len(ids), bytes_per_block)`` uint8 tensor on ``device`` (default: the first
+        region's), regions in plan order. For checks and benchmarks, not the data path."""
+        if side not in ("src", "dst"):
+            raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
+        regions = self.src if side == "src" else self.dst
+        idx = as_block_ids(ids, "ids")
+        out = torch.device(device) if device is not None else regions[0].flat.device
+        parts = []
+        for c in self._columns:
+            r = regions[c.src if side == "src" else c.dst]
+            rows = _column_view(r, c.src_off if side == "src" else c.dst_off, c.length,
+                                torch.uint8)
+            parts.append(rows.index_select(0, torch.from_numpy(idx).to(rows.device)).to(out))
+        return torch.cat(parts, dim=1)
 
     def describe(self) -> dict[str, Any]:
         """JSON-able facts of the plan (for reports)."""

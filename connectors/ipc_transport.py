@@ -299,6 +299,7 @@ class IpcTransport:
             plan = self._plan(peer, reply, mappings, launch)
             if launch != cache.device:
                 self._grant_local_access(launch)
+            plan.warm_up()  # JIT and table upload belong to set-up, not to the first fetch
             return _Peer(key, token, mappings, plan, launch, len(chunks), 0.0, extra)
         except BaseException:
             for m in mappings:
