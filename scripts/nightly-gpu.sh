@@ -24,7 +24,13 @@ step() {  # name, time limit (s), command...: log to $ART/<name>.log, record rc 
   shift 2
   start=$(date +%s)
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)"
-  timeout --kill-after=10 "$limit" "$@" > "$ART/$name.log" 2>&1
+  if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash
+    export -f "$1"
+    export PY
+    timeout --kill-after=10 "$limit" bash -c "$*" > "$ART/$name.log" 2>&1
+  else
+    timeout --kill-after=10 "$limit" "$@" > "$ART/$name.log" 2>&1
+  fi
   rc=$?
   STEPS+=("| $name | $rc | $(( $(date +%s) - start )) |")
   echo "    rc=$rc in $(( $(date +%s) - start )) s"
