@@ -293,6 +293,9 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
                 again = t.open_peer("serve", server.offers["ipc"])
                 open_s = time.perf_counter() - t0
                 plan = t.plan_for("serve")
+                # poison: other source blocks into the destination, so a no-op fetch fails
+                t.fetch("serve", src_ids[1:] + src_ids[:1] if k > 1
+                        else [(src_ids[0] + 1) % num_blocks], dst_ids)
                 before = plan.read_blocks("dst", dst_ids, dd)
                 want = plan.read_blocks("src", src_ids, dd)
                 res = t.fetch("serve", src_ids, dst_ids)
@@ -340,6 +343,55 @@ def _print_row(r: dict[str, Any]) -> None:
     print(f"{r['pair']:9s} {r['block_bytes'] // 1024:5d} KiB {r['request_bytes'] / MIB:8.0f} MiB "
           f"{r['transport']:26s} {r['gbps']:8.1f} GB/s  ratio {r['ratio']:5.2f} vs "
           f"{r['reference']} {r['references_gbps'][r['reference']]:7.1f}  {ok}", flush=True)
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The kernel's launch shapes side by side on one GPU (plain allocations, 64 regions of
+    ``--sweep-block-kib`` per block, random ids), against a d2d copy of the same bytes."""
+    from kvconnect.connectors.block_copy import BlockCopyPlan, BlockRegion
+
+    dev = torch.device("cuda:0")
+    blen = args.sweep_block_kib * 1024
+    regions = 2 * args.num_layers
+    rng = np.random.default_rng(args.seed + 1)
+    out = []
+    for mib in args.sweep_request_mib:
+        k = max(1, mib * MIB // (regions * blen))
+        nb = 2 * k
+        src_t = [torch.randint(0, 1 << 30, (nb * blen // 8,), dtype=torch.int64, device=dev)
+                 for _ in range(regions)]
+        dst_t = [torch.zeros_like(x) for x in src_t]
+        src = [BlockRegion(x.view(torch.uint8), blen, blen, nb) for x in src_t]
+        dst = [BlockRegion(x.view(torch.uint8), blen, blen, nb) for x in dst_t]
+        s_ids, d_ids = _ids(rng, nb, k)
+        nbytes = k * regions * blen
+        ref = _reference(nbytes, dev, dev, args.iters)
+        for major in (True, False):
+            for warps in (4, 8):
+                for words in (1024, 2048):
+                    for chunk in (32, 64, 128):
+                        plan = BlockCopyPlan(src, dst, device=dev, method="kernel",
+                                             chunk_bytes=chunk * 1024, kernel_options={
+                                                 "column_major": major, "num_warps": warps,
+                                                 "block_words": words})
+                        plan.warm_up()
+                        sec = _median_seconds(lambda p=plan, s=s_ids, d=d_ids: p.copy(s, d), (dev,),
+                                              args.iters, args.warmup)
+                        ok = torch.equal(plan.read_blocks("src", s_ids),
+                                         plan.read_blocks("dst", d_ids))
+                        row = {"request_bytes": nbytes, "column_major": major,
+                               "num_warps": warps, "block_words": words,
+                               "chunk_kib": chunk, "gbps": nbytes / sec / 1e9,
+                               "ratio": nbytes / sec / 1e9 / ref, "d2d_gbps": ref,
+                               "verified": bool(ok)}
+                        out.append(row)
+                        print(f"sweep {mib:5d} MiB major={int(major)} warps={warps} "
+                              f"words={words} chunk={chunk:3d}K {row['gbps']:7.1f} GB/s "
+                              f"ratio {row['ratio']:.2f} {'exact' if ok else 'MISMATCH'}",
+                              flush=True)
+        del src_t, dst_t, src, dst
+        torch.cuda.empty_cache()
+    return out
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -416,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", action="store_true",
+                    help="first compare the kernel's launch shapes on plain allocations")
+    ap.add_argument("--sweep-block-kib", type=int, default=32)
+    ap.add_argument("--sweep-request-mib", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--host", action="store_true",
                     help="smoke run on the host VMM backend (torch method; no GPU figures)")
     ap.add_argument("--json", default="")
@@ -434,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
               "command": shlex.join([sys.executable, *sys.argv]),
               "machine": _machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                               time.gmtime(started))}
+    if args.sweep:
+        report["sweep"] = sweep(args)
     report.update(measure(args))
     report["wall_seconds"] = time.time() - started
     if args.json:
@@ -444,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             plot(report, args.png)
         except ImportError as exc:
             print(f"note: no plot ({exc}); the JSON has every figure", file=sys.stderr)
-    bad = [r for r in report["results"] if r["verified"] is False]
+    bad = [r for r in report["results"] + report.get("sweep", []) if r["verified"] is False]
     for n in report["notes"]:
         print("note:", n)
     if bad:

@@ -213,13 +213,16 @@ class BlockCopyPlan:
     ``torch`` method). For a cross-GPU copy this decides push (the source's GPU writes into
     the peer) or pull (the destination's GPU reads). ``method``: the default of
     :meth:`copy` (``"auto"``: ``kernel`` where Triton and CUDA are present, else ``torch``).
-    ``chunk_bytes``: the longest column (kernel work item). Validation happens here, once:
+    ``chunk_bytes``: the longest column (kernel work item); ``kernel_options``: launch shape
+    overrides (``num_warps``, ``block_words``, ``column_major``) for measurements.
+    Validation happens here, once:
     the regions must pair up with equal bytes per logical block; every view is bounded.
     """
 
     def __init__(self, src: Sequence[BlockRegion], dst: Sequence[BlockRegion], *,
                  device: torch.device | str | None = None, method: str = "auto",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 kernel_options: dict[str, Any] | None = None) -> None:
         if len(src) != len(dst) or not src:
             raise ValueError(f"a plan pairs regions one to one: got {len(src)} source and "
                              f"{len(dst)} destination regions")
@@ -240,6 +243,14 @@ class BlockCopyPlan:
         self._merged = np.zeros((0, _ROW), dtype=np.int64)
         self._table = self._kernel_table(chunk_bytes)
         self.chunk_bytes = chunk_bytes
+        aligned = self.word < 16 and not np.any(self._table % 16)
+        #: launch options of the kernel method (:func:`._triton_block_copy.launch_block_copy`)
+        self._kernel_options: dict[str, Any] = {
+            "num_columns": self.num_columns,
+            "column_words": int(self._table[:, 4].max()) // self.word,
+            "vec": 16 // self.word if aligned else 1,
+            "even": bool(np.all(self._table[:, 4] == self._table[0, 4])),
+            "column_major": True, **(kernel_options or {})}
         self.method = self._resolve(method)
         self._dev_table: torch.Tensor | None = None
         self._anchor: torch.Tensor | None = None
@@ -288,13 +299,14 @@ class BlockCopyPlan:
     # -- copies ----------------------------------------------------------------------------
     def copy(self, src_ids: Iterable[int] | torch.Tensor | np.ndarray,
              dst_ids: Iterable[int] | torch.Tensor | np.ndarray, *,
-             method: str | None = None) -> int:
+             method: str | None = None, validate: bool = True) -> int:
         """Copy logical blocks ``src_ids[i]`` to ``dst_ids[i]`` in every region pair.
 
         Asynchronous on CUDA (ordered on the launch device's current stream; the
         ``memcpy_batch`` method on a side stream joined back to it); synchronous on the host.
         Raises ``ValueError`` for mismatched lengths, ids out of range or destination ids
-        repeated. Returns the bytes moved (``len(ids) * bytes_per_block``).
+        repeated (``validate=False`` skips these checks for callers that made them already).
+        Returns the bytes moved (``len(ids) * bytes_per_block``).
         """
         src = as_block_ids(src_ids, "src_ids")
         dst = as_block_ids(dst_ids, "dst_ids")
@@ -302,13 +314,8 @@ class BlockCopyPlan:
             raise ValueError(f"{src.size} source ids but {dst.size} destination ids")
         if src.size == 0:
             return 0
-        for ids, limit, side in ((src, self.src_blocks, "source"),
-                                 (dst, self.dst_blocks, "destination")):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= limit:
-                raise ValueError(f"{side} block ids must lie in [0, {limit}), got {lo}..{hi}")
-        if np.unique(dst).size != dst.size:
-            raise ValueError("a destination block id appears twice in one copy")
+        if validate:
+            self._check_ids(src, dst)
         how = self.method if method is None else self._resolve(method)
         if how == "kernel":
             self._copy_kernel(src, dst)
@@ -317,6 +324,15 @@ class BlockCopyPlan:
         else:
             self._copy_torch(src, dst)
         return int(src.size) * self.bytes_per_block
+
+    def _check_ids(self, src: np.ndarray, dst: np.ndarray) -> None:
+        for ids, limit, side in ((src, self.src_blocks, "source"),
+                                 (dst, self.dst_blocks, "destination")):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= limit:
+                raise ValueError(f"{side} block ids must lie in [0, {limit}), got {lo}..{hi}")
+        if np.unique(dst).size != dst.size:
+            raise ValueError("a destination block id appears twice in one copy")
 
     def _copy_torch(self, src: np.ndarray, dst: np.ndarray) -> None:
         runs = block_runs(src.tolist(), dst.tolist())
@@ -354,15 +370,12 @@ class BlockCopyPlan:
             self._dev_table = torch.from_numpy(table // self.word).to(device)
             self._anchor = anchor
         assert self._anchor is not None
+        # a pageable upload: no pinned allocation and no event per call (the ids are bytes)
         ids = torch.from_numpy(np.stack([src, dst], axis=1).reshape(-1))
         if device.type == "cuda":
-            ids = ids.pin_memory().to(device, non_blocking=True)
-        aligned = self.word < 16 and not np.any(self._table % 16)
-        options = {"num_blocks": int(src.size), "num_columns": self.num_columns,
-                   "column_words": int(self._table[:, 4].max()) // self.word,
-                   "vec": 16 // self.word if aligned else 1,
-                   "even": bool(np.all(self._table[:, 4] == self._table[0, 4]))}
-        return self._anchor, self._dev_table, ids, options
+            ids = ids.to(device, non_blocking=True)
+        return self._anchor, self._dev_table, ids, {**self._kernel_options,
+                                                    "num_blocks": int(src.size)}
 
     def warm_up(self) -> None:
         """Compile the kernel for this plan and upload its table now (a launch over zero
@@ -374,7 +387,9 @@ class BlockCopyPlan:
         with torch.cuda.device(self.device):
             zero = np.zeros(1, dtype=np.int64)
             anchor, table, ids, options = self.kernel_arguments(zero, zero, self.device)
-            launch_block_copy(anchor, table, ids, **{**options, "num_blocks": 0})
+            for n in (1, 16, 17):  # Triton's integer classes: == 1, % 16 == 0, other
+                launch_block_copy(anchor, table, ids, **{**options, "num_blocks": n},
+                                  compile_only=True)
         torch.cuda.synchronize(self.device)
 
     def _copy_kernel(self, src: np.ndarray, dst: np.ndarray) -> None:

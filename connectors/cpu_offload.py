@@ -451,9 +451,9 @@ class CPUOffloadConnector:
         assert plans is not None
         if not self._is_cuda:
             if to_cpu:
-                plans.save.copy(ids, slots)
+                plans.save.copy(ids, slots, validate=False)
             else:
-                plans.load.copy(slots, ids)
+                plans.load.copy(slots, ids, validate=False)
             return
         current = torch.cuda.current_stream(self._device)
         compute, copy = self._stream, self._copy_stream
@@ -465,9 +465,9 @@ class CPUOffloadConnector:
         if self.path_for(slots) == "direct":
             with torch.cuda.stream(compute):
                 if to_cpu:
-                    plans.save.copy(ids, slots)
+                    plans.save.copy(ids, slots, validate=False)
                 else:
-                    plans.load.copy(slots, ids)
+                    plans.load.copy(slots, ids, validate=False)
         else:
             self._copy_staged(plans, ids, slots, to_cpu)
         compute.wait_stream(copy)
@@ -501,7 +501,7 @@ class CPUOffloadConnector:
             done = torch.cuda.Event()
             if to_cpu:
                 with torch.cuda.stream(compute):
-                    st.gather.copy(c_ids, positions)
+                    st.gather.copy(c_ids, positions, validate=False)
                     ready.record(compute)
                 copy.wait_event(ready)
                 with torch.cuda.stream(copy):
@@ -517,7 +517,7 @@ class CPUOffloadConnector:
                     ready.record(copy)
                 compute.wait_event(ready)
                 with torch.cuda.stream(compute):
-                    st.scatter.copy(positions, c_ids)
+                    st.scatter.copy(positions, c_ids, validate=False)
                     done.record(compute)
             st.free_event = done
 

@@ -9,6 +9,7 @@
 # Environment: ARTIFACTS (default ./gpu-artifacts), PYTHON (python3), KVC_INSTALL=0 to use the
 # kvconnect already importable (default: pip install --no-deps -e . and NIXL from .whl/ when
 # wheels are there), KVC_QUICK=1 for a shorter matrix (what a lent single-GPU call can fit),
+# KVC_SWEEP=1 to compare the copy kernel's launch shapes first (bench_transfer --sweep),
 # KVC_FLOORS="validate:ipc=0.5 transfer:ipc/kernel=0.7" to override floors.
 set -u
 ART=${ARTIFACTS:-$PWD/gpu-artifacts}
@@ -94,6 +95,7 @@ if [ -n "${KVC_QUICK:-}" ]; then
 else
   BT=(--block-kib 16 32 64 256 2048 --request-mib 32 48 128 512 2048 --iters 9)
 fi
+if [ -n "${KVC_SWEEP:-}" ]; then BT+=(--sweep); fi
 step bench-transfer 420 $PY benchmarks/bench_transfer.py --nixl "${BT[@]}" \
   --json "$ART/bench_transfer.json" --png "$ART/bench_transfer.png"
 step bench-offload 300 $PY benchmarks/bench_offload.py --device cuda:0 \
@@ -112,7 +114,7 @@ step floors 60 $PY scripts/ratio_floors.py --validate "$ART"/validate-*.json \
   echo
   echo "- when: $(date -u +%Y-%m-%dT%H:%M:%SZ); host: $(hostname)"
   echo "- GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | paste -sd, -)"
-  echo "- command: ARTIFACTS=$ART KVC_QUICK=${KVC_QUICK:-} bash scripts/nightly-gpu.sh"
+  echo "- command: ARTIFACTS=$ART KVC_QUICK=${KVC_QUICK:-} KVC_SWEEP=${KVC_SWEEP:-} bash scripts/nightly-gpu.sh"
   echo
   echo "| step | exit | seconds |"
   echo "| --- | ---: | ---: |"

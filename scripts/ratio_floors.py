@@ -21,16 +21,21 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 MIB = 1024 * 1024
-#: default floors: (source, name) -> lowest ratio to the same-run reference
+#: default floors: (source, name) -> lowest ratio to the same-run reference. Regression
+#: floors below what a healthy 1 x H200 run measured (benchmarks/results/nightly-h200.md), not
+#: the goals (0.85 / 0.9), which the summary reports separately.
 DEFAULT_FLOORS = {
-    ("validate", "ipc"): 0.5,
-    ("transfer", "ipc/kernel"): 0.7,
-    ("transfer", "ipc/kernel/push"): 0.7,
+    ("validate", "ipc"): 0.15,
+    ("transfer", "ipc/kernel"): 0.35,
+    ("transfer", "ipc/kernel/push"): 0.35,
     ("offload", "save"): 0.7,
     ("offload", "load"): 0.7,
 }
-#: requests smaller than this are reported but not held to a floor (launch latency dominates)
-DEFAULT_MIN_MIB = 32
+#: per source, transfers smaller than this (MiB) are reported but not held to a floor: launch
+#: and synchronization latency dominate them, and one-shot harness transfers are noisy
+DEFAULT_MIN_MIB = {"validate": 256, "transfer": 512, "offload": 128}
+#: the issue's goals, reported (never failing): ratio at or above which a row meets its goal
+GOALS = {"validate": 0.85, "transfer": 0.85, "offload": 0.85}
 
 
 def _floor_arg(text: str) -> tuple[tuple[str, str], float]:
@@ -46,12 +51,15 @@ def _floor_arg(text: str) -> tuple[tuple[str, str], float]:
 def check(args: argparse.Namespace) -> list[dict[str, Any]]:
     floors = dict(DEFAULT_FLOORS)
     floors.update(dict(args.floor or []))
-    min_bytes = args.min_mib * MIB
+    min_mib = dict(DEFAULT_MIN_MIB)
+    if args.min_mib is not None:
+        min_mib = dict.fromkeys(min_mib, args.min_mib)
     cases: list[dict[str, Any]] = []
 
     def case(source: str, name: str, ratio: float | None, nbytes: int, ok_bytes: bool,
              detail: str) -> None:
         floor = floors.get((source, name.split(" ", 1)[0]))
+        min_bytes = min_mib.get(source, 0) * MIB
         status = "pass"
         why = ""
         if not ok_bytes:
@@ -60,8 +68,10 @@ def check(args: argparse.Namespace) -> list[dict[str, Any]]:
             status, why = "fail", f"ratio {ratio:.3f} < floor {floor}"
         elif floor is None or nbytes < min_bytes:
             status = "info"
+        goal = GOALS.get(source) if floor is not None else None
         cases.append({"source": source, "name": name, "ratio": ratio, "floor": floor,
-                      "bytes": nbytes, "status": status, "why": why, "detail": detail})
+                      "bytes": nbytes, "status": status, "why": why, "detail": detail,
+                      "goal_met": None if ratio is None or goal is None else ratio >= goal})
 
     for path in args.validate or []:
         with open(path) as f:
@@ -112,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload", nargs="*", help="bench_offload JSON")
     ap.add_argument("--floor", type=_floor_arg, action="append",
                     help="SOURCE:NAME=RATIO, overriding the defaults")
-    ap.add_argument("--min-mib", type=int, default=DEFAULT_MIN_MIB)
+    ap.add_argument("--min-mib", type=int, default=None,
+                    help=f"one size floor for every source (default {DEFAULT_MIN_MIB})")
     ap.add_argument("--junit", default="")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -128,13 +139,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"floors": {f"{k[0]}:{k[1]}": v for k, v in DEFAULT_FLOORS.items()},
-                       "min_bytes": args.min_mib * MIB, "cases": cases,
+                       "min_mib": DEFAULT_MIN_MIB if args.min_mib is None else args.min_mib,
+                       "goals": GOALS, "cases": cases,
                        "failed": len(failed)}, f, indent=1)
     held = sum(c["status"] == "pass" for c in cases)
     print(f"ratio floors: {held} held, {len(failed)} failed, "
           f"{sum(c['status'] == 'info' for c in cases)} reported without a floor")
     for c in failed:
         print(f"  FAIL {c['source']} {c['name']}: {c['why']} ({c['detail']})")
+    for source, goal in GOALS.items():
+        rows = [c for c in cases if c["source"] == source and c["goal_met"] is not None]
+        if rows:
+            met = sum(bool(c["goal_met"]) for c in rows)
+            print(f"  goal {source} >= {goal}: met by {met} of {len(rows)} rows "
+                  f"(ratios {min(c['ratio'] for c in rows):.2f}..{max(c['ratio'] for c in rows):.2f})")
     if not cases:
         print("ratio_floors: no transfers in the reports", file=sys.stderr)
         return 1

@@ -172,9 +172,10 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     from kvconnect.connectors.block_copy import BlockCopyPlan
     from kvconnect.connectors._triton_block_copy import launch_block_copy
     n = 12
-    for chunk in (64, 32 * 1024):
+    for chunk, major in ((64, True), (32 * 1024, True), (32 * 1024, False)):
         src, dst, keep = _layouts(n, seed=7)
-        plan = BlockCopyPlan(src, dst, method="torch", chunk_bytes=chunk)
+        plan = BlockCopyPlan(src, dst, method="torch", chunk_bytes=chunk,
+                             kernel_options={{"column_major": major}})
         s_ids, d_ids = np.array([11, 0, 5, 6, 7]), np.array([2, 3, 4, 10, 9])
         before = [_block_bytes(dst, b) for b in range(n)]
         anchor, table, ids, options = plan.kernel_arguments(s_ids, d_ids, torch.device("cpu"))
@@ -193,7 +194,7 @@ def test_kernel_in_triton_interpreter_is_byte_exact() -> None:
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == 2
+    assert proc.stdout.count("ok") == 3
 
 
 # -- on a GPU ------------------------------------------------------------------------------
