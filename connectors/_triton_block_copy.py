@@ -28,7 +28,7 @@ NUM_WARPS = 4
 @triton.jit
 def _block_copy_kernel(anchor, table, ids, num_blocks, num_columns, COLUMN: tl.constexpr,
                        BLOCK: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr,
-                       COLUMN_MAJOR: tl.constexpr):
+                       COLUMN_MAJOR: tl.constexpr, STREAMING: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     if COLUMN_MAJOR:
         j = pid // num_blocks
@@ -48,7 +48,11 @@ def _block_copy_kernel(anchor, table, ids, num_blocks, num_columns, COLUMN: tl.c
     do = tl.multiple_of(dst0 + did * dst_stride, VEC)
     offs = tl.arange(0, BLOCK)
     for k in tl.static_range(0, COLUMN, BLOCK):
-        if EVEN:
+        if EVEN and STREAMING:  # bypass L1, evict early: every byte is touched once
+            v = tl.load(anchor + so + k + offs, cache_modifier=".cg",
+                        eviction_policy="evict_first")
+            tl.store(anchor + do + k + offs, v, cache_modifier=".cs")
+        elif EVEN:
             v = tl.load(anchor + so + k + offs)
             tl.store(anchor + do + k + offs, v)
         else:
@@ -61,12 +65,14 @@ def _block_copy_kernel(anchor, table, ids, num_blocks, num_columns, COLUMN: tl.c
 def launch_block_copy(anchor: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, *,
                       num_blocks: int, num_columns: int, column_words: int, vec: int,
                       even: bool, column_major: bool = True, num_warps: int = NUM_WARPS,
-                      block_words: int = BLOCK_WORDS, compile_only: bool = False) -> None:
+                      block_words: int = BLOCK_WORDS, streaming: bool = False,
+                      compile_only: bool = False) -> None:
     """Launch one kernel over ``num_blocks x num_columns`` programs on ``anchor``'s device
     (its current stream). ``column_words``: the longest column; ``vec``: a word count that
     divides every offset, stride and length (2 for 16-byte aligned int64 words); ``even``:
     every column has exactly ``column_words`` words (no masks); ``column_major``: program
     numbering (module docstring); ``num_warps`` / ``block_words``: launch shape;
+    ``streaming``: streaming cache hints on loads and stores (even columns only);
     ``compile_only``: an empty grid with the same arguments (Triton compiles one variant per
     ``num_blocks`` class: 1, a multiple of 16, any other)."""
     block = min(block_words, triton.next_power_of_2(max(column_words, 1)))
@@ -76,4 +82,5 @@ def launch_block_copy(anchor: torch.Tensor, table: torch.Tensor, ids: torch.Tens
     grid = (0 if compile_only else num_blocks * num_columns,)  # empty: compile, no launch
     _block_copy_kernel[grid](anchor, table, ids, num_blocks, num_columns,
                              COLUMN=column, BLOCK=block, VEC=vec, EVEN=even,
-                             COLUMN_MAJOR=column_major, num_warps=num_warps)
+                             COLUMN_MAJOR=column_major, STREAMING=streaming,
+                             num_warps=num_warps)
