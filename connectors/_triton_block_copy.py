@@ -48,9 +48,8 @@ def _block_copy_kernel(anchor, table, ids, num_blocks, num_columns, COLUMN: tl.c
     do = tl.multiple_of(dst0 + did * dst_stride, VEC)
     offs = tl.arange(0, BLOCK)
     for k in tl.static_range(0, COLUMN, BLOCK):
-        if EVEN and STREAMING:  # bypass L1, evict early: every byte is touched once
-            v = tl.load(anchor + so + k + offs, cache_modifier=".cg",
-                        eviction_policy="evict_first")
+        if EVEN and STREAMING:  # evict early: every byte is touched once
+            v = tl.load(anchor + so + k + offs, eviction_policy="evict_first")
             tl.store(anchor + do + k + offs, v, cache_modifier=".cs")
         elif EVEN:
             v = tl.load(anchor + so + k + offs)

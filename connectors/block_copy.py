@@ -161,6 +161,10 @@ def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -
             raise TypeError(f"{what} must be a 1-D integer tensor, got {values.dtype} of shape "
                             f"{tuple(values.shape)}")
         return values.detach().cpu().numpy().astype(np.int64, copy=False)
+    if not isinstance(values, np.ndarray) and isinstance(values, (list, tuple)):
+        fast = np.asarray(values) if values else np.zeros(0, dtype=np.int64)
+        if fast.ndim == 1 and fast.dtype.kind in "iu":  # plain ints: no per-element Python
+            values = fast
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iu":
             raise TypeError(f"{what} must be a 1-D integer array, got {values.dtype}")
