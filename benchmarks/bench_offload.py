@@ -126,47 +126,34 @@ def _gbps(nbytes: int, seconds: list[float]) -> dict[str, float]:
             "best_gbps": nbytes / min(seconds) / 1e9}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device(args.device)
-    overrides: dict[str, Any] = {}
-    if args.num_layers:
-        overrides["num_layers"] = args.num_layers
-    if args.layout:
-        overrides["layout"] = args.layout
-    cfg = preset(args.preset, num_blocks=args.num_blocks, **overrides)
-    cache = ExtensibleKVCache(cfg, args.device, capacity_blocks=args.capacity_blocks)
-    conn = None
+def _one(cache: ExtensibleKVCache, device: torch.device, n: int, path: str, slots: str,
+         args: argparse.Namespace) -> dict[str, Any]:
+    """Save + load of ``n`` random non-contiguous blocks over ``path``, and the references."""
+    gen = torch.Generator().manual_seed(n)
+    perm = torch.randperm(args.num_blocks, generator=gen).tolist()
+    src_ids, dst_ids = perm[:n], perm[n:2 * n]  # non-contiguous, unordered block sets
+    keys = [f"blk{b}" for b in src_ids]
+    pool_blocks = 2 * n if slots == "scattered" else n
+    conn = CPUOffloadConnector(cache, pool_blocks, max_copy_runs=args.max_copy_runs, path=path)
     try:
-        cache.allocate()
-        cache.extend_kv_cache(args.num_blocks)
-        _fill(cache, seed=1)
-        n = args.batch
-        if not 0 < n <= args.num_blocks // 2:
-            raise SystemExit(f"--batch must be in 1..num_blocks/2 ({args.num_blocks // 2})")
-        gen = torch.Generator().manual_seed(0)
-        perm = torch.randperm(args.num_blocks, generator=gen).tolist()
-        src_ids, dst_ids = perm[:n], perm[n:2 * n]  # non-contiguous, unordered block sets
-        keys = [f"blk{b}" for b in src_ids]
-        pool_blocks = 2 * n if args.slots == "scattered" else n
-        conn = CPUOffloadConnector(cache, pool_blocks, max_copy_runs=args.max_copy_runs)
-        if args.slots == "scattered":  # leave every other slot free
+        if slots == "scattered":  # leave every other slot free
             conn.save(list(range(2 * n)), keys=[("pad", i) for i in range(2 * n)]).wait()
             conn.discard([("pad", i) for i in range(0, 2 * n, 2)])
         nbytes = n * conn.bytes_per_block
-
         # correctness, once: save, clobber everything, load into other blocks, compare
+        _fill(cache, seed=1)
         want = _gather_blocks(cache, src_ids)
-        conn.save(src_ids, keys=keys).wait()
+        h = conn.save(src_ids, keys=keys)
+        taken = conn.path_for(h.slots)
+        h.wait()
         _fill(cache, seed=2)
         conn.load(dst_ids, keys=keys).wait()
         got = _gather_blocks(cache, dst_ids)
         ok = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-
         save_t = _time(lambda: conn.save(src_ids, keys=keys).wait(), device, args.iters,
                        args.warmup)
         load_t = _time(lambda: conn.load(dst_ids, keys=keys).wait(), device, args.iters,
                        args.warmup)
-
         # reference: one contiguous copy of the same bytes between the same memories
         pinned = device.type == "cuda"
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -176,21 +163,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       args.warmup)
         in_t = _time(lambda: dev.copy_(host, non_blocking=True), device, args.iters,
                      args.warmup)
+        r = {"batch_blocks": n, "path": taken, "asked_path": path, "slots": slots,
+             "correct": ok, "payload_bytes": nbytes, "bytes_per_block": conn.bytes_per_block,
+             "regions": len(conn.row_layout), "plan": conn.copy_plan.describe(),
+             "save": _gbps(nbytes, save_t), "load": _gbps(nbytes, load_t),
+             "reference_to_cpu": _gbps(nbytes, out_t),
+             "reference_from_cpu": _gbps(nbytes, in_t)}
+        r["save_vs_reference"] = r["save"]["median_gbps"] / r["reference_to_cpu"]["median_gbps"]
+        r["load_vs_reference"] = (r["load"]["median_gbps"]
+                                  / r["reference_from_cpu"]["median_gbps"])
+        return r
+    finally:
+        conn.close()
 
-        results = {
-            "correct": ok,
-            "payload_bytes": nbytes,
-            "bytes_per_block": conn.bytes_per_block,
-            "regions": len(conn.row_layout),
-            "save": _gbps(nbytes, save_t),
-            "load": _gbps(nbytes, load_t),
-            "reference_to_cpu": _gbps(nbytes, out_t),
-            "reference_from_cpu": _gbps(nbytes, in_t),
-        }
-        results["save_vs_reference"] = (results["save"]["median_gbps"]
-                                        / results["reference_to_cpu"]["median_gbps"])
-        results["load_vs_reference"] = (results["load"]["median_gbps"]
-                                        / results["reference_from_cpu"]["median_gbps"])
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    overrides: dict[str, Any] = {}
+    if args.num_layers:
+        overrides["num_layers"] = args.num_layers
+    if args.layout:
+        overrides["layout"] = args.layout
+    cfg = preset(args.preset, num_blocks=args.num_blocks, **overrides)
+    cache = ExtensibleKVCache(cfg, args.device, capacity_blocks=args.capacity_blocks)
+    try:
+        cache.allocate()
+        cache.extend_kv_cache(args.num_blocks)
+        for n in args.batch:
+            if not 0 < n <= args.num_blocks // 2:
+                raise SystemExit(f"--batch must be in 1..num_blocks/2 ({args.num_blocks // 2})")
+        paths = args.path if device.type == "cuda" else ["auto"]
+        results = [_one(cache, device, n, path, slots, args)
+                   for n in args.batch for path in paths for slots in args.slots]
         return {
             "benchmark": "cpu_offload",
             "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -200,25 +204,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "parameters": {
                 "device": args.device, "preset": args.preset, "layout": cfg.layout,
                 "num_layers": len(cfg.layer_names), "num_blocks": args.num_blocks,
-                "capacity_blocks": cache.capacity_blocks, "batch_blocks": n,
-                "slots": args.slots, "max_copy_runs": args.max_copy_runs,
-                "iters": args.iters, "warmup": args.warmup, "pinned_pool": conn.is_pinned,
+                "capacity_blocks": cache.capacity_blocks, "max_copy_runs": args.max_copy_runs,
+                "iters": args.iters, "warmup": args.warmup,
             },
             "results": results,
         }
     finally:
-        if conn is not None:
-            conn.free()
         cache.free()
 
 
-_ROWS = [("save (KV -> CPU pool)", "save"), ("reference: one copy -> CPU", "reference_to_cpu"),
-         ("load (CPU pool -> KV)", "load"), ("reference: one copy <- CPU", "reference_from_cpu")]
-
-
 def _markdown(report: dict[str, Any]) -> str:
-    p, r, m, v = (report["parameters"], report["results"], report["machine"],
-                  report["versions"])
+    p, m, v = report["parameters"], report["machine"], report["versions"]
     lines = [
         f"# CPU offload bandwidth: {p['device']} ({m.get('gpu') or m.get('cpu_model') or 'host'})",
         "",
@@ -227,34 +223,34 @@ def _markdown(report: dict[str, Any]) -> str:
         "- machine: " + ", ".join(f"{k}={val}" for k, val in m.items()),
         "- versions: " + ", ".join(f"{k}={val}" for k, val in v.items()),
         "- parameters: " + ", ".join(f"{k}={val}" for k, val in p.items()),
-        f"- payload: {r['payload_bytes']} bytes ({p['batch_blocks']} blocks x "
-        f"{r['bytes_per_block']} bytes, {r['regions']} regions); correct: {r['correct']}",
+        "- reference: one contiguous copy of the same bytes between the same memories "
+        "(device <-> pinned host), same run; GB/s = 1e9 bytes/s, medians",
         "",
-        "| operation | median GB/s | best GB/s | median s |",
-        "| --- | ---: | ---: | ---: |",
+        "| batch | MiB | slots | path | save GB/s | ref -> CPU | save ratio | load GB/s | "
+        "ref <- CPU | load ratio | correct |",
+        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for label, key in _ROWS:
-        lines.append(f"| {label} | {r[key]['median_gbps']:.2f} | {r[key]['best_gbps']:.2f} | "
-                     f"{r[key]['median_s']:.6f} |")
-    lines += ["", f"save / reference = {r['save_vs_reference']:.2f}, "
-              f"load / reference = {r['load_vs_reference']:.2f}", "",
-              "```json", json.dumps(report, indent=2), "```", ""]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['batch_blocks']} | {r['payload_bytes'] / 2**20:.0f} | {r['slots']} | "
+            f"{r['path']} | {r['save']['median_gbps']:.1f} | "
+            f"{r['reference_to_cpu']['median_gbps']:.1f} | {r['save_vs_reference']:.2f} | "
+            f"{r['load']['median_gbps']:.1f} | {r['reference_from_cpu']['median_gbps']:.1f} | "
+            f"{r['load_vs_reference']:.2f} | {r['correct']} |")
+    lines += ["", "```json", json.dumps(report, indent=2), "```", ""]
     return "\n".join(lines)
 
 
 def _print(report: dict[str, Any]) -> None:
-    p, r = report["parameters"], report["results"]
+    p = report["parameters"]
     print(f"cpu offload on {p['device']} ({report['machine'].get('gpu') or 'host'}): "
-          f"{p['preset']} {p['layout']}, {p['num_layers']} layers, {r['regions']} regions, "
-          f"{r['bytes_per_block']} B/block, batch {p['batch_blocks']} blocks = "
-          f"{r['payload_bytes'] / 2**20:.1f} MiB, capacity {p['capacity_blocks']} blocks, "
-          f"{p['slots']} slots, pinned={p['pinned_pool']}")
-    print(f"  correct: {r['correct']}")
-    for label, key in _ROWS:
-        print(f"  {label:<26} {r[key]['median_gbps']:8.2f} GB/s median "
-              f"({r[key]['best_gbps']:.2f} best)")
-    print(f"  save / reference = {r['save_vs_reference']:.2f}, "
-          f"load / reference = {r['load_vs_reference']:.2f}")
+          f"{p['preset']} {p['layout']}, {p['num_layers']} layers")
+    for r in report["results"]:
+        print(f"  {r['batch_blocks']:5d} blocks {r['payload_bytes'] / 2**20:7.0f} MiB "
+              f"{r['slots']:9s} {r['path']:6s} save {r['save']['median_gbps']:7.1f} GB/s "
+              f"({r['save_vs_reference']:.2f} of {r['reference_to_cpu']['median_gbps']:.1f}) "
+              f"load {r['load']['median_gbps']:7.1f} GB/s ({r['load_vs_reference']:.2f} of "
+              f"{r['reference_from_cpu']['median_gbps']:.1f}) correct={r['correct']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,14 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=1024, help="committed blocks")
     ap.add_argument("--capacity-blocks", type=int, default=None,
                     help="reserved blocks (default: the cache's default, 4x)")
-    ap.add_argument("--batch", type=int, default=256, help="blocks per save / load")
-    ap.add_argument("--slots", choices=("runs", "scattered"), default="runs",
+    ap.add_argument("--batch", type=int, nargs="+", default=[256],
+                    help="blocks per save / load (several: a sweep)")
+    ap.add_argument("--slots", choices=("runs", "scattered"), nargs="+", default=["runs"],
                     help="pool slots consecutive, or every other slot (scattered)")
+    ap.add_argument("--path", choices=("auto", "direct", "staged"), nargs="+",
+                    default=["auto"], help="CUDA copy path(s) of the connector")
     ap.add_argument("--max-copy-runs", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default="",
                     help="write the report here: JSON for *.json, else Markdown (+ JSON block)")
+    ap.add_argument("--json", default="", help="also write the report as JSON here")
     args = ap.parse_args(argv)
     report = run(args)
     _print(report)
@@ -286,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 f.write(_markdown(report))
         print(f"wrote {args.out}")
-    return 0 if report["results"]["correct"] else 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if all(r["correct"] for r in report["results"]) else 1
 
 
 if __name__ == "__main__":

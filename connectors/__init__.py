@@ -5,10 +5,15 @@
   deadlines, re-registration after sleep/wake. NIXL itself is imported lazily.
 - :class:`CPUOffloadConnector`: a (pinned, on CUDA) CPU pool sized from committed per-block
   bytes, batched save/load with LRU slots.
+- :class:`BlockCopyPlan`: the block-copy engine (one launch per transfer over every layer,
+  region and block) under the CPU offload and the ipc transport.
+- :class:`Transport` and its registry (:func:`get_transport`): ``ipc``
+  (:class:`IpcTransport`, :class:`IpcExportServer`) and ``nixl`` (:class:`NixlTransport`).
 """
 
 from __future__ import annotations
 
+from .block_copy import COPY_METHODS, BlockCopyPlan, BlockRegion, block_runs
 from .cpu_offload import (
     CPUOffloadConnector,
     OffloadHandle,
@@ -18,6 +23,7 @@ from .cpu_offload import (
 )
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .handshake import HandshakeMetadata, LayoutFingerprint, MetadataError
+from .ipc_transport import IpcExportServer, IpcTransport
 from .nixl import (
     NixlConnectorWorker,
     NixlUnavailableError,
@@ -30,9 +36,39 @@ from .nixl import (
     registration_extents,
     transfer_regions,
 )
+from .nixl_transport import NixlTransport
+from .offload_layout import merge_shared_pages
+from .slot_allocator import LruSlots
+from .transport import (
+    Exporter,
+    FetchResult,
+    Transport,
+    TransportContext,
+    TransportSpec,
+    get_transport,
+    register_transport,
+    transport_names,
+)
 
 __all__ = [
+    "COPY_METHODS",
+    "BlockCopyPlan",
+    "BlockRegion",
     "CPUOffloadConnector",
+    "Exporter",
+    "FetchResult",
+    "IpcExportServer",
+    "IpcTransport",
+    "LruSlots",
+    "NixlTransport",
+    "Transport",
+    "TransportContext",
+    "TransportSpec",
+    "block_runs",
+    "get_transport",
+    "merge_shared_pages",
+    "register_transport",
+    "transport_names",
     "HandshakeMetadata",
     "IncompatiblePeerError",
     "KVConnectorError",

@@ -250,6 +250,19 @@ class _Worker:
                        f"present (GPUDirect flag granted: {rdma_flag})")
 
     # -- helpers ----------------------------------------------------------------------------------
+    def transport_context(self) -> Any:
+        """What this worker's transports are built from (kvconnect.connectors.transport)."""
+        from kvconnect.connectors.transport import TransportContext
+
+        pids: set[int] = getattr(self, "decode_pids", set())
+        return TransportContext(cache=self.cache, timeout=self.cfg.timeout, name=self.name,
+                                directory=self.ipc_dir, allowed_pids=lambda: set(pids),
+                                nixl=self.nixl, attribution=self.lane_attribution())
+
+    def lane_attribution(self) -> Any:
+        """None here; the decode names the UCX lanes NIXL used (see DecodeWorker)."""
+        return None
+
     def fill_all(self, source: str) -> int:
         """Fill every committed block of every owner region with ``source``'s contents."""
         total = 0
@@ -314,14 +327,35 @@ class PrefillWorker(_Worker):
 
     def __init__(self, ctl: Control, rank: int, ipc_dir: str) -> None:
         super().__init__(ctl, rank, ipc_dir)
-        self.server: Any = None
+        #: the serving halves of the transports (kvconnect.connectors.transport), by name
+        self.exporters: dict[str, Any] = {}
         self.decode_pids: set[int] = set()
 
     def cleanup(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        while self.exporters:
+            _, exporter = self.exporters.popitem()
+            try:
+                exporter.close()
+            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
+                log.warning("%s: closing an exporter failed: %s", self.name, exc)
         super().cleanup()
+
+    def start_exporters(self) -> None:
+        """Start each transport's serving half; same-host-only transports serve the decodes
+        that said hello from this host."""
+        from kvconnect.connectors.transport import get_transport
+
+        cfg = self.cfg
+        for name in cfg.transports:
+            spec = get_transport(name)
+            if spec.exporter is None:
+                continue
+            if spec.same_host_only and not self.decode_pids:
+                for d in range(cfg.num_decode):
+                    info = self.ctl.wait(worker_name(DECODE, d), "hello")
+                    if info.get("boot_id") == self.boot_id:
+                        self.decode_pids.add(int(info["pid"]))
+            self.exporters[name] = spec.exporter(self.transport_context())
 
     def steps(self) -> None:
         ctl, cfg = self.ctl, self.cfg
@@ -334,26 +368,19 @@ class PrefillWorker(_Worker):
         ctl.passed("content/fill", f"{cfg.num_blocks} blocks x {len(owners(self.specs))} "
                                    f"regions ({_mib(nbytes)}) filled with position-dependent "
                                    "contents", time.perf_counter() - t0)
-        if "ipc" in cfg.transports:
-            from .transports import IpcExportServer
-
-            decodes = [worker_name(DECODE, d) for d in range(cfg.num_decode)]
-            for d in decodes:
-                info = ctl.wait(d, "hello")
-                if info.get("boot_id") == self.boot_id:
-                    self.decode_pids.add(int(info["pid"]))
-            self.server = IpcExportServer(self.cache, self.ipc_dir, self.name,
-                                          lambda: set(self.decode_pids), cfg.timeout)
+        self.start_exporters()
         for round_no in (1, 2):
             if round_no == 2:
                 self.offload_round_trip()
-                if self.server is not None:
-                    self.server.pause()
+                paused = []
                 try:
+                    for exporter in self.exporters.values():
+                        exporter.pause()
+                        paused.append(exporter)
                     self.sleep_wake(self.name)
                 finally:
-                    if self.server is not None:
-                        self.server.resume()
+                    for exporter in paused:
+                        exporter.resume()
             self.serve(round_no)
 
     def serve(self, round_no: int) -> None:
@@ -368,8 +395,7 @@ class PrefillWorker(_Worker):
         info = {
             "pid": os.getpid(), "boot_id": self.boot_id, "hostname": environment.hostname(),
             "regions": [s.to_json() for s in self.specs], "digests": digests,
-            "ipc": self.server.describe() if self.server is not None else None,
-            "nixl": self.nixl.metadata_json().decode() if self.nixl is not None else None,
+            "exports": {name: e.describe() for name, e in self.exporters.items()},
         }
         ctl.publish(f"round{round_no}", info)
         ctl.phase(f"serve:round{round_no}")
@@ -464,6 +490,32 @@ class DecodeWorker(_Worker):
     def __init__(self, ctl: Control, rank: int, ipc_dir: str) -> None:
         super().__init__(ctl, rank, ipc_dir)
         self.lanes: Any = None
+        #: the receiving halves of the transports (kvconnect.connectors.transport), by name
+        self.transports: dict[str, Any] = {}
+
+    def cleanup(self) -> None:
+        while self.transports:
+            _, transport = self.transports.popitem()
+            try:
+                transport.close()
+            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
+                log.warning("%s: closing a transport failed: %s", self.name, exc)
+        super().cleanup()
+
+    def lane_attribution(self) -> Any:
+        if self.lanes is None:
+            from .ucx_lanes import LaneTracker
+
+            self.lanes = LaneTracker()
+        return self.lanes.lanes_after_read
+
+    def transport(self, name: str) -> Any:
+        """This worker's receiving half of transport ``name``, built on first use."""
+        if name not in self.transports:
+            from kvconnect.connectors.transport import get_transport
+
+            self.transports[name] = get_transport(name).receiver(self.transport_context())
+        return self.transports[name]
 
     def steps(self) -> None:
         ctl, cfg = self.ctl, self.cfg
@@ -475,6 +527,8 @@ class DecodeWorker(_Worker):
         for round_no in (1, 2):
             if round_no == 2:
                 self.sleep_wake(self.name)
+                for transport in self.transports.values():
+                    transport.invalidate()  # our memory was released and recommitted
             for p in range(cfg.num_prefill):
                 self.fetch_from(p, round_no)
             ctl.publish(f"round{round_no}/done", True)
@@ -493,24 +547,30 @@ class DecodeWorker(_Worker):
             return
         remote_ids, local_ids = cfg.block_sets(p, self.rank, round_no)
         expected = info["digests"][self.name]
+        from kvconnect.connectors.transport import get_transport
+
         from .transports import reference_copy_gbps
 
         reference: dict[int, float] = {}  # bytes -> GB/s of the same-run reference copy
         for transport in cfg.transports:
             name = f"transfer/{pair}/{transport}/round{round_no}"
-            if transport == "ipc" and info.get("boot_id") != self.boot_id:
+            spec = get_transport(transport)
+            if spec.same_host_only and info.get("boot_id") != self.boot_id:
                 ctl.skipped(name, f"{prefill} runs on another host (boot id "
-                                  f"{info.get('boot_id')} != {self.boot_id}): ipc needs one "
-                                  "kernel")
+                                  f"{info.get('boot_id')} != {self.boot_id}): {transport} "
+                                  "needs one kernel")
                 continue
-            if transport == "ipc" and info.get("ipc") is None:
-                ctl.skipped(name, f"{prefill} offers no ipc export")
+            offer = info.get("exports", {}).get(transport)
+            if offer is None:
+                ctl.skipped(name, f"{prefill} offers no {transport} export")
                 continue
             ctl.phase(f"transfer:{transport}:{prefill}:round{round_no}")
             self.poison(local_ids)
             t0 = time.perf_counter()
             try:
-                result = self.fetch(transport, info, remote_specs, remote_ids, local_ids)
+                receiver = self.transport(transport)
+                receiver.open_peer(prefill, offer)
+                result = receiver.fetch(prefill, remote_ids, local_ids, timeout=cfg.timeout)
             except Exception as exc:  # noqa: BLE001 - one failed transport, keep the others
                 ctl.failed(name, f"{pair} {transport} round {round_no}: transfer of "
                                  f"{len(local_ids)} blocks failed after "
@@ -544,22 +604,6 @@ class DecodeWorker(_Worker):
         if info.get("boot_id") == self.boot_id:
             return self.cfg.device_for(PREFILL, p)
         return self.device
-
-    def fetch(self, transport: str, info: dict[str, Any], remote_specs: list[RegionSpec],
-              remote_ids: list[int], local_ids: list[int]) -> Any:
-        from .transports import ipc_fetch, nixl_fetch
-
-        if transport == "ipc":
-            return ipc_fetch(self.cache, self.specs, remote_specs, info["ipc"], remote_ids,
-                             local_ids, self.cfg.timeout)
-        if self.nixl is None or not info.get("nixl"):
-            raise RuntimeError("NIXL is not registered on both sides")
-        if self.lanes is None:
-            from .ucx_lanes import LaneTracker
-
-            self.lanes = LaneTracker()
-        return nixl_fetch(self.nixl, info["nixl"], remote_ids, local_ids, self.cfg.timeout,
-                          self.lanes)
 
     def poison(self, local_ids: list[int]) -> None:
         """Overwrite the destination blocks with our own contents (a no-op transfer fails)."""

@@ -20,10 +20,10 @@ from kvconnect.connectors.copy_ops import block_row_view, contiguous_runs, word_
 from kvconnect.connectors.cpu_offload import (
     CPUOffloadConnector,
     OffloadKeyError,
-    _make_groups,
     offload_row_layout,
 )
 from kvconnect.connectors.errors import KVConnectorError
+from kvconnect.connectors.slot_allocator import LruSlots
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import allocate_kv_caches, preset
 from kvconnect.views import CommittedRegion
@@ -162,17 +162,27 @@ def test_row_layout_merges_shared_pages_and_rejects_bad_regions() -> None:
         offload_row_layout([], 8)
 
 
-@pytest.mark.parametrize("widths", [[7], [4] * 64, [1, 1, 100, 1, 1], [3, 5, 8, 13, 21]])
-def test_copy_groups_tile_the_row(widths: list[int]) -> None:
-    regions = [_region(f"l{i}", "kv", 0x1000 * (i + 1) * 256, w, 4096, 8)
-               for i, w in enumerate(widths)]
-    slices, _ = offload_row_layout(regions, 8)
-    groups = _make_groups(slices)
-    assert 1 <= len(groups) <= min(8, len(widths))
-    assert groups[0].first == 0 and groups[-1].last == len(slices)
-    for a, b in zip(groups, groups[1:], strict=False):
-        assert a.last == b.first and a.column + a.width == b.column
-    assert sum(g.width for g in groups) == sum(widths)
+def test_lru_slots_reserve_commit_abandon() -> None:
+    slots = LruSlots(4)
+    r = slots.reserve(["a", "b", "c"])
+    assert r.slots == (0, 1, 2) and r.evicted == () and r.new == ("a", "b", "c")
+    assert len(slots) == 0  # nothing recorded before commit
+    slots.commit(r)
+    r = slots.reserve(["d", "e"])  # one free slot: "a" (least recently used) goes
+    assert r.evicted == ("a",) and sorted(r.slots) == [0, 3]
+    slots.abandon(r)  # the copy failed: d and e are not in the pool, a stays evicted
+    assert slots.keys() == ["b", "c"] and slots.num_free == 2
+    slots.touch(["b"])
+    r = slots.reserve(["b", "x", "y"])  # b keeps its slot
+    assert r.slots[0] == 1 and r.evicted == ()
+    slots.commit(r)
+    assert slots.keys() == ["c", "b", "x", "y"]
+    with pytest.raises(ValueError, match="cannot save 5 blocks"):
+        slots.reserve(list("vwxyz"))
+    with pytest.raises(ValueError, match="positive"):
+        LruSlots(0)
+    with pytest.raises(TypeError, match="int"):
+        LruSlots(True)
 
 
 # -- cold vs reload, every layout ------------------------------------------------------------
@@ -366,6 +376,36 @@ def test_copies_are_batched_not_per_block(scattered: bool, monkeypatch: pytest.M
         assert counts[0] == counts[1], counts
         # runs: one index op per region per call; scattered: a gather and a scatter
         assert regions <= counts[1] <= (4 if scattered else 2) * regions + 4, counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_cuda_paths_are_byte_exact_and_leave_the_pinned_cache_alone(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both CUDA paths (one kernel over the pinned pool; kernel gather + one copy-engine copy
+    per slot run through two small staging buffers, so batches move in several chunks) move
+    the right bytes, and close() never empties the process's pinned-memory cache."""
+    emptied: list[int] = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1), raising=False)
+    with make_cache("llama3-8b-like", {"num_layers": 2}, "cuda:0", num_blocks=64) as cache:
+        fill(cache, seed=21)
+        cold = {b: layer_blocks(cache, b) for b in range(64)}
+        conn = CPUOffloadConnector(cache, 32, path=path,
+                                   max_staging_bytes=6 * cache.bytes_per_block)
+        conn.save(list(range(20, 52)), keys=[f"k{b}" for b in range(20, 52)]).wait()
+        conn.discard([f"k{b}" for b in range(21, 52, 3)])  # scattered free slots
+        h = conn.save([3, 9, 1, 60, 7, 8, 12, 13, 14, 15, 16], keys=list("abcdefghijk"))
+        assert conn.path_for(h.slots) == path
+        h.wait(timeout_s=30)
+        fill(cache, seed=22)
+        dst = [0, 2, 4, 6, 10, 11, 17, 18, 19, 62, 63]
+        conn.load(dst, keys=list("abcdefghijk")).wait(timeout_s=30)
+        for d, src in zip(dst, [3, 9, 1, 60, 7, 8, 12, 13, 14, 15, 16], strict=True):
+            assert_same(layer_blocks(cache, d), cold[src], f"{d} <- {src}")
+        conn.load([5], keys=["k20"]).wait(timeout_s=30)
+        assert_same(layer_blocks(cache, 5), cold[20], "5 <- k20")
+        conn.close()
+    assert emptied == []
 
 
 # -- bad input, lifetime, sleep / wake -----------------------------------------------------

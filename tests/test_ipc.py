@@ -368,11 +368,11 @@ def test_peer_mapping_views_outlive_close_without_aliasing(exported) -> None:
     del view
 
 
-# -- the harness's export server (the one exporter in the tree today) --------------------------
+# -- the library's ipc export server ------------------------------------------------------------
 def test_export_failure_reaches_the_importer_as_the_real_error(tmp_path) -> None:
     """An exporter that fails (here: its cache is not shareable) sends an error frame: the
     importer raises PeerError with the exporter's exception, not 'peer closed'."""
-    from kvconnect.harness.transports import IpcExportServer, ipc_fetch
+    from kvconnect.connectors.ipc_transport import IpcExportServer, IpcTransport
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
 
@@ -383,8 +383,9 @@ def test_export_failure_reaches_the_importer_as_the_real_error(tmp_path) -> None
         local.allocate()
         server = IpcExportServer(plain, str(tmp_path), "prefill", lambda: {os.getpid()}, 5.0)
         try:
-            with pytest.raises(PeerError) as err:
-                ipc_fetch(local, [], [], server.describe(), [0], [0], timeout=5.0)
+            with IpcTransport(local, timeout=5.0) as transport, \
+                    pytest.raises(PeerError) as err:
+                transport.open_peer("prefill", server.describe())
         finally:
             server.close()
     assert err.value.remote_type == "RuntimeError"

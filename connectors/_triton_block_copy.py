@@ -1,0 +1,85 @@
+"""The Triton kernel behind :class:`~.block_copy.BlockCopyPlan`'s ``kernel`` method.
+
+One program copies one column of one block. Programs are numbered column-major by default
+(``COLUMN_MAJOR``): program ``p`` takes column ``j = p // blocks`` and block ``i = p %
+blocks``, so programs running at the same time work on few regions and, with sorted source
+ids, on nearby addresses (few pages, few TLB misses); block-major numbering (``i = p //
+columns``) is kept for measurements. A program reads row ``j`` of the descriptor table (source word offset of
+block 0, source stride, destination offset, destination stride, length; all in words from
+the *anchor*) and the pair ``ids[2i], ids[2i + 1]``, and copies ``length`` words. Addresses
+are anchor-relative offsets, so the only pointer argument Triton checks is the anchor (a
+small allocation on the launch device); the copied memory may be a VMM mapping of another
+process, a peer GPU's memory or pinned host memory, anything the launch device can address.
+
+Importing this module imports Triton; :mod:`.block_copy` imports it only on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: words each loop iteration of a program moves (per program: ceil(column / BLOCK) steps)
+BLOCK_WORDS = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _block_copy_kernel(anchor, table, ids, num_blocks, num_columns, COLUMN: tl.constexpr,
+                       BLOCK: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr,
+                       COLUMN_MAJOR: tl.constexpr, STREAMING: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    if COLUMN_MAJOR:
+        j = pid // num_blocks
+        i = pid - j * num_blocks
+    else:
+        i = pid // num_columns
+        j = pid - i * num_columns
+    row = table + j * 5
+    src0 = tl.load(row)
+    src_stride = tl.load(row + 1)
+    dst0 = tl.load(row + 2)
+    dst_stride = tl.load(row + 3)
+    length = tl.load(row + 4)
+    sid = tl.load(ids + 2 * i)
+    did = tl.load(ids + 2 * i + 1)
+    so = tl.multiple_of(src0 + sid * src_stride, VEC)
+    do = tl.multiple_of(dst0 + did * dst_stride, VEC)
+    offs = tl.arange(0, BLOCK)
+    for k in tl.static_range(0, COLUMN, BLOCK):
+        if EVEN and STREAMING:  # evict early: every byte is touched once
+            v = tl.load(anchor + so + k + offs, eviction_policy="evict_first")
+            tl.store(anchor + do + k + offs, v, cache_modifier=".cs")
+        elif EVEN:
+            v = tl.load(anchor + so + k + offs)
+            tl.store(anchor + do + k + offs, v)
+        else:
+            n = tl.multiple_of(length, VEC)
+            m = k + offs < n
+            v = tl.load(anchor + so + k + offs, mask=m)
+            tl.store(anchor + do + k + offs, v, mask=m)
+
+
+def launch_block_copy(anchor: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, *,
+                      num_blocks: int, num_columns: int, column_words: int, vec: int,
+                      even: bool, column_major: bool = True, num_warps: int = NUM_WARPS,
+                      block_words: int = BLOCK_WORDS, streaming: bool = False,
+                      compile_only: bool = False) -> None:
+    """Launch one kernel over ``num_blocks x num_columns`` programs on ``anchor``'s device
+    (its current stream). ``column_words``: the longest column; ``vec``: a word count that
+    divides every offset, stride and length (2 for 16-byte aligned int64 words); ``even``:
+    every column has exactly ``column_words`` words (no masks); ``column_major``: program
+    numbering (module docstring); ``num_warps`` / ``block_words``: launch shape;
+    ``streaming``: streaming cache hints on loads and stores (even columns only);
+    ``compile_only``: an empty grid with the same arguments (Triton compiles one variant per
+    ``num_blocks`` class: 1, a multiple of 16, any other)."""
+    block = min(block_words, triton.next_power_of_2(max(column_words, 1)))
+    column = triton.cdiv(column_words, block) * block
+    if even and column != column_words:
+        even = False
+    grid = (0 if compile_only else num_blocks * num_columns,)  # empty: compile, no launch
+    _block_copy_kernel[grid](anchor, table, ids, num_blocks, num_columns,
+                             COLUMN=column, BLOCK=block, VEC=vec, EVEN=even,
+                             COLUMN_MAJOR=column_major, STREAMING=streaming,
+                             num_warps=num_warps)

@@ -1,0 +1,448 @@
+"""The ``ipc`` transport: KV blocks between processes of one host through POSIX-fd handles.
+
+Serving side: an :class:`IpcExportServer` answers on a Unix socket in a private 0700
+directory. A connecting process is checked with SO_PEERCRED (our uid, and a pid the owner
+allows) and receives the KV tensors' chunk fds (``ExtensibleTensor.export_handles()``) with a
+JSON description: tensor geometry, chunk records, the committed regions (merged where layers
+share pages, :func:`~.offload_layout.merge_shared_pages`), the logical block count, the
+device's UUID and a *generation* that grows on every :meth:`~IpcExportServer.resume` (after
+the cache slept and woke: new physical memory at the same addresses).
+
+Receiving side: :class:`IpcTransport` maps a peer's chunks once
+(:class:`kvconnect.ipc.PeerMapping`), pairs the peer's regions with its own and builds one
+:class:`~.block_copy.BlockCopyPlan` per peer; each :meth:`~IpcTransport.fetch` then uploads
+the block ids and runs **one** copy launch over every layer, region and block. The mapping
+and the plan are cached across fetches and rebuilt when the peer's generation changes, when
+this cache's committed state changes, or on :meth:`~IpcTransport.invalidate` (call it after
+this worker's own sleep / wake). The set-up (connect, map, plan) is reported apart from the
+copy, in the first fetch after it.
+
+GPUs: on one GPU the copy runs there. Across GPUs, ``direction="push"`` launches on the
+exporter's GPU (reading its own memory, writing into ours through a peer mapping: access to
+our chunks is granted to that GPU), ``"pull"`` on ours (reading the peer's memory);
+``"auto"`` pushes when the exporter's GPU is visible here, as a kernel storing to the peer
+measured faster than one loading from it on cudaMalloc memory (docs/ and
+benchmarks/results/ hold the figures).
+
+Units: bytes, seconds, logical blocks for block ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvconnect.ipc import (
+    IpcError,
+    PeerMapping,
+    export_message,
+    import_message,
+    peer_credentials,
+    recv_json,
+    recv_message,
+    send_error,
+    send_message,
+)
+
+from .block_copy import BlockCopyPlan, BlockRegion
+from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
+from .offload_layout import merge_shared_pages
+from .transport import FetchResult, TransportContext, TransportSpec, register_transport
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DIRECTIONS", "IpcExportServer", "IpcTransport", "device_uuid"]
+
+#: where a cross-GPU copy runs: the exporter's GPU (push), ours (pull), or push when possible
+DIRECTIONS = ("auto", "push", "pull")
+#: the JSON layout of the export reply; bump when a field changes meaning
+WIRE_VERSION = 2
+
+
+def device_uuid(device: torch.device) -> str:
+    """A GPU's UUID (the same in every process whatever CUDA_VISIBLE_DEVICES says), or
+    ``"host"`` for the host backend."""
+    if device.type != "cuda":
+        return "host"
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _local_ordinal(uuid: str) -> int | None:
+    """The ordinal under which this process sees the GPU ``uuid``, or None."""
+    if uuid == "host" or not torch.cuda.is_available():
+        return None
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    return None
+
+
+def _region_records(cache: Any) -> list[dict[str, Any]]:
+    """The cache's committed regions (shared pages merged) as JSON records; ``offset`` is
+    bytes from the start of KV tensor ``tensor_index``'s reservation."""
+    tensors = cache.tensors
+    out = []
+    for r, members in merge_shared_pages(cache.committed_regions()):
+        out.append({"members": list(members), "tensor_index": int(r.tensor_index),
+                    "offset": int(r.base_ptr - tensors[r.tensor_index].base_ptr),
+                    "block_len": int(r.block_len), "block_stride": int(r.block_stride),
+                    "num_blocks": int(r.num_blocks)})
+    return out
+
+
+class IpcExportServer:
+    """Serves this worker's KV chunk fds to allowed processes (prefill side).
+
+    ``allowed`` returns the pids that may connect (checked with SO_PEERCRED, as well as the
+    uid). Each request gets the chunks as they are *now*. One thread; :meth:`close` stops it
+    and removes the socket. ``pause()`` holds requests while the cache sleeps; ``resume()``
+    lets them through and bumps :attr:`generation` so receivers re-map.
+    """
+
+    def __init__(self, cache: Any, directory: str, name: str,
+                 allowed: Callable[[], set[int]], timeout: float) -> None:
+        self.cache = cache
+        self.path = os.path.join(directory, f"{name}.sock")
+        self.allowed = allowed
+        self.timeout = timeout
+        self.served = 0
+        self.generation = 1
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._open = True
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(self.path)
+            os.chmod(self.path, 0o600)
+            self._sock.listen(16)
+            self._sock.settimeout(0.2)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._thread = threading.Thread(target=self._serve, name="kvc-ipc-export", daemon=True)
+        self._thread.start()
+
+    def describe(self) -> dict[str, Any]:
+        """What a receiver needs to connect: the socket path, our pid, the generation."""
+        return {"path": self.path, "pid": os.getpid(), "generation": self.generation}
+
+    def pause(self) -> None:
+        """Hold requests (while the cache sleeps): they wait until :meth:`resume`."""
+        self._lock.acquire()
+
+    def resume(self) -> None:
+        """Let requests through again; receivers holding older mappings must re-map."""
+        self.generation += 1
+        self._lock.release()
+
+    def _serve(self) -> None:
+        while self._open:
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    self._handle(conn)
+                except (IpcError, OSError, RuntimeError, ValueError) as exc:
+                    log.warning("ipc export: %s", exc)
+                    self.errors.append(str(exc))
+                    send_error(conn, exc)  # the decode sees this error, not a closed socket
+
+    def _handle(self, conn: socket.socket) -> None:
+        creds = peer_credentials(conn)
+        if creds.uid != os.getuid() or creds.pid not in self.allowed():
+            raise IpcError(f"refused a connection from pid {creds.pid} uid {creds.uid}: not a "
+                           "decode worker of this run")
+        request = recv_json(conn, timeout=self.timeout)
+        if request.get("op") != "export":
+            raise IpcError(f"unexpected request {request.get('op')!r}")
+        with self._lock:
+            message, out_fds = export_message(self.cache.tensors)
+            try:
+                message.update(version=WIRE_VERSION, regions=_region_records(self.cache),
+                               num_blocks=int(self.cache.num_blocks),
+                               device=device_uuid(self.cache.device),
+                               generation=self.generation)
+                send_message(conn, message, out_fds)
+            finally:
+                for fd in out_fds:
+                    os.close(fd)
+        recv_json(conn, timeout=self.timeout)  # the decode's "mapped" acknowledgement
+        self.served += 1
+
+    def close(self) -> None:
+        self._open = False
+        try:
+            self._sock.close()
+        finally:
+            self._thread.join(timeout=2)
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+@dataclass
+class _Peer:
+    key: tuple[str, int, int]
+    local_token: object
+    mappings: list[PeerMapping]
+    plan: BlockCopyPlan
+    launch: torch.device
+    chunks: int
+    unreported_setup: float
+    extra_devices: list[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        while self.mappings:
+            self.mappings.pop().close()
+
+
+class IpcTransport:
+    """The receiving half of ``ipc`` for ``cache`` (an ExtensibleKVCache); see the module
+    docstring. ``direction``: one of :data:`DIRECTIONS`; ``method``: the block-copy method
+    (``"auto"``: the kernel on CUDA, torch on the host)."""
+
+    name = "ipc"
+
+    def __init__(self, cache: Any, *, timeout: float = 60.0, direction: str = "auto",
+                 method: str = "auto") -> None:
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        self.cache = cache
+        self.timeout = float(timeout)
+        self.direction = direction
+        self.method = method
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+
+    # -- peers ---------------------------------------------------------------------------
+    def _local_token(self) -> object:
+        return (int(self.cache.num_blocks),
+                tuple((t.committed_bytes, t.num_physical_chunks) for t in self.cache.tensors))
+
+    def open_peer(self, peer: str, offer: Mapping[str, Any]) -> float:
+        """Map ``peer``'s chunks from its :meth:`IpcExportServer.describe` ``offer`` and
+        build the copy plan, unless the cached ones are still valid. Returns the seconds
+        spent (0.0 when cached). Raises :class:`IpcError` for a bad or unreachable peer,
+        :class:`IncompatiblePeerError` when the layouts do not pair up."""
+        if self._closed:
+            raise KVConnectorError("IpcTransport used after close()")
+        try:
+            key = (str(offer["path"]), int(offer["pid"]), int(offer.get("generation", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IpcError(f"peer {peer!r}: malformed ipc offer {dict(offer)!r}") from exc
+        entry = self._peers.get(peer)
+        token = self._local_token()
+        if entry is not None and entry.key == key and entry.local_token == token:
+            return 0.0
+        self.invalidate(peer)
+        t0 = time.perf_counter()
+        entry = self._connect(peer, key, token)
+        entry.unreported_setup = time.perf_counter() - t0
+        self._peers[peer] = entry
+        return entry.unreported_setup
+
+    def _connect(self, peer: str, key: tuple[str, int, int], token: object) -> _Peer:
+        path, pid, _ = key
+        cache = self.cache
+        driver = cache.tensors[0].driver
+        mappings: list[PeerMapping] = []
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(path)
+            creds = peer_credentials(sock)
+            if creds.pid != pid or creds.uid != os.getuid():
+                raise IpcError(f"{path} is served by pid {creds.pid} uid {creds.uid}, not by "
+                               f"{peer} (pid {pid})")
+            send_message(sock, {"op": "export", "pid": os.getpid()})
+            reply, fds = recv_message(sock, timeout=self.timeout)
+            try:
+                if not isinstance(reply, dict) or reply.get("version") != WIRE_VERSION:
+                    raise IpcError(f"export reply from {peer} has wire version "
+                                   f"{reply.get('version') if isinstance(reply, dict) else None}"
+                                   f", want {WIRE_VERSION}")
+                remote_gpu = _local_ordinal(str(reply.get("device", "host")))
+                launch, extra = self._launch_device(remote_gpu)
+                # Every field of the peer's chunk records is validated there (IpcError).
+                mappings.extend(import_message(driver, reply, fds, access_devices=extra))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            send_message(sock, {"op": "mapped"})
+            plan = self._plan(peer, reply, mappings, launch)
+            if launch != cache.device:
+                self._grant_local_access(launch)
+            plan.warm_up()  # JIT and table upload belong to set-up, not to the first fetch
+            return _Peer(key, token, mappings, plan, launch, len(reply["chunks"]), 0.0, extra)
+        except BaseException:
+            for m in mappings:
+                m.close()
+            raise
+        finally:
+            sock.close()
+
+    def _launch_device(self, remote_gpu: int | None) -> tuple[torch.device, list[int]]:
+        """(where copies run, peer GPUs the mappings must grant access to)."""
+        local = torch.device(self.cache.device)
+        if local.type != "cuda" or remote_gpu is None or remote_gpu == local.index:
+            return local, []
+        if self.direction == "pull":
+            return local, [remote_gpu]
+        return torch.device("cuda", remote_gpu), [remote_gpu]
+
+    def _grant_local_access(self, launch: torch.device) -> None:
+        """Let the push GPU write into our committed chunks."""
+        for t in self.cache.tensors:
+            for ch in t.physical_chunks():
+                t.driver.set_access(ch.va, ch.size, [launch.index])
+
+    def _plan(self, peer: str, reply: Mapping[str, Any], mappings: list[PeerMapping],
+              launch: torch.device) -> BlockCopyPlan:
+        cache = self.cache
+        local_n = int(cache.num_blocks)
+        remote_n = int(reply.get("num_blocks", 0))
+        if remote_n <= 0:
+            raise IpcError(f"{peer} reported {remote_n} committed blocks")
+        remote = {tuple(r["members"]): r for r in reply.get("regions", [])}
+        local = {tuple(m): r for r, m in merge_shared_pages(cache.committed_regions())}
+        diffs = [f"regions only here: {sorted(set(local) - set(remote))[:4]}"] \
+            if set(local) - set(remote) else []
+        if set(remote) - set(local):
+            diffs.append(f"regions only on {peer}: {sorted(set(remote) - set(local))[:4]}")
+        src, dst = [], []
+        for members, lr in local.items():
+            rr = remote.get(members)
+            if rr is None:
+                continue
+            r_sub = int(rr["num_blocks"]) // remote_n
+            l_sub = lr.num_blocks // local_n
+            if int(rr["block_len"]) * r_sub != lr.block_len * l_sub:
+                diffs.append(f"{'+'.join(members)}: {int(rr['block_len']) * r_sub} bytes per "
+                             f"block on {peer} != {lr.block_len * l_sub} here")
+                continue
+            r_span = (int(rr["num_blocks"]) - 1) * int(rr["block_stride"]) + int(rr["block_len"])
+            ti = int(rr["tensor_index"])
+            if not 0 <= ti < len(mappings):
+                raise IpcError(f"{peer}: region {members} names tensor {ti} of {len(mappings)}")
+            src.append(BlockRegion(mappings[ti].view(int(rr["offset"]), r_span),
+                                   int(rr["block_len"]), int(rr["block_stride"]), remote_n,
+                                   r_sub, name=f"{peer}:{'+'.join(members)}"))
+            t = cache.tensors[lr.tensor_index]
+            dst.append(BlockRegion(t.committed_view(lr.base_ptr - t.base_ptr, lr.span),
+                                   lr.block_len, lr.block_stride, local_n, l_sub,
+                                   name="+".join(members)))
+        if diffs:
+            raise IncompatiblePeerError(diffs, peer)
+        return BlockCopyPlan(src, dst, device=launch, method=self.method)
+
+    # -- transfers -----------------------------------------------------------------------
+    def fetch(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int], *,
+              timeout: float | None = None) -> FetchResult:
+        """Copy ``peer``'s logical blocks ``remote_ids[i]`` into our ``local_ids[i]`` with one
+        launch and wait (at most ``timeout`` seconds) until they are in place. Raises
+        :class:`KVConnectorError` when :meth:`open_peer` was not called (or the cache
+        changed since), :class:`KVTransferError` when the copy fails or times out."""
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise KVConnectorError(f"ipc: no open peer {peer!r}; call open_peer() first")
+        if entry.local_token != self._local_token():
+            raise KVConnectorError(f"ipc: this KV cache changed since {peer!r} was opened; "
+                                   "call open_peer() again")
+        deadline = self.timeout if timeout is None else float(timeout)
+        devices = {entry.launch, torch.device(self.cache.device)}
+        for d in devices:
+            _sync(d)
+        t0 = time.perf_counter()
+        try:
+            nbytes = entry.plan.copy(remote_ids, local_ids)
+            _wait(devices, deadline)
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise KVTransferError(peer, local_ids, exc) from exc
+        seconds = time.perf_counter() - t0
+        setup, entry.unreported_setup = entry.unreported_setup, 0.0
+        return FetchResult(nbytes, seconds, f"{entry.plan.method}:{entry.launch}", setup,
+                           len(local_ids), f"{entry.chunks} chunks of {len(entry.mappings)} "
+                           f"tensors mapped, {entry.plan.num_columns} columns per block")
+
+    def invalidate(self, peer: str | None = None) -> None:
+        """Drop the mappings and plans of ``peer`` (all peers when None); the next
+        :meth:`open_peer` maps again."""
+        names = list(self._peers) if peer is None else [peer]
+        for name in names:
+            entry = self._peers.pop(name, None)
+            if entry is not None:
+                entry.close()
+
+    def plan_for(self, peer: str) -> BlockCopyPlan:
+        """The copy plan of an open peer (for reports and benchmarks)."""
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise KVConnectorError(f"ipc: no open peer {peer!r}")
+        return entry.plan
+
+    def close(self) -> None:
+        """Unmap every peer (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.invalidate()
+
+    def __enter__(self) -> IpcTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wait(devices: set[torch.device], timeout: float) -> None:
+    """Wait for the devices' current streams, at most ``timeout`` seconds (no hang): spin
+    for the first 0.1 s (copies take microseconds to milliseconds), then back off."""
+    events = []
+    for d in devices:
+        if d.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(d))
+            events.append(ev)
+    start = time.monotonic()
+    pause = 1e-4
+    for ev in events:
+        while not ev.query():
+            waited = time.monotonic() - start
+            if waited > timeout:
+                raise TimeoutError(f"copy not done after {timeout:.3g} s")
+            if waited > 0.1:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-2)
+
+
+def _receiver(ctx: TransportContext) -> IpcTransport:
+    return IpcTransport(ctx.cache, timeout=ctx.timeout, **ctx.options.get("ipc", {}))
+
+
+def _exporter(ctx: TransportContext) -> IpcExportServer:
+    return IpcExportServer(ctx.cache, ctx.directory, ctx.name, ctx.allowed_pids, ctx.timeout)
+
+
+register_transport(TransportSpec(
+    "ipc", _receiver, _exporter, same_host_only=True,
+    description="POSIX-fd handles over a Unix socket; one block-copy launch per fetch"))

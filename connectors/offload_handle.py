@@ -1,0 +1,93 @@
+"""What a CPU offload save or load returns, and the error for keys not in the pool."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import KVConnectorError, KVTransferError
+
+__all__ = ["PEER_NAME", "OffloadHandle", "OffloadKeyError"]
+
+#: the peer name offload errors carry
+PEER_NAME = "cpu-offload"
+
+
+class OffloadKeyError(KVConnectorError):
+    """``load`` asked for keys that are not in the CPU pool (never saved, or evicted)."""
+
+    def __init__(self, missing: Sequence[Hashable]) -> None:
+        self.missing = list(missing)
+        shown = ", ".join(repr(k) for k in self.missing[:16])
+        more = f", ... ({len(self.missing)} keys)" if len(self.missing) > 16 else ""
+        super().__init__(
+            f"{len(self.missing)} key(s) not in the CPU offload pool (never saved or evicted): "
+            f"[{shown}{more}]; check contains(key) before load()"
+        )
+
+
+@dataclass
+class OffloadHandle:
+    """One save or load. ``slots[i]`` is the pool slot of ``keys[i]`` / ``block_ids[i]``.
+
+    ``evicted`` lists the keys a save pushed out of the pool to make room (oldest first).
+    ``nbytes`` is the payload moved (blocks x bytes per block). On the host backend a handle
+    is done when returned.
+    """
+
+    op: str
+    block_ids: tuple[int, ...]
+    keys: tuple[Hashable, ...]
+    slots: tuple[int, ...]
+    nbytes: int
+    evicted: tuple[Hashable, ...] = ()
+    _event: Any = None
+    _device: Any = None
+    _keepalive: list[Any] = field(default_factory=list, repr=False)
+
+    def done(self) -> bool:
+        """True once the copies have finished (never blocks)."""
+        if self._event is None:
+            return True
+        if self._event.query():
+            self._release()
+            return True
+        return False
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until done; with ``timeout_s``, raise :class:`KVTransferError` past it."""
+        if self._event is None:
+            return
+        if timeout_s is None:
+            try:
+                self._event.synchronize()
+            except RuntimeError as exc:
+                raise KVTransferError(PEER_NAME, self.block_ids, exc) from exc
+            self._release()
+            return
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-4
+        while not self.done():
+            if time.monotonic() >= deadline:
+                raise KVTransferError(
+                    PEER_NAME, self.block_ids,
+                    f"{self.op} of {len(self.block_ids)} blocks not done after {timeout_s} s",
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-2)
+
+    def wait_on_stream(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current CUDA stream) wait for this handle without
+        blocking the host. No-op on the host backend."""
+        if self._event is None:
+            return
+        if stream is None:
+            stream = torch.cuda.current_stream(self._device)
+        stream.wait_event(self._event)
+
+    def _release(self) -> None:
+        self._keepalive.clear()

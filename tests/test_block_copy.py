@@ -1,0 +1,253 @@
+"""The block-copy engine: descriptor tables, run merging, and every copy method byte-exact.
+
+On the host: the ``torch`` method, the ``memcpy_batch`` descriptors applied with
+``ctypes.memmove`` (the same addresses the driver would get), and, where Triton is installed,
+the kernel itself in Triton's interpreter (a subprocess with ``TRITON_INTERPRET=1``). On a
+GPU (``gpu`` marker): the kernel and ``cuMemcpyBatchAsync`` on real device memory, VMM
+memory included, and pinned host memory through unified addressing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from kvconnect.connectors.block_copy import BlockCopyPlan, BlockRegion, block_runs
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _random_bytes(n: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
+
+
+def _layouts(num_blocks: int, device: str = "cpu", seed: int = 0
+             ) -> tuple[list[BlockRegion], list[BlockRegion], list[torch.Tensor]]:
+    """Source: a K/V-split cache of 3 layers (stride == len), a region with 2 kernel blocks
+    per logical block at a padded stride, and a 48-byte region. Destination: a slot-major
+    pool row holding every region side by side (a CPU offload pool's layout)."""
+    keep = []
+    src = []
+    shapes = [(256, 256, 1), (256, 256, 1), (512, 512, 1), (128, 192, 2), (48, 48, 1)]
+    for i, (blen, stride, sub) in enumerate(shapes):
+        span = (num_blocks * sub - 1) * stride + blen
+        flat = _random_bytes(span, seed + i, device)
+        keep.append(flat)
+        src.append(BlockRegion(flat, blen, stride, num_blocks, sub, name=f"r{i}"))
+    row = sum(r.width for r in src)
+    pool = torch.zeros(num_blocks * row, dtype=torch.uint8, device=device)
+    keep.append(pool)
+    dst, col = [], 0
+    for r in src:
+        view = pool[col:]
+        dst.append(BlockRegion(view, r.width, row, num_blocks, 1, name=f"pool:{r.name}"))
+        col += r.width
+    return src, dst, keep
+
+
+def _block_bytes(regions: list[BlockRegion], b: int) -> list[bytes]:
+    out = []
+    for r in regions:
+        f = r.flat.cpu()
+        parts = [f[(b * r.sub_blocks + p) * r.block_stride:][:r.block_len]
+                 for p in range(r.sub_blocks)]
+        out.append(torch.cat(parts).numpy().tobytes())
+    return out
+
+
+def _check(src: list[BlockRegion], dst: list[BlockRegion], before: list[list[bytes]],
+           src_ids: list[int], dst_ids: list[int], num_blocks: int) -> None:
+    moved = dict(zip(dst_ids, src_ids, strict=True))
+    for b in range(num_blocks):
+        got = _block_bytes(dst, b)
+        want = _block_bytes(src, moved[b]) if b in moved else before[b]
+        assert got == want, f"destination block {b} differs"
+
+
+def test_block_runs_merge_consecutive_pairs() -> None:
+    assert block_runs([], []) == []
+    assert block_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    assert block_runs([1, 2, 3], [7, 6, 5]) == [(1, 7, 1), (2, 6, 1), (3, 5, 1)]
+
+
+@pytest.mark.parametrize("ids", ["runs", "scattered", "single"])
+def test_torch_method_is_byte_exact(ids: str) -> None:
+    n = 24
+    src, dst, _keep = _layouts(n)
+    plan = BlockCopyPlan(src, dst, method="torch")
+    assert plan.bytes_per_block == sum(r.width for r in src)
+    rng = np.random.default_rng(1)
+    if ids == "runs":
+        s_ids, d_ids = list(range(3, 13)), list(range(10, 20))
+    elif ids == "scattered":
+        s_ids = rng.permutation(n)[:12].tolist()
+        d_ids = rng.permutation(n)[:12].tolist()
+    else:
+        s_ids, d_ids = [n - 1], [0]
+    before = [_block_bytes(dst, b) for b in range(n)]
+    assert plan.copy(s_ids, torch.tensor(d_ids)) == len(s_ids) * plan.bytes_per_block
+    _check(src, dst, before, s_ids, d_ids, n)
+
+
+def test_table_merges_contiguous_columns_and_chunks_long_ones() -> None:
+    n = 8
+    base = _random_bytes(n * 1024, 3)
+    # blocks-first: K and V halves of one block are adjacent on both sides -> one column
+    src = [BlockRegion(base, 512, 1024, n, name="k"), BlockRegion(base[512:], 512, 1024, n,
+                                                                   name="v")]
+    out = torch.zeros_like(base)
+    dst = [BlockRegion(out, 512, 1024, n, name="k"), BlockRegion(out[512:], 512, 1024, n,
+                                                                  name="v")]
+    assert BlockCopyPlan(src, dst, method="torch").num_columns == 1
+    assert BlockCopyPlan(src, dst, method="torch", chunk_bytes=256).num_columns == 4
+    d = BlockCopyPlan(src, dst, method="torch").describe()
+    assert d["column_bytes"] == [1024, 1024] and d["word"] == 8
+
+
+def test_plan_rejects_bad_geometry_and_ids() -> None:
+    n = 4
+    a = _random_bytes(n * 64, 0)
+    b = torch.zeros(n * 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bounded view holds"):
+        BlockRegion(a[:100], 64, 64, n)
+    with pytest.raises(ValueError, match="per logical block"):
+        BlockCopyPlan([BlockRegion(a, 64, 64, n)], [BlockRegion(b, 32, 64, n)], method="torch")
+    with pytest.raises(ValueError, match="one to one"):
+        BlockCopyPlan([BlockRegion(a, 64, 64, n)], [], method="torch")
+    plan = BlockCopyPlan([BlockRegion(a, 64, 64, n)], [BlockRegion(b, 64, 64, n)],
+                         method="torch")
+    with pytest.raises(ValueError, match=r"lie in \[0, 4\)"):
+        plan.copy([4], [0])
+    with pytest.raises(ValueError, match="appears twice"):
+        plan.copy([0, 1], [2, 2])
+    with pytest.raises(ValueError, match="destination ids"):
+        plan.copy([0, 1], [2])
+    with pytest.raises(TypeError, match="bool"):
+        plan.copy([True], [0])
+    with pytest.raises(ValueError, match="unknown copy method"):
+        plan.copy([0], [0], method="carrier-pigeon")
+    with pytest.raises(ValueError, match="unavailable"):
+        BlockCopyPlan([BlockRegion(a, 64, 64, n)], [BlockRegion(b, 64, 64, n)],
+                      method="kernel")
+    assert plan.copy([], []) == 0
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["runs", "scattered"])
+def test_memcpy_batch_descriptors_move_the_right_bytes(scattered: bool) -> None:
+    """The copy list the driver would get, applied with memmove on host memory."""
+    n = 16
+    src, _, _keep = _layouts(n, seed=5)
+    # a second cache of the same geometry: its contiguous regions merge runs
+    dst = [BlockRegion(torch.zeros_like(r.flat), r.block_len, r.block_stride, n, r.sub_blocks)
+           for r in src]
+    plan = BlockCopyPlan(src, dst, method="torch")
+    if scattered:
+        s_ids, d_ids = [9, 2, 14, 3], [0, 7, 8, 15]
+    else:
+        s_ids, d_ids = [4, 5, 6, 7, 8], [1, 2, 3, 4, 5]
+    before = [_block_bytes(dst, b) for b in range(n)]
+    dsts, srcs, sizes = plan.batch_descriptors(np.array(s_ids), np.array(d_ids))
+    if not scattered:  # one run: one copy per contiguous column, one per block elsewhere
+        assert len(sizes) == 3 + 2 * len(s_ids) + 1
+        assert sizes.sum() == len(s_ids) * plan.bytes_per_block
+    for d, s, k in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+        ctypes.memmove(d, s, k)
+    _check(src, dst, before, s_ids, d_ids, n)
+
+
+_INTERPRETER_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np, torch
+    sys.path.insert(0, {tests!r})
+    from test_block_copy import _layouts, _block_bytes, _check
+    from kvconnect.connectors.block_copy import BlockCopyPlan
+    from kvconnect.connectors._triton_block_copy import launch_block_copy
+    n = 12
+    for chunk, major in ((64, True), (32 * 1024, True), (32 * 1024, False)):
+        src, dst, keep = _layouts(n, seed=7)
+        plan = BlockCopyPlan(src, dst, method="torch", chunk_bytes=chunk,
+                             kernel_options={{"column_major": major}})
+        s_ids, d_ids = np.array([11, 0, 5, 6, 7]), np.array([2, 3, 4, 10, 9])
+        before = [_block_bytes(dst, b) for b in range(n)]
+        anchor, table, ids, options = plan.kernel_arguments(s_ids, d_ids, torch.device("cpu"))
+        launch_block_copy(anchor, table, ids, **options)
+        _check(src, dst, before, s_ids.tolist(), d_ids.tolist(), n)
+        print("columns", plan.num_columns, "ok")
+""")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed here")
+def test_kernel_in_triton_interpreter_is_byte_exact() -> None:
+    """The real kernel source and descriptor table, run by Triton's interpreter on host
+    memory (addresses are anchor-relative, as on the GPU)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = _INTERPRETER_SCRIPT.format(tests=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok") == 3
+
+
+# -- on a GPU ------------------------------------------------------------------------------
+def _gpu_methods() -> list[str]:
+    return ["kernel", "memcpy_batch", "torch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", _gpu_methods())
+def test_gpu_methods_are_byte_exact(method: str) -> None:
+    from kvconnect.connectors._cuda_memcpy_batch import memcpy_batch_available
+
+    if method == "memcpy_batch" and (why := memcpy_batch_available()):
+        pytest.skip(why)
+    n = 64
+    src, dst, _keep = _layouts(n, "cuda:0", seed=11)
+    plan = BlockCopyPlan(src, dst, device="cuda:0", method=method)
+    rng = np.random.default_rng(2)
+    s_ids = rng.permutation(n)[:40].tolist()
+    d_ids = rng.permutation(n)[:40].tolist()
+    before = [_block_bytes(dst, b) for b in range(n)]
+    plan.copy(s_ids, d_ids)
+    torch.cuda.synchronize()
+    _check(src, dst, before, s_ids, d_ids, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["kernel", "memcpy_batch"])
+def test_gpu_vmm_to_pinned_pool_and_back(method: str) -> None:
+    """VMM memory of an ExtensibleTensor into a pinned host pool (unified addressing) and
+    back into other blocks: the CPU offload's direct path."""
+    from kvconnect.connectors._cuda_memcpy_batch import memcpy_batch_available
+    from kvconnect.tensor import ExtensibleTensor
+
+    if method == "memcpy_batch" and (why := memcpy_batch_available()):
+        pytest.skip(why)
+    n, blen = 32, 32 * 1024
+    with ExtensibleTensor(64 << 20, "cuda:0") as t:
+        t.commit(n * blen)
+        flat = t.committed_view(0, n * blen)
+        flat.copy_(_random_bytes(n * blen, 3, "cuda:0"))
+        pool = torch.zeros(n * blen, dtype=torch.uint8, pin_memory=True)
+        cache = [BlockRegion(flat, blen, blen, n)]
+        slots = [BlockRegion(pool, blen, blen, n)]
+        out = BlockCopyPlan(cache, slots, device="cuda:0", method=method)
+        back = BlockCopyPlan(slots, cache, device="cuda:0", method=method)
+        ids = [5, 6, 7, 30, 1]
+        want = [flat[b * blen:(b + 1) * blen].cpu().clone() for b in ids]
+        out.copy(ids, [0, 1, 2, 3, 4])
+        torch.cuda.synchronize()
+        for i, w in enumerate(want):
+            assert torch.equal(pool[i * blen:(i + 1) * blen], w)
+        back.copy([0, 1, 2, 3, 4], [10, 11, 12, 20, 21])
+        torch.cuda.synchronize()
+        for b, w in zip([10, 11, 12, 20, 21], want, strict=True):
+            assert torch.equal(flat[b * blen:(b + 1) * blen].cpu(), w)

@@ -1,0 +1,235 @@
+"""The library ipc transport between real processes (host VMM backend), and the registry.
+
+A child process owns a KV cache, fills it and serves it with an IpcExportServer; this
+process maps it with IpcTransport and fetches blocks into its own cache. Expected bytes come
+from a third cache filled here with the same deterministic pattern, never through the
+mapping under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError
+from kvconnect.connectors.ipc_transport import IpcTransport
+from kvconnect.connectors.transport import (
+    Transport,
+    TransportSpec,
+    UnknownTransportError,
+    get_transport,
+    register_transport,
+    transport_names,
+)
+from kvconnect.kv_cache import ExtensibleKVCache
+from kvconnect.layout import preset
+
+NUM_BLOCKS = 24
+OFFERS = "OFFERS "
+
+_CHILD = textwrap.dedent("""
+    import json, os, shutil, sys, tempfile
+    import torch
+    from kvconnect.kv_cache import ExtensibleKVCache
+    from kvconnect.layout import preset
+    from kvconnect.connectors.ipc_transport import IpcExportServer
+
+    layers, seed, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+
+    def fill(cache, seed):
+        for ti, t in enumerate(cache.tensors):
+            for s in range(t.num_segments):
+                w = t.segment_view(s).view(torch.int64)
+                h = torch.arange(w.numel(), dtype=torch.int64)
+                h += (seed << 48) + (ti << 36) + (s << 32)
+                h *= -7046029254386353131
+                h ^= h >> 29
+                w.copy_(h)
+
+    cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=n, num_layers=layers),
+                              "cpu", capacity_blocks=n * 4, shareable=True)
+    cache.allocate()
+    cache.extend_kv_cache(n)
+    fill(cache, seed)
+    directory = tempfile.mkdtemp()
+    server = IpcExportServer(cache, directory, "child", lambda: {os.getppid()}, 30.0)
+    print("OFFERS " + json.dumps(server.describe()), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "sleep":
+            server.pause()
+            cache.release_physical()
+            cache.recommit()
+            seed += 1
+            fill(cache, seed)
+            server.resume()
+            print("OFFERS " + json.dumps(server.describe()), flush=True)
+    server.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    cache.free()
+""")
+
+
+class _Child:
+    def __init__(self, layers: int, seed: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(layers), str(seed),
+                                      str(NUM_BLOCKS)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.offer = self.read_offer()
+
+    def read_offer(self, timeout: float = 60.0) -> dict:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], deadline - time.monotonic())
+            if not ready:
+                break
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(OFFERS):
+                return json.loads(line[len(OFFERS):])
+        raise AssertionError(f"the serving child gave no offer (exit {self.proc.poll()})")
+
+    def sleep_wake(self) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("sleep\n")
+        self.proc.stdin.flush()
+        self.offer = self.read_offer()
+        return self.offer
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def _cache(layers: int = 2) -> ExtensibleKVCache:
+    cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=NUM_BLOCKS, num_layers=layers),
+                              "cpu", capacity_blocks=NUM_BLOCKS * 4, shareable=True)
+    cache.allocate()
+    cache.extend_kv_cache(NUM_BLOCKS)
+    return cache
+
+
+def _fill(cache: ExtensibleKVCache, seed: int) -> None:
+    for ti, t in enumerate(cache.tensors):
+        for s in range(t.num_segments):
+            w = t.segment_view(s).view(torch.int64)
+            h = torch.arange(w.numel(), dtype=torch.int64)
+            h += (seed << 48) + (ti << 36) + (s << 32)
+            h *= -7046029254386353131
+            h ^= h >> 29
+            w.copy_(h)
+
+
+def _block(cache: ExtensibleKVCache, b: int) -> list[torch.Tensor]:
+    out = []
+    for r in cache.committed_regions():
+        t = cache.tensors[r.tensor_index]
+        out.append(t.committed_view(r.base_ptr - t.base_ptr + b * r.block_stride,
+                                    r.block_len).clone())
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture
+def child():
+    c = _Child(layers=2, seed=1)
+    yield c
+    c.close()
+
+
+def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: _Child) -> None:
+    with _cache() as dst, _cache() as want, IpcTransport(dst, timeout=30) as ipc:
+        assert isinstance(ipc, Transport)
+        _fill(dst, seed=99)
+        _fill(want, seed=1)  # what the child holds, computed here independently
+        before = {b: _block(dst, b) for b in range(NUM_BLOCKS)}
+        first = ipc.open_peer("child", child.offer)
+        assert first > 0
+        assert ipc.open_peer("child", child.offer) == 0.0  # cached: no new mapping
+        remote, local = [20, 3, 4, 5, 11], [0, 7, 8, 9, 23]
+        res = ipc.fetch("child", remote, local)
+        assert res.bytes == len(remote) * dst.bytes_per_block and res.blocks == len(remote)
+        assert res.backend == "torch:cpu" and res.setup_seconds == first
+        for r, lo in zip(remote, local, strict=True):
+            assert _same(_block(dst, lo), _block(want, r)), (r, lo)
+        for b in set(range(NUM_BLOCKS)) - set(local):
+            assert _same(_block(dst, b), before[b]), b
+        assert ipc.fetch("child", [1], [1]).setup_seconds == 0.0  # paid once
+        # the peer sleeps and wakes with new contents: a new generation, so a new mapping
+        offer = child.sleep_wake()
+        assert offer["generation"] == child.offer["generation"] > 1
+        _fill(want, seed=2)
+        assert ipc.open_peer("child", offer) > 0
+        ipc.fetch("child", [6, 7], [2, 3])
+        assert _same(_block(dst, 2), _block(want, 6)) and _same(_block(dst, 3), _block(want, 7))
+        with pytest.raises(ValueError, match="destination block id appears twice"):
+            ipc.fetch("child", [1, 2], [4, 4])
+        with pytest.raises(ValueError, match=r"lie in \[0, 24\)"):
+            ipc.fetch("child", [24], [0])
+        ipc.invalidate("child")
+        with pytest.raises(KVConnectorError, match="no open peer"):
+            ipc.fetch("child", [1], [1])
+    with pytest.raises(KVConnectorError, match="after close"):
+        ipc.open_peer("child", offer)
+    ipc.close()  # idempotent
+
+
+def test_incompatible_layout_is_refused_before_any_copy(child: _Child) -> None:
+    with _cache(layers=3) as dst, IpcTransport(dst, timeout=30) as ipc:
+        with pytest.raises(IncompatiblePeerError, match="regions only here"):
+            ipc.open_peer("child", child.offer)
+        with pytest.raises(KVConnectorError, match="no open peer"):
+            ipc.fetch("child", [0], [0])
+
+
+def test_bad_offers_and_directions() -> None:
+    from kvconnect.ipc import IpcError
+
+    with _cache() as dst:
+        with pytest.raises(ValueError, match="direction"):
+            IpcTransport(dst, direction="sideways")
+        with IpcTransport(dst, timeout=5) as ipc:
+            with pytest.raises(IpcError, match="malformed ipc offer"):
+                ipc.open_peer("x", {"pid": os.getpid()})
+            with pytest.raises(OSError):
+                ipc.open_peer("x", {"path": "/nonexistent/kvc.sock", "pid": 1})
+
+
+def test_registry_builds_both_halves_by_name() -> None:
+    assert transport_names()[:2] == ("ipc", "nixl")
+    ipc, nixl = get_transport("ipc"), get_transport("nixl")
+    assert ipc.same_host_only and not nixl.same_host_only
+    assert ipc.exporter is not None and nixl.exporter is not None
+    with pytest.raises(UnknownTransportError, match="registered: ipc, nixl"):
+        get_transport("carrier-pigeon")
+    with pytest.raises(ValueError, match="already registered"):
+        register_transport(TransportSpec("ipc", ipc.receiver))
+    with pytest.raises(ValueError, match="identifier"):
+        register_transport(TransportSpec("no such", ipc.receiver))
+    from kvconnect.connectors.transport import TransportContext
+
+    with _cache() as cache:
+        t = ipc.receiver(TransportContext(cache=cache, timeout=3.0))
+        try:
+            assert isinstance(t, IpcTransport) and t.name == "ipc" and t.timeout == 3.0
+        finally:
+            t.close()
+        with pytest.raises(KVConnectorError, match="NixlConnectorWorker"):
+            nixl.receiver(TransportContext(cache=cache))
