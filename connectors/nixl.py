@@ -110,6 +110,14 @@ class TransferResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
+@dataclass(frozen=True)
+class _GivenRegions:
+    """Regions and the physical chunks holding them, given by hand (no cache object)."""
+
+    regions: list[Any]
+    chunks: list[Any]
+
+
 class NixlConnectorWorker:
     """One NIXL agent registering one KV cache's committed extents and reading peers' blocks.
 
@@ -218,6 +226,28 @@ class NixlConnectorWorker:
         self._source = cache
         return self._register()
 
+    def register_regions(self, regions: Sequence[Any], chunks: Sequence[Any], *,
+                         config: Any = None, **layout_info: Any) -> HandshakeMetadata:
+        """Register committed regions of memory that is not an ExtensibleKVCache (e.g. an
+        ordinary cudaMalloc allocation, as the benchmarks' control): ``regions`` from
+        :func:`kvconnect.views.committed_regions`, ``chunks`` the physical allocations holding
+        them (``Chunk`` objects or ``(va, size)`` tuples, bytes).
+
+        The caller vouches that the memory stays allocated and final while registered.
+        Fingerprint facts come from ``config`` and/or keywords ``block_size``, ``dtype``,
+        ``layout``, ``kernel_block_size``.
+        """
+        self._check_open()
+        self._check_unregistered()
+        unknown = set(layout_info) - {"block_size", "dtype", "layout", "kernel_block_size"}
+        if unknown:
+            raise TypeError(f"unknown layout facts {sorted(unknown)}")
+        info = layout_info_from_config(config)
+        info.update({k: v for k, v in layout_info.items() if v is not None})
+        self._layout_info = info
+        self._source = _GivenRegions(list(regions), list(chunks))
+        return self._register()
+
     def reregister(self) -> HandshakeMetadata:
         """Deregister and register again from the same source (after ``cache.recommit()``).
 
@@ -249,15 +279,18 @@ class NixlConnectorWorker:
 
     def _register(self) -> HandshakeMetadata:
         src = self._source
-        if not getattr(src, "is_final", False):
-            raise KVConnectorError(f"{self.engine_id}: the KV cache is no longer final")
-        if getattr(src, "is_released", False) or any(
-                getattr(t, "is_released", False) for t in getattr(src, "tensors", ())):
-            raise KVConnectorError(
-                f"{self.engine_id}: the KV cache's physical memory is released (asleep); "
-                "call cache.recommit() before registering")
-        regions = list(src.committed_regions())
-        chunks = [c for t in src.tensors for c in t.physical_chunks()]
+        if isinstance(src, _GivenRegions):
+            regions, chunks = list(src.regions), list(src.chunks)
+        else:
+            if not getattr(src, "is_final", False):
+                raise KVConnectorError(f"{self.engine_id}: the KV cache is no longer final")
+            if getattr(src, "is_released", False) or any(
+                    getattr(t, "is_released", False) for t in getattr(src, "tensors", ())):
+                raise KVConnectorError(
+                    f"{self.engine_id}: the KV cache's physical memory is released (asleep); "
+                    "call cache.recommit() before registering")
+            regions = list(src.committed_regions())
+            chunks = [c for t in src.tensors for c in t.physical_chunks()]
         if not regions:
             raise KVConnectorError(f"{self.engine_id}: no committed regions to register")
         keys = [f"{r.layer_name}/{r.part}" for r in regions]

@@ -386,6 +386,26 @@ def test_register_before_final_commit_raises(nixl_worker: Any) -> None:
         assert not worker.is_registered and not worker.is_started  # no agent was started
 
 
+@needs_nixl
+def test_register_regions_of_a_plain_allocation(nixl_worker: Any) -> None:
+    """Memory that is no ExtensibleKVCache (an ordinary allocation, the benchmarks' NIXL
+    control) registers exactly its committed regions, one extent per allocation."""
+    from kvconnect.layout import allocate_kv_caches, preset
+    from kvconnect.views import committed_regions
+
+    cfg = preset("llama3-8b-like", num_blocks=6, num_layers=2)
+    raw, kv = allocate_kv_caches(cfg, "cpu", num_blocks=6)
+    worker = nixl_worker("plain")
+    regions = committed_regions(kv, 6, cfg)
+    md = worker.register_regions(regions, [(r.data_ptr(), r.numel()) for r in raw], config=cfg)
+    assert md.memory_type == "DRAM" and worker.num_registrations == len(raw)
+    want = sorted((r.data_ptr(), r.numel(), 0) for r in raw)
+    assert sorted(worker.registered_extents) == want
+    assert md.fingerprint.block_size == 16 and md.fingerprint.layout == cfg.layout
+    with pytest.raises(TypeError, match="unknown layout facts"):
+        nixl_worker("plain2").register_regions(regions, [], colour="blue")
+
+
 def test_descriptor_crossing_a_chunk_boundary_raises(nixl_worker: Any) -> None:
     # Hybrid pages are 192 KiB: with the warm-up chunk kept (single_handle=False), block 10
     # straddles the 2 MiB boundary between the first and second physical allocation.
