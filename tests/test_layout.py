@@ -77,8 +77,11 @@ def test_segment_counts_per_layout() -> None:
     seg = {lay: {tp.num_segments for tp in plan_layout(
         preset("qwen-small-like", num_blocks=4, num_layers=2, layout=lay)).tensors}
         for lay in LAYOUTS}
+    # the seed's: per-layer buffers; vLLM's: ONE buffer, a segment per layer (and per head
+    # for LHBNC: qwen-small has 2 KV heads) when layer-outer, one segment when block-outer
     assert seg == {"kv_split_nhd": {2}, "kv_split_hnd": {2}, "blocks_first": {1},
-                   "blocks_first_hnd": {1}, "packed": {1}}
+                   "blocks_first_hnd": {1}, "packed": {1}, "LBHNC": {2}, "LBNHC": {2},
+                   "LHBNC": {4}, "BLHNC": {1}, "BLNHC": {1}, "BHLNC": {1}}
     assert {tp.num_segments for tp in plan_layout(preset("deepseek-mla-like", num_blocks=4,
             num_layers=2, layout="kv_split_nhd")).tensors} == {1}
     hybrid = plan_layout(preset("jamba-hybrid-like", num_blocks=4, num_layers=8))
