@@ -122,12 +122,19 @@ class VllmKVCache:
         self.cache.recommit()
 
     def committed_extents(self) -> list[tuple[int, int]]:
-        """``(address, nbytes)`` of every committed block prefix (logical blocks, not the
-        granule-rounded physical commit), in address order."""
+        """``(address, nbytes)`` of the committed block prefixes (logical blocks, not the
+        granule-rounded physical commit), adjacent ones merged, in address order."""
         (t,) = self.cache.tensors
         tp = self.cache.plan.tensors[0]
         used = self.num_blocks * tp.segment_bytes_per_block
-        return [(t.segment_base(s), used) for s in range(t.num_segments)]
+        out: list[tuple[int, int]] = []
+        for s in range(t.num_segments):
+            a = t.segment_base(s)
+            if out and out[-1][0] + out[-1][1] == a:
+                out[-1] = (out[-1][0], out[-1][1] + used)
+            else:
+                out.append((a, used))
+        return out
 
     def free(self) -> None:
         self._views = None
