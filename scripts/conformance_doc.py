@@ -19,7 +19,8 @@ from typing import Any
 
 from kvconnect.vllm.conformance import STOCK_AND_PATCHED, VLLM_LAYOUTS, run_conformance
 from kvconnect.vllm.conformance.cli import run_metadata
-from kvconnect.vllm.conformance.report import render_markdown
+from kvconnect.vllm.conformance.pd import run_pd
+from kvconnect.vllm.conformance.report import render_markdown, render_pd_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,6 +59,20 @@ step); the kit reports it and goes on.
 only supported on CUDA-alike and XPU GPUs"): the kit captures the canonical tensors upstream
 builds for it and copies their rows as that worker would. NIXL is real (`nixl-cu13` 1.5.1,
 UCX on DRAM).
+"""
+
+PD_INTRO = """\
+Two processes, prefill and decode, each with its VMM-style cache and the connector in both
+of vLLM's roles (`kvconnect/vllm/conformance/pd.py`). Prefill: fill blocks;
+`update_state_after_alloc` and `request_finished` on the scheduler connector build the
+`kv_transfer_params` for decode, and the scheduler serves the worker's handshake metadata on
+NIXL's ZMQ side channel; its worker binds the scheduler's metadata and waits for decode's
+completion notice. Decode: `get_num_new_matched_tokens`, `update_state_after_alloc`,
+`build_connector_meta` on a request carrying those parameters; its worker binds the
+metadata, `start_load_kv` (vLLM's handshake, NIXL READ of 8 non-contiguous blocks into other
+block ids) and polls `get_finished`. Pass: received, no blocks in vLLM's own
+`get_block_ids_with_load_errors`, every KV byte of the blocks equal (sha256) to the
+prefill's.
 """
 
 FINDINGS = """\
@@ -129,19 +144,27 @@ def main() -> int:
     t0 = time.monotonic()
     vmm = run_conformance(STOCK_AND_PATCHED, VLLM_LAYOUTS, num_blocks=128, capacity_blocks=1024)
     plain = run_conformance(STOCK_AND_PATCHED, VLLM_LAYOUTS, num_blocks=256, capacity_blocks=256)
+    pd = [run_pd(c, layout, num_blocks=128, capacity_blocks=1024, timeout=60)
+          for c in ("NixlConnector", "kvconnect.vllm:KvconnectNixlConnector")
+          for layout in VLLM_LAYOUTS]
     meta = run_metadata(["--stock-and-patched (scripts/conformance_doc.py)"])
     meta["command"] = "VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python scripts/conformance_doc.py"
     meta["seconds"] = round(time.monotonic() - t0, 1)
     meta["date"] = time.strftime("%Y-%m-%d")
-    Path(args.json).write_text(json.dumps({"meta": meta, "vmm": vmm, "plain": plain}, indent=1))
+    Path(args.json).write_text(json.dumps({"meta": meta, "vmm": vmm, "plain": plain, "pd": pd},
+                                          indent=1))
     text = INTRO + "\n" + (
         f"Run: {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs, CUDA "
         f"{meta['cuda']}; Python {meta['python']}, torch {meta['torch']}, vLLM "
         f"{meta['vllm']}, nixl {meta['nixl']}; {meta['seconds']} s for "
-        f"{len(vmm) + len(plain)} cases. Command: `{meta['command']}`.\n\n")
+        f"{len(vmm) + len(plain)} cases and {len(pd)} 1P1D runs. Command: "
+        f"`{meta['command']}`.\n\n")
     text += FINDINGS.format(facts=_facts(vmm)) + "\n"
     text += render_markdown(vmm, title="VMM-style caches: 1024 blocks reserved, 128 committed",
                             preamble="32 MiB reserved per layer-outer cache, 4 MiB committed.")
+    text += "\n" + render_pd_markdown(
+        pd, title="1P1D through vLLM's connector API (NIXL on CPU, 1024 reserved / 128 "
+                  "committed blocks)", preamble=PD_INTRO)
     text += "\n" + render_markdown(
         plain, title="Control: reservation = committed (256 blocks), a plain allocation's "
                      "geometry",

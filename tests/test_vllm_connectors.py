@@ -76,3 +76,18 @@ def test_patched_register_byte_identically_on_plain_allocations(plain, stock: st
         assert ours["capacity_blocks"] == ours["num_blocks"] == 256
         assert ours["registration"] == theirs["registration"], (layout, ours, theirs)
         assert ours["status"] == theirs["status"], (layout, ours, theirs)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_one_prefill_one_decode_through_vllms_connector_api(layout: str) -> None:
+    """Scheduler and worker roles in two processes, vLLM's handshake and metadata, real
+    NIXL on CPU: the patched connector moves the blocks byte-exact, stock does not."""
+    from kvconnect.vllm.conformance.pd import run_pd
+
+    ours = run_pd("kvconnect.vllm:KvconnectNixlConnector", layout, timeout=60)
+    assert ours["status"] == "pass", ours
+    assert ours["byte_exact"] and ours["received"] and ours["prefill_saw_completion"]
+    assert ours["load_error_blocks"] == [] and ours["bytes"] == 8 * 2 * 16384
+    if layout == "LBHNC":
+        theirs = run_pd("NixlConnector", layout, timeout=60)
+        assert theirs["status"] == "fail" and theirs["load_error_blocks"], theirs

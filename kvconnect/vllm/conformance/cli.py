@@ -75,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=_positive, default=2)
     p.add_argument("--device", default="cpu", help="cpu (host VMM backend) or cuda:N")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
-    p.add_argument("--json", metavar="PATH", help="write {meta, results} as JSON")
+    p.add_argument("--pd", action="store_true",
+                   help="also run a 1P1D transfer through vLLM's connector API (scheduler and "
+                        "worker roles, vLLM's handshake) for NIXL-kind connectors")
+    p.add_argument("--json", metavar="PATH", help="write {meta, results, pd} as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the results table as Markdown")
     return p
 
@@ -110,15 +113,27 @@ def main(argv: list[str] | None = None) -> int:
     results = run_conformance(connectors, args.layouts, timeout=args.timeout, on_result=show,
                               num_blocks=args.num_blocks, capacity_blocks=args.capacity_blocks,
                               num_layers=args.num_layers, device=args.device)
+    pd: list[dict[str, Any]] = []
+    if args.pd:
+        from .pd import run_pd, transfers_over_nixl
+
+        for c in (c for c in connectors if transfers_over_nixl(c)):
+            for layout in args.layouts:
+                r = run_pd(c, layout, num_blocks=args.num_blocks,
+                           capacity_blocks=args.capacity_blocks, num_layers=args.num_layers,
+                           timeout=args.timeout)
+                print(f"1P1D {c.rsplit(':', 1)[-1]:<31} {layout:<6} {r['status']:<8} "
+                      f"{r.get('evidence', '')}", flush=True)
+                pd.append(r)
     meta = run_metadata(argv)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+            json.dump({"meta": meta, "results": results, "pd": pd}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(render_markdown(results, title="Conformance results",
                                     preamble=f"`{meta['command']}`"))
-    return 0 if all(r["status"] == "pass" for r in results) else 1
+    return 0 if all(r["status"] == "pass" for r in results + pd) else 1
 
 
 if __name__ == "__main__":

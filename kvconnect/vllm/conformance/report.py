@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CHECK_COLUMNS", "evidence", "render_markdown", "summary_counts"]
+__all__ = ["CHECK_COLUMNS", "evidence", "render_markdown", "render_pd_markdown",
+           "summary_counts"]
 
 #: table columns, in order (a case has either transfer or offload_round_trip)
 CHECK_COLUMNS = ("register", "committed_only", "block_geometry", "moves_blocks", "sleep_wake")
@@ -91,4 +92,24 @@ def render_markdown(results: Sequence[dict[str, Any]], *, title: str,
         cells += [_cell(r, c) for c in CHECK_COLUMNS]
         cells.append(evidence(r))
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_pd_markdown(results: Sequence[dict[str, Any]], *, title: str, preamble: str = ""
+                       ) -> str:
+    """1P1D results (:func:`kvconnect.vllm.conformance.pd.run_pd`) as a Markdown section."""
+    lines = [f"## {title}", ""]
+    if preamble:
+        lines += [preamble.rstrip(), ""]
+    lines += ["| connector | layout | status | received | byte-exact | blocks with load errors "
+              "(vLLM) | prefill saw completion | seconds | evidence |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        errs = r.get("load_error_blocks")
+        lines.append("| " + " | ".join([
+            _short(r["connector"]), r["layout"], f"**{r['status']}**",
+            str(r.get("received", "—")), str(r.get("byte_exact", "—")),
+            "—" if errs is None else f"{len(errs)} of {len(r.get('local_ids', []))}",
+            str(r.get("prefill_saw_completion", "—")), str(r.get("seconds", "—")),
+            str(r.get("evidence", "-")).replace("|", "/")[:160]]) + " |")
     return "\n".join(lines) + "\n"
