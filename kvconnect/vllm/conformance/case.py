@@ -30,7 +30,7 @@ from typing import Any
 
 from .probes import ConnectorProbe, Region, probe_for
 
-__all__ = ["CASE_DEFAULTS", "resolve_connector", "run_case"]
+__all__ = ["CASE_DEFAULTS", "fill_committed", "resolve_connector", "run_case"]
 
 #: the geometry every case uses unless told otherwise (small: the machine is shared)
 CASE_DEFAULTS: dict[str, Any] = {
@@ -121,7 +121,8 @@ def _block_geometry(regions: list[Region], kv_runs: list[tuple[int, int, int]]
             "uncovered_kv_bytes_per_block": missing}
 
 
-def _fill(cache: Any, rng: random.Random) -> None:
+def fill_committed(cache: Any, rng: random.Random) -> None:
+    """Random bytes into every committed block prefix of a VllmKVCache (nothing else)."""
     import torch
 
     inner = cache.cache
@@ -226,7 +227,7 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
         cache.allocate()
         cache.ensure_kv_cache_blocks(max(1, s["num_blocks"] // 2))
         cache.extend_kv_cache(s["num_blocks"])
-        _fill(cache, rng)
+        fill_committed(cache, rng)
         extents = cache.committed_extents()
         result["reserved_bytes"] = cache.cache.tensors[0].capacity_bytes
         result["committed_bytes"] = sum(n for _, n in extents)
@@ -268,7 +269,7 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
         left = probe.registered()
         cache.release_physical()
         cache.recommit()
-        _fill(cache, rng)
+        fill_committed(cache, rng)
         stage("wake")
         connector.restore_kv_caches()
         after = _committed_only(probe, probe.regions(connector), extents)

@@ -120,14 +120,14 @@ def _prefill(spec: dict[str, Any], workdir: str, send: Any) -> None:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import RequestStatus
 
-    from .case import _fill
+    from .case import fill_committed
 
     rng = random.Random(spec["seed"])
     _, cache, worker, sched = _side(spec, "prefill", spec["prefill_port"], workdir)
     send({"stage": "prefill register"})
     worker.register_kv_caches(cache.kv_caches())
     sched.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
-    _fill(cache, rng)
+    fill_committed(cache, rng)
     ids = sorted(rng.sample(range(spec["num_blocks"]), spec["transfer_blocks"]))
     tokens = spec["transfer_blocks"] * 32
     req = _request("prefill-req", tokens, {"do_remote_decode": True})
