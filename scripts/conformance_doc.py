@@ -72,7 +72,9 @@ completion notice. Decode: `get_num_new_matched_tokens`, `update_state_after_all
 metadata, `start_load_kv` (vLLM's handshake, NIXL READ of 8 non-contiguous blocks into other
 block ids) and polls `get_finished`. Pass: received, no blocks in vLLM's own
 `get_block_ids_with_load_errors`, every KV byte of the blocks equal (sha256) to the
-prefill's.
+prefill's. Byte-exactness is measured even when vLLM reported load errors (descriptors that
+do not fault may land before the transfer fails); vLLM recomputes blocks it reports, so load
+errors alone fail a run.
 """
 
 FINDINGS = """\
@@ -99,9 +101,13 @@ FINDINGS = """\
 """
 
 
-def _facts(vmm: list[dict[str, Any]]) -> str:
+def _facts(vmm: list[dict[str, Any]], pd: list[dict[str, Any]]) -> str:
     by = {(r["connector"], r["layout"]): r for r in vmm}
     lines = []
+    for name in ("NixlConnector", "kvconnect.vllm:KvconnectNixlConnector"):
+        runs = [r for r in pd if r["connector"] == name]
+        lines.append(f"- 1P1D through vLLM's connector API, {name.rsplit(':', 1)[-1]}: "
+                     + ", ".join(f"{r['layout']} {r['status']}" for r in runs) + ".")
     n = by.get(("NixlConnector", "LBHNC"))
     if n and "committed_only" in n["checks"]:
         co = n["checks"]["committed_only"]
@@ -159,7 +165,7 @@ def main() -> int:
         f"{meta['vllm']}, nixl {meta['nixl']}; {meta['seconds']} s for "
         f"{len(vmm) + len(plain)} cases and {len(pd)} 1P1D runs. Command: "
         f"`{meta['command']}`.\n\n")
-    text += FINDINGS.format(facts=_facts(vmm)) + "\n"
+    text += FINDINGS.format(facts=_facts(vmm, pd)) + "\n"
     text += render_markdown(vmm, title="VMM-style caches: 1024 blocks reserved, 128 committed",
                             preamble="32 MiB reserved per layer-outer cache, 4 MiB committed.")
     text += "\n" + render_pd_markdown(
