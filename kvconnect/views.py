@@ -3,12 +3,14 @@
 With an extensible KV cache a layer's tensor spans the *reserved capacity* while only a
 prefix of ``num_blocks`` blocks (per segment) is physically committed. These helpers take
 ``(kv_caches, num_blocks, kv_cache_config)`` and give back geometry bounded to the
-committed extent:
+committed extent. ``kv_cache_config`` is kvconnect's ``KVCacheConfig`` (or its
+``LayoutPlan``) or vLLM 0.33's own ``KVCacheConfig`` (converted by its fields, see
+:mod:`kvconnect.layout.foreign`; no vLLM import here):
 
 - :func:`narrow_kv_caches_to_num_blocks`: per-layer views narrowed along the block
   dimension (kernel blocks: ``num_blocks * k``) whose *storage* is bounded too;
-- :func:`bound_packed_storage`: the packed layout's one storage, ``num_blocks * block_stride``
-  bytes;
+- :func:`bound_packed_storage`: a block-outer layout's one storage (the seed's packed,
+  vLLM's ``BL*``/``BH*``), ``num_blocks * block_stride`` bytes;
 - :func:`committed_regions`: the registration regions (:class:`CommittedRegion`) per layer.
 
 They work the same on ordinary (``torch.empty``) allocations, where they are byte-identical
@@ -24,10 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from .layout import KVCacheConfig, LayerPlan, LayoutError, LayoutPlan, plan_layout
+from .layout.build import typed_view
+from .layout.foreign import config_from_vllm, is_vllm_like_config
 
 __all__ = [
-    "CommittedRegion", "KVCaches", "bound_packed_storage", "committed_regions",
-    "narrow_kv_caches_to_num_blocks",
+    "CommittedRegion", "KVCaches", "bound_packed_storage", "committed_extents",
+    "committed_regions", "narrow_kv_caches_to_num_blocks",
 ]
 
 #: a layer's entry: one tensor, or a list of tensors (Mamba states)
@@ -112,20 +116,32 @@ def _bounded_storage(ptr: int, nbytes: int, like: torch.Tensor) -> torch.Untyped
 @dataclass(frozen=True)
 class _LayerMatch:
     tensors: tuple[torch.Tensor, ...]
-    #: address of the layer's KV tensor's first byte (segment 0, block 0)
-    base: int
-    #: bytes between segment starts (0 when single-segment)
-    segment_stride: int
+    #: address of the start of the layer's first segment (block 0)
+    anchor: int
+    first_segment: int
+    #: bytes between segment starts read off a plane dimension, or None (no plane dim)
+    segment_stride: int | None
     #: logical blocks the given views hold
     blocks: int
 
 
-def _as_plan(config: KVCacheConfig | LayoutPlan) -> LayoutPlan:
+@dataclass(frozen=True)
+class _BufferMatch:
+    """Where a planned buffer lies: its first byte and the distance between segments."""
+
+    base: int
+    segment_stride: int
+
+
+def _as_plan(config: object) -> LayoutPlan:
     if isinstance(config, LayoutPlan):
         return config
-    if not isinstance(config, KVCacheConfig):
-        raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {type(config).__name__}")
-    return plan_layout(config)
+    if isinstance(config, KVCacheConfig):
+        return plan_layout(config)
+    if is_vllm_like_config(config):
+        return plan_layout(config_from_vllm(config))
+    raise TypeError(f"kv_cache_config must be kvconnect's or vLLM's KVCacheConfig (or a "
+                    f"LayoutPlan), got {type(config).__module__}.{type(config).__name__}")
 
 
 def _match_layer(lp: LayerPlan, value: object) -> _LayerMatch:
@@ -142,7 +158,7 @@ def _match_layer(lp: LayerPlan, value: object) -> _LayerMatch:
     if len(tensors) != len(lp.views):
         raise LayoutError(f"layer {name!r}: {len(tensors)} tensors given, the config has "
                           f"{len(lp.views)}")
-    base = seg_stride = blocks = None
+    anchor = seg_stride = blocks = None
     for i, (t, g) in enumerate(zip(tensors, lp.views, strict=True)):
         what = f"layer {name!r}" + (f" state {i}" if lp.is_list else "")
         if t.dtype != g.dtype:
@@ -158,33 +174,63 @@ def _match_layer(lp: LayerPlan, value: object) -> _LayerMatch:
                 f"{what}: shape {tuple(t.shape)} does not match the config's layout "
                 f"{g.shape_for(1)} per block (block dim {g.block_dim}, {per} kernel blocks per "
                 f"block)")
-        ss = 0 if g.segment_dim is None else t.stride(g.segment_dim) * g.itemsize
-        want = g.strides_for(ss)
+        ss = None if g.segment_dim is None else t.stride(g.segment_dim) * g.itemsize
+        want = g.strides_for(ss or 0)
         if tuple(t.stride()) != want:
             raise LayoutError(f"{what}: strides {tuple(t.stride())} do not match the config's "
                               f"layout {want} (layout {lp.spec!r})")
-        b = t.data_ptr() - g.offset_bytes
+        a = t.data_ptr() - g.offset_bytes
         n = t.shape[g.block_dim] // per
-        if base is None:
-            base, seg_stride, blocks = b, ss, n
-        elif (b, n) != (base, blocks):
+        if anchor is None:
+            anchor, seg_stride, blocks = a, ss, n
+        elif (a, n) != (anchor, blocks):
             raise LayoutError(f"{what}: the state tensors do not lie in one page-strided "
                               f"buffer of the same block count")
-    assert base is not None and seg_stride is not None and blocks is not None
-    if lp.views[0].segment_dim is not None:
-        half = _segment_bytes_per_block(lp)
-        if seg_stride < blocks * half:
-            raise LayoutError(f"layer {name!r}: K and V are {seg_stride} bytes apart, less "
-                              f"than the {blocks * half} bytes of {blocks} blocks: they overlap")
-    return _LayerMatch(tensors, base, seg_stride, blocks)
+    assert anchor is not None and blocks is not None
+    return _LayerMatch(tensors, anchor, lp.views[0].first_segment, seg_stride, blocks)
 
 
-def _segment_bytes_per_block(lp: LayerPlan) -> int:
-    return lp.regions[0].block_stride
+def _match_buffer(plan: LayoutPlan, index: int, layers: dict[str, _LayerMatch]) -> _BufferMatch:
+    """The buffer's base and segment stride, from its layers' addresses (and plane
+    strides); every layer must agree and segments must not overlap."""
+    tp = plan.tensors[index]
+    known = {m.segment_stride for m in layers.values() if m.segment_stride is not None}
+    (n0, m0) = min(layers.items(), key=lambda kv: kv[1].first_segment)
+    if tp.num_segments == 1:
+        ss = 0
+    elif known:
+        ss = known.pop()
+        if known:
+            raise LayoutError(f"layers of buffer {index} disagree on the distance between "
+                              f"planes: {sorted(known | {ss})} bytes")
+    else:
+        other = next(((n, m) for n, m in layers.items()
+                      if m.first_segment != m0.first_segment), None)
+        if other is None:
+            raise LayoutError(f"cannot tell the segment stride of buffer {index}: all its "
+                              f"layers start at segment {m0.first_segment}")
+        dist, steps = other[1].anchor - m0.anchor, other[1].first_segment - m0.first_segment
+        if dist % steps:
+            raise LayoutError(f"layers {n0!r} and {other[0]!r} are {dist} bytes apart, not a "
+                              f"whole number of the {steps} segments between them")
+        ss = dist // steps
+    base = m0.anchor - m0.first_segment * ss
+    for n, m in layers.items():
+        if m.anchor != base + m.first_segment * ss:
+            raise LayoutError(f"layers {n0!r} and {n!r} share buffer {index} in the config, "
+                              f"but their tensors start at different addresses: {n!r} at "
+                              f"{m.anchor:#x}, not at segment {m.first_segment} of the buffer "
+                              f"({base:#x} + {m.first_segment} * {ss} bytes)")
+        if tp.num_segments > 1 and ss < m.blocks * tp.segment_bytes_per_block:
+            what = "K and V" if plan.layers[n].views[0].segment_dim is not None else "segments"
+            raise LayoutError(f"layer {n!r}: {what} are {ss} bytes apart, less than the "
+                              f"{m.blocks * tp.segment_bytes_per_block} bytes of {m.blocks} "
+                              f"blocks: they overlap")
+    return _BufferMatch(base, ss)
 
 
 def _match_all(kv_caches: KVCaches, num_blocks: int, plan: LayoutPlan
-               ) -> dict[str, _LayerMatch]:
+               ) -> tuple[dict[str, _LayerMatch], dict[int, _BufferMatch]]:
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
     missing = [n for n in plan.layers if n not in kv_caches]
@@ -193,113 +239,128 @@ def _match_all(kv_caches: KVCaches, num_blocks: int, plan: LayoutPlan
         raise LayoutError(f"kv_caches do not match the config: missing layers {missing}, "
                           f"layers not in the config {extra}")
     out = {n: _match_layer(lp, kv_caches[n]) for n, lp in plan.layers.items()}
-    tensor_base: dict[int, tuple[str, int, int]] = {}
     for n, m in out.items():
-        lp = plan.layers[n]
         if num_blocks > m.blocks:
             raise LayoutError(f"layer {n!r} holds {m.blocks} blocks, fewer than num_blocks "
                               f"{num_blocks}")
-        seen = tensor_base.setdefault(lp.tensor_index, (n, m.base, m.segment_stride))
-        if seen[1:] != (m.base, m.segment_stride):
-            raise LayoutError(f"layers {seen[0]!r} and {n!r} share KV tensor {lp.tensor_index} "
-                              f"in the config, but their tensors start at different addresses "
-                              f"({seen[1]:#x} vs {m.base:#x})")
-    return out
+    by_buffer: dict[int, dict[str, _LayerMatch]] = {}
+    for n, m in out.items():
+        by_buffer.setdefault(plan.layers[n].tensor_index, {})[n] = m
+    buffers = {i: _match_buffer(plan, i, ms) for i, ms in by_buffer.items()}
+    return out, buffers
 
 
-def _rebuild(lp: LayerPlan, m: _LayerMatch, storage: torch.UntypedStorage, num_blocks: int
-             ) -> torch.Tensor | list[torch.Tensor]:
-    views = []
-    for t, g in zip(m.tensors, lp.views, strict=True):
-        out = torch.empty(0, dtype=g.dtype, device=t.device)
-        out.set_(storage, g.offset_bytes // g.itemsize, g.shape_for(num_blocks),
-                 g.strides_for(m.segment_stride))
-        views.append(out)
+def _rebuild(lp: LayerPlan, m: _LayerMatch, storage: torch.UntypedStorage, storage_start: int,
+             bm: _BufferMatch, num_blocks: int) -> torch.Tensor | list[torch.Tensor]:
+    views = [typed_view(storage, g.start_bytes(bm.segment_stride) - storage_start, g,
+                        num_blocks, bm.segment_stride, t.device)
+             for t, g in zip(m.tensors, lp.views, strict=True)]
     return views if lp.is_list else views[0]
 
 
-def _tensor_extent(plan: LayoutPlan, tensor_index: int, m: _LayerMatch, num_blocks: int) -> int:
-    """Bytes from the KV tensor's base that ``num_blocks`` committed blocks cover."""
-    tp = plan.tensors[tensor_index]
+def committed_extents(plan: LayoutPlan, index: int, segment_stride: int, num_blocks: int
+                      ) -> list[tuple[int, int]]:
+    """``(start, end)`` bytes from buffer ``index``'s base: its committed prefixes of
+    ``num_blocks`` blocks, adjacent ones merged (one extent on a plain allocation)."""
+    tp = plan.tensors[index]
     used = num_blocks * tp.segment_bytes_per_block
-    return (tp.num_segments - 1) * m.segment_stride + used
+    out: list[tuple[int, int]] = []
+    for s in range(tp.num_segments):
+        a = s * segment_stride
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], a + used)
+        else:
+            out.append((a, a + used))
+    return out
+
+
+def _layer_extent(lp: LayerPlan, extents: list[tuple[int, int]], segment_stride: int
+                  ) -> tuple[int, int]:
+    """The bytes (from the buffer base) of the extents holding the layer's segments."""
+    first, last = lp.segments
+    lo, hi = first * segment_stride, last * segment_stride
+    start = next(a for a, b in extents if a <= lo < b or a == lo)
+    end = next(b for a, b in extents if a <= hi < b or a == hi)
+    return start, end
 
 
 # -- public helpers ------------------------------------------------------------------------
 def bound_packed_storage(kv_caches: KVCaches, num_blocks: int,
-                         kv_cache_config: KVCacheConfig | LayoutPlan) -> torch.UntypedStorage:
-    """The packed layout's single storage bounded to ``num_blocks * block_stride`` bytes
-    from row 0 (``nbytes() // num_blocks == block_stride``). Raises unless the config is
-    packed and every layer's view lies in the same packed rows."""
+                         kv_cache_config: object) -> torch.UntypedStorage:
+    """The one storage of a block-outer layout (the seed's packed, vLLM's ``BL*``/``BH*``)
+    bounded to ``num_blocks * block_stride`` bytes from row 0 (``nbytes() // num_blocks ==
+    block_stride``). Raises unless the layout is block-outer and every layer's view lies in
+    the same rows. ``kv_cache_config``: kvconnect's or vLLM's ``KVCacheConfig``."""
     plan = _as_plan(kv_cache_config)
-    if not plan.packed:
-        raise LayoutError(f"bound_packed_storage needs the packed layout, the config is "
-                          f"{plan.config.layout!r}")
-    matches = _match_all(kv_caches, num_blocks, plan)
+    if not plan.block_outer:
+        raise LayoutError(f"bound_packed_storage needs a block-outer layout (packed, BLHNC, "
+                          f"BLNHC, BHLNC), the config is {plan.config.layout!r}")
+    matches, buffers = _match_all(kv_caches, num_blocks, plan)
     first = next(iter(matches.values()))
-    return _bounded_storage(first.base, num_blocks * plan.block_stride, first.tensors[0])
+    return _bounded_storage(buffers[0].base, num_blocks * plan.block_stride, first.tensors[0])
 
 
 def narrow_kv_caches_to_num_blocks(
-    kv_caches: KVCaches, num_blocks: int, kv_cache_config: KVCacheConfig | LayoutPlan,
+    kv_caches: KVCaches, num_blocks: int, kv_cache_config: object,
 ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
     """Narrow every layer to its first ``num_blocks`` logical blocks AND bound its storage.
 
     Each result has the input's dtype, strides and data pointer, with the block dimension
-    cut to ``num_blocks * k`` kernel blocks. Its ``untyped_storage()`` starts at the layer's
-    KV tensor and ends at the last committed byte: for single-segment layouts (blocks-first,
-    MLA, Mamba, hybrid) exactly ``num_blocks * bytes_per_block`` bytes; for packed layouts the
-    one shared storage of ``num_blocks * block_stride`` bytes (all layers share it); for
-    K/V-split layouts the span from K's first byte to V's last committed byte (``view[0]`` and
-    ``view[1]`` land on the two committed prefixes; the bytes between belong to no element).
-    Layers sharing a KV tensor share one storage. ``kv_cache_config`` is required: it is what
-    says where the block dimension is and how pages are packed.
+    cut to ``num_blocks * k`` kernel blocks. Its ``untyped_storage()`` covers exactly the
+    committed bytes around it: the committed prefixes of its buffer's segments, adjacent
+    ones merged. So on a plain allocation every layer of a buffer shares one storage of the
+    buffer's committed bytes; with a larger reservation a layer-outer layer (vLLM's
+    ``LB*``) gets its own ``num_blocks * page`` bytes, a block-outer layout (packed,
+    ``BL*``) one ``num_blocks * block_stride`` storage for all layers, and a layer with
+    planes (K/V split, ``LHBNC`` heads) the span from its first plane's first byte to its
+    last plane's last committed byte (the bytes between belong to no element). Layers that
+    alias a buffer (hybrid) share one storage. ``kv_cache_config`` (kvconnect's or vLLM's
+    ``KVCacheConfig``) is required: it is what says where the block dimension is and how
+    pages are packed.
     """
     plan = _as_plan(kv_cache_config)
-    matches = _match_all(kv_caches, num_blocks, plan)
+    matches, buffers = _match_all(kv_caches, num_blocks, plan)
+    storages: dict[tuple[int, int, int], torch.UntypedStorage] = {}
     out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
-    if plan.packed:
-        storage = bound_packed_storage(kv_caches, num_blocks, plan)
-        for n, lp in plan.layers.items():
-            out[n] = _rebuild(lp, matches[n], storage, num_blocks)
-        return out
-    storages: dict[int, torch.UntypedStorage] = {}
     for n, lp in plan.layers.items():
-        m = matches[n]
-        st = storages.get(lp.tensor_index)
+        m, bm = matches[n], buffers[lp.tensor_index]
+        extents = committed_extents(plan, lp.tensor_index, bm.segment_stride, num_blocks)
+        start, end = _layer_extent(lp, extents, bm.segment_stride)
+        key = (lp.tensor_index, start, end)
+        st = storages.get(key)
         if st is None:
-            st = _bounded_storage(m.base, _tensor_extent(plan, lp.tensor_index, m, num_blocks),
-                                  m.tensors[0])
-            storages[lp.tensor_index] = st
-        out[n] = _rebuild(lp, m, st, num_blocks)
+            st = storages[key] = _bounded_storage(bm.base + start, end - start, m.tensors[0])
+        out[n] = _rebuild(lp, m, st, start, bm, num_blocks)
     return out
 
 
 def committed_regions(kv_caches: KVCaches, num_blocks: int,
-                      kv_cache_config: KVCacheConfig | LayoutPlan) -> list[CommittedRegion]:
+                      kv_cache_config: object) -> list[CommittedRegion]:
     """The regions a connector should register for the first ``num_blocks`` blocks.
 
     K and V separately for K/V-split layouts (parts "k"/"v", segments 0/1), one "kv" region
     for block-major attention, one "latent" region for MLA, one "state" region for a Mamba
     layer (``block_len`` = the sum of its states' bytes per block, ``block_stride`` = its page)
-    and, for the packed layout, ONE "packed" region over the whole storage (``block_len ==
-    block_stride``, ``layers`` = every layer in row order). Layers listed together in one
-    KV tensor's ``shared_by`` alias the same pages by design (hybrid models).
+    and, for the seed's packed layout, ONE "packed" region over the whole storage
+    (``block_len == block_stride``, ``layers`` = every layer in row order). vLLM layouts give
+    one region per contiguous run of a layer's page ("kv"; "kv.0", "kv.1", ... per head for
+    ``LHBNC`` and ``BHLNC``). Layers placed at the same bytes alias them by design (hybrid
+    models, vLLM's overlaid cache groups). ``kv_cache_config``: kvconnect's or vLLM's.
     """
     plan = _as_plan(kv_cache_config)
-    matches = _match_all(kv_caches, num_blocks, plan)
+    matches, buffers = _match_all(kv_caches, num_blocks, plan)
     if plan.packed:
         m = next(iter(matches.values()))
         rg = plan.packed_region()
-        return [CommittedRegion("packed", "packed", m.base, rg.block_len, rg.block_stride,
-                                num_blocks, str(m.tensors[0].device), 0, 0,
+        return [CommittedRegion("packed", "packed", buffers[0].base, rg.block_len,
+                                rg.block_stride, num_blocks, str(m.tensors[0].device), 0, 0,
                                 tuple(plan.layers), 0)]
     out = []
     for n, lp in plan.layers.items():
-        m = matches[n]
+        m, bm = matches[n], buffers[lp.tensor_index]
         for rg in lp.regions:
             out.append(CommittedRegion(
-                n, rg.part, m.base + rg.segment * m.segment_stride + rg.offset, rg.block_len,
+                n, rg.part, bm.base + rg.segment * bm.segment_stride + rg.offset, rg.block_len,
                 rg.block_stride, num_blocks, str(m.tensors[0].device), lp.tensor_index,
                 rg.segment, (n,), rg.offset))
     return out

@@ -77,8 +77,11 @@ def test_segment_counts_per_layout() -> None:
     seg = {lay: {tp.num_segments for tp in plan_layout(
         preset("qwen-small-like", num_blocks=4, num_layers=2, layout=lay)).tensors}
         for lay in LAYOUTS}
+    # the seed's: per-layer buffers; vLLM's: ONE buffer, a segment per layer (and per head
+    # for LHBNC: qwen-small has 2 KV heads) when layer-outer, one segment when block-outer
     assert seg == {"kv_split_nhd": {2}, "kv_split_hnd": {2}, "blocks_first": {1},
-                   "blocks_first_hnd": {1}, "packed": {1}}
+                   "blocks_first_hnd": {1}, "packed": {1}, "LBHNC": {2}, "LBNHC": {2},
+                   "LHBNC": {4}, "BLHNC": {1}, "BLNHC": {1}, "BHLNC": {1}}
     assert {tp.num_segments for tp in plan_layout(preset("deepseek-mla-like", num_blocks=4,
             num_layers=2, layout="kv_split_nhd")).tensors} == {1}
     hybrid = plan_layout(preset("jamba-hybrid-like", num_blocks=4, num_layers=8))
@@ -233,3 +236,67 @@ def test_preset_errors() -> None:
         preset("llama3-8b-like", num_heads=3)
     cfg = preset("qwen-small-like", num_blocks=4, num_layers=2)
     assert cfg.with_num_blocks(10).kv_cache_tensors[0].size == 10 * cfg.bytes_per_block // 2
+
+
+# -- vLLM 0.33's placement form -------------------------------------------------------------
+def test_placement_rescales_layer_outer_strides_and_keeps_block_outer_rows() -> None:
+    lbhnc = preset("LBHNC", num_blocks=8, num_layers=2)
+    page = 64 * KIB
+    (t,) = lbhnc.kv_cache_tensors
+    assert (t.size, t.layer_stride, t.block_stride, t.offset) == (2 * 8 * page, 8 * page,
+                                                                  page, 0)
+    big = lbhnc.with_num_blocks(100)
+    assert big.kv_cache_tensors[0].layer_stride == 100 * page
+    assert plan_layout(big).alloc_blocks == 100
+    blhnc = preset("BLHNC", num_blocks=8, num_layers=2).with_num_blocks(100)
+    (b,) = blhnc.kv_cache_tensors
+    assert (b.size, b.layer_stride, b.block_stride) == (100 * 2 * page, page, 2 * page)
+    # a committed prefix of a larger placement: same bytes, fewer blocks in use
+    view = big.with_committed_blocks(8)
+    assert view.kv_cache_tensors == big.kv_cache_tensors and view.num_blocks == 8
+    assert plan_layout(view).alloc_blocks == 100
+    with pytest.raises(ValueError, match="between 1 and the 100 blocks"):
+        big.with_committed_blocks(101)
+
+
+def test_seed_layouts_are_placements_with_their_own_page_format() -> None:
+    """blocks_first places layers exactly as LBHNC does (one segment per layer, the page as
+    block stride); only the byte order inside the page differs."""
+    seed = plan_layout(preset("qwen-small-like", num_blocks=4, num_layers=2,
+                              layout="blocks_first"))
+    vllm = plan_layout(preset("qwen-small-like", num_blocks=4, num_layers=2, layout="LBHNC"))
+    seed_runs = [(r.block_len, r.block_stride) for lp in seed.layers.values()
+                 for r in lp.regions]
+    vllm_runs = [(r.block_len, r.block_stride) for lp in vllm.layers.values()
+                 for r in lp.regions]
+    assert seed_runs == vllm_runs
+    assert seed.bytes_per_block == vllm.bytes_per_block
+    assert [lp.views[0].unit_shape for lp in seed.layers.values()] != [
+        lp.views[0].unit_shape for lp in vllm.layers.values()]
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda c: KVCacheConfig(c.num_blocks, c.kv_cache_tensors[:1] + (KVCacheTensor(
+        c.kv_cache_tensors[0].size, ("x",)),), c.kv_cache_groups), "mixes placement-form"),
+    (lambda c: KVCacheConfig(c.num_blocks, (KVCacheTensor(
+        c.kv_cache_tensors[0].size + 2, ("model.layers.0.self_attn.attn",), 4 * 64 * KIB,
+        64 * KIB), KVCacheTensor(c.kv_cache_tensors[0].size, (
+            "model.layers.1.self_attn.attn",), 4 * 64 * KIB, 64 * KIB, 4 * 64 * KIB)),
+        c.kv_cache_groups, layout="LBHNC"), "ONE backing buffer"),
+    (lambda c: KVCacheConfig(c.num_blocks, (KVCacheTensor(
+        c.kv_cache_tensors[0].size, c.kv_cache_tensors[0].layers, 4 * 64 * KIB, 64 * KIB,
+        64 * KIB),), c.kv_cache_groups, layout="LBHNC"), "not at a segment start"),
+    (lambda c: KVCacheConfig(5, c.kv_cache_tensors, c.kv_cache_groups, layout="LBHNC"),
+     "holds 4 blocks, fewer"),
+    (lambda c: KVCacheConfig(c.num_blocks, c.kv_cache_tensors, c.kv_cache_groups,
+                             layout="LBHNC", kernel_block_size=12), "not a multiple"),
+])
+def test_placement_configs_are_rejected_with_the_reason(mutate, match) -> None:
+    cfg = preset("LBHNC", num_blocks=4, num_layers=2)
+    with pytest.raises(LayoutError, match=match):
+        plan_layout(mutate(cfg))
+
+
+def test_strides_come_in_pairs() -> None:
+    with pytest.raises(LayoutError, match="both layer_stride and block_stride"):
+        KVCacheTensor(1024, ("a",), 512)

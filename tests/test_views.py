@@ -95,7 +95,7 @@ def test_packed_storage_is_one_bounded_storage() -> None:
     (region,) = committed_regions(kv, 5, cfg)
     assert (region.part, region.block_len, region.block_stride) == ("packed", stride, stride)
     assert region.layers == tuple(cfg.layer_names)
-    with pytest.raises(LayoutError, match="packed layout"):
+    with pytest.raises(LayoutError, match="needs a block-outer layout"):
         bound_packed_storage(*allocate_kv_caches(_one_layer("blocks_first"))[1:], 2,
                              _one_layer("blocks_first"))
 

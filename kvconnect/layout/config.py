@@ -1,0 +1,198 @@
+"""A KV cache config: blocks, where every layer's pages sit, and the layers' specs.
+
+kvconnect describes memory the way vLLM 0.33 does. A :class:`KVCacheTensor` places a set of
+same-shaped layers in a backing buffer: layer ``layers[l]``'s page for block ``b`` starts
+at ``offset + l * layer_stride + b * block_stride`` bytes. Layer-outer layouts give each
+layer a block-prefix region (``layer_stride >= num_blocks * block_stride``); block-outer
+layouts make each block one row of every layer's page (``layer_stride`` = a page,
+``block_stride`` = the row). Tensors that place layers at the same bytes alias them
+(cache groups overlaying each other, hybrid models).
+
+Two forms of :class:`KVCacheTensor`, one model:
+
+- the *placement* form (vLLM 0.33's own fields, ``layer_stride`` and ``block_stride``
+  given): every tensor of the config shares ONE backing buffer of ``size`` bytes;
+- the *shorthand* form ``KVCacheTensor(size, layers)`` (the seed's): the tensor is its own
+  buffer of ``size`` bytes for the config's ``num_blocks``; its layers alias the buffer
+  (hybrid models) or, for the ``packed`` layout, fill each block row in order. The planner
+  expands it into placements (one buffer per tensor); nothing else treats it specially.
+
+``layout`` names the page format (:mod:`.formats`): vLLM 0.33's six (``LBHNC`` ...) or the
+seed's five (``kv_split_nhd`` ...). Units: bytes unless a name says blocks or tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from .specs import KVCacheSpec, LayoutError
+
+if TYPE_CHECKING:
+    from .plan import LayoutPlan
+
+__all__ = ["KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor"]
+
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """Where ``layers`` live: vLLM 0.33's ``KVCacheTensor(size, layers, layer_stride,
+    block_stride, offset, host_resident)``, or the seed's shorthand ``(size, layers)``
+    (strides ``None``; see the module docstring)."""
+
+    size: int
+    layers: tuple[str, ...]
+    layer_stride: int | None = None
+    block_stride: int | None = None
+    offset: int = 0
+    host_resident: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if (self.layer_stride is None) != (self.block_stride is None):
+            raise LayoutError(f"KVCacheTensor{self.layers}: give both layer_stride and "
+                              f"block_stride (placement form) or neither (shorthand form)")
+
+    @property
+    def is_placement(self) -> bool:
+        """True for vLLM 0.33's placement form (strides given)."""
+        return self.layer_stride is not None
+
+    @property
+    def shared_by(self) -> tuple[str, ...]:
+        """The seed's name for :attr:`layers` (kept for old callers)."""
+        return self.layers
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"size": self.size, "layers": list(self.layers)}
+        if self.is_placement:
+            out.update(layer_stride=self.layer_stride, block_stride=self.block_stride,
+                       offset=self.offset)
+        if self.host_resident:
+            out["host_resident"] = True
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KVCacheTensor:
+        layers = d["layers"] if "layers" in d else d["shared_by"]
+        stride = d.get("layer_stride")
+        return cls(int(d["size"]), tuple(layers), None if stride is None else int(stride),
+                   None if d.get("block_stride") is None else int(d["block_stride"]),
+                   int(d.get("offset", 0)), bool(d.get("host_resident", False)))
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share one spec (and one block table)."""
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """A KV cache: ``num_blocks`` logical blocks, its tensors and its layer groups.
+
+    ``layout`` is a page format name (:data:`kvconnect.layout.LAYOUTS`);
+    ``kernel_block_size`` (tokens, dividing every attention block size) splits each logical
+    block into ``block_size // kernel_block_size`` kernel blocks; ``None`` means no split.
+    In the placement form ``num_blocks`` may be below the blocks the placement was made
+    for (a committed prefix of a larger reservation): see :meth:`with_committed_blocks`.
+    """
+
+    num_blocks: int
+    kv_cache_tensors: tuple[KVCacheTensor, ...]
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    layout: str = "kv_split_nhd"
+    kernel_block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_tensors", tuple(self.kv_cache_tensors))
+        object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Every layer, in group order."""
+        return [n for g in self.kv_cache_groups for n in g.layer_names]
+
+    def layer_specs(self) -> dict[str, KVCacheSpec]:
+        return {n: g.kv_cache_spec for g in self.kv_cache_groups for n in g.layer_names}
+
+    @property
+    def is_placement(self) -> bool:
+        """True when the tensors use vLLM 0.33's placement form (one backing buffer)."""
+        return bool(self.kv_cache_tensors) and self.kv_cache_tensors[0].is_placement
+
+    def plan(self) -> LayoutPlan:
+        """:func:`kvconnect.layout.plan_layout` of this config."""
+        from .plan import plan_layout
+
+        return plan_layout(self)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one logical block takes over all buffers (aliased pages count once)."""
+        return self.plan().bytes_per_block
+
+    def with_num_blocks(self, num_blocks: int) -> KVCacheConfig:
+        """The same cache laid out for a fresh allocation of ``num_blocks`` blocks (sizes,
+        and in layer-outer placements the strides and offsets, scaled)."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks!r}")
+        if not self.is_placement:
+            tensors = tuple(replace(t, size=t.size // self.num_blocks * num_blocks)
+                            for t in self.kv_cache_tensors)
+            return replace(self, num_blocks=num_blocks, kv_cache_tensors=tensors)
+        plan = self.plan()
+        alloc = plan.alloc_blocks
+        out = []
+        for t in self.kv_cache_tensors:
+            assert t.layer_stride is not None
+            if plan.block_outer:
+                out.append(replace(t, size=t.size // alloc * num_blocks))
+            else:
+                out.append(replace(t, size=t.size // alloc * num_blocks,
+                                   layer_stride=t.layer_stride // alloc * num_blocks,
+                                   offset=t.offset // alloc * num_blocks))
+        return replace(self, num_blocks=num_blocks, kv_cache_tensors=tuple(out))
+
+    def with_committed_blocks(self, num_blocks: int) -> KVCacheConfig:
+        """The same placement with only its first ``num_blocks`` blocks in use (what a
+        connector of an extensible cache is handed). Shorthand configs: as
+        :meth:`with_num_blocks` (their placement follows the block count)."""
+        if not self.is_placement:
+            return self.with_num_blocks(num_blocks)
+        alloc = self.plan().alloc_blocks
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not (
+                1 <= num_blocks <= alloc):
+            raise ValueError(f"num_blocks must be between 1 and the {alloc} blocks the "
+                             f"placement holds, got {num_blocks!r}")
+        return replace(self, num_blocks=num_blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable description (for handshakes: compare, never unpickle)."""
+        return {
+            "num_blocks": self.num_blocks,
+            "layout": self.layout,
+            "kernel_block_size": self.kernel_block_size,
+            "kv_cache_tensors": [t.to_dict() for t in self.kv_cache_tensors],
+            "kv_cache_groups": [{"layer_names": list(g.layer_names),
+                                 "kv_cache_spec": g.kv_cache_spec.to_dict()}
+                                for g in self.kv_cache_groups],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KVCacheConfig:
+        return cls(
+            num_blocks=int(d["num_blocks"]),
+            kv_cache_tensors=tuple(KVCacheTensor.from_dict(t) for t in d["kv_cache_tensors"]),
+            kv_cache_groups=tuple(KVCacheGroupSpec(tuple(g["layer_names"]),
+                                                   KVCacheSpec.from_dict(g["kv_cache_spec"]))
+                                  for g in d["kv_cache_groups"]),
+            layout=str(d.get("layout", "kv_split_nhd")),
+            kernel_block_size=d.get("kernel_block_size"),
+        )

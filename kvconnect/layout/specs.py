@@ -1,0 +1,182 @@
+"""What one layer stores per block: the KV cache specs (mirroring vLLM's) and dtype helpers.
+
+A spec says how many bytes one logical block of a layer takes (``page_size_bytes``) and
+what the bytes mean (K and V per token and head, one latent vector, Mamba states). Where
+the bytes sit is the job of :mod:`.config` (placements) and :mod:`.formats` (page formats).
+
+Units: ``block_size`` is tokens per logical block; sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "AttentionSpec", "FullAttentionSpec", "KVCacheSpec", "LayoutError", "MLAAttentionSpec",
+    "MambaSpec", "SlidingWindowSpec", "dtype_from_name", "dtype_name", "itemsize",
+]
+
+
+class LayoutError(ValueError):
+    """A config that cannot be laid out (or does not match the tensors); says why."""
+
+
+# -- dtypes -------------------------------------------------------------------------------
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (for JSON)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; accepts a dtype as is."""
+    if isinstance(name, torch.dtype):
+        return name
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dt
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes of one element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# -- specs --------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """The KV format of one layer. ``block_size`` is tokens per logical block."""
+
+    block_size: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one logical block of this layer occupies (padding included)."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": type(self).__name__}
+        for f in self.__dataclass_fields__:
+            v = getattr(self, f)
+            if isinstance(v, torch.dtype):
+                v = dtype_name(v)
+            elif f == "dtypes":
+                v = [dtype_name(d) for d in v]
+            elif f == "shapes":
+                v = [list(s) for s in v]
+            out[f] = v
+        return out
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> KVCacheSpec:
+        kinds = {c.__name__: c for c in (FullAttentionSpec, SlidingWindowSpec,
+                                         MLAAttentionSpec, MambaSpec)}
+        d = dict(d)
+        kind = d.pop("kind", None)
+        if kind not in kinds:
+            raise ValueError(f"unknown KV cache spec kind {kind!r}; expected one of {list(kinds)}")
+        if "dtype" in d:
+            d["dtype"] = dtype_from_name(d["dtype"])
+        if "dtypes" in d:
+            d["dtypes"] = tuple(dtype_from_name(x) for x in d["dtypes"])
+        if "shapes" in d:
+            d["shapes"] = tuple(tuple(int(v) for v in s) for s in d["shapes"])
+        return kinds[kind](**d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(KVCacheSpec):
+    """Paged attention: per token ``num_kv_heads`` heads of ``head_size`` elements of
+    ``dtype``. ``page_size_padded`` (bytes) pads the page, as hybrid models do."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    page_size_padded: int | None = None
+
+    #: K and V (2) or one latent vector (1) per token and head
+    kv_factor = 2
+
+    @property
+    def content_bytes(self) -> int:
+        """Bytes per (head, token): K and V (or the latent vector). vLLM 0.33's ``C``."""
+        return self.kv_factor * self.head_size * itemsize(self.dtype)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of one logical block without padding."""
+        return self.block_size * self.num_kv_heads * self.content_bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        real = self.real_page_size_bytes
+        if self.page_size_padded is None:
+            return real
+        if self.page_size_padded < real:
+            raise LayoutError(f"page_size_padded {self.page_size_padded} is below the real page "
+                              f"size {real} bytes")
+        return self.page_size_padded
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Full attention: every token keeps its K and V."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Sliding-window attention (same page format; ``sliding_window`` tokens matter)."""
+
+    sliding_window: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(AttentionSpec):
+    """Multi-head latent attention: one latent vector per token (``head_size`` =
+    ``kv_lora_rank + qk_rope_head_dim``), ``num_kv_heads`` = 1, no K/V split."""
+
+    num_kv_heads: int = 1
+    kv_factor = 1
+
+    @classmethod
+    def latent(cls, *, block_size: int, kv_lora_rank: int, qk_rope_head_dim: int,
+               dtype: torch.dtype) -> MLAAttentionSpec:
+        return cls(block_size=block_size, head_size=kv_lora_rank + qk_rope_head_dim, dtype=dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """Mamba state: per logical block, one tensor per entry of ``shapes`` / ``dtypes``,
+    stored one after the other from the page start. ``page_size_padded`` pads the page."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    page_size_padded: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shapes", tuple(tuple(int(v) for v in s) for s in self.shapes))
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        if len(self.shapes) != len(self.dtypes) or not self.shapes:
+            raise LayoutError(f"MambaSpec needs one dtype per state shape, got {len(self.shapes)} "
+                              f"shapes and {len(self.dtypes)} dtypes")
+
+    @property
+    def state_bytes(self) -> tuple[int, ...]:
+        """Bytes of each state tensor for one block."""
+        return tuple(math.prod(s) * itemsize(d)
+                     for s, d in zip(self.shapes, self.dtypes, strict=True))
+
+    @property
+    def page_size_bytes(self) -> int:
+        real = sum(self.state_bytes)
+        if self.page_size_padded is None:
+            return real
+        if self.page_size_padded < real:
+            raise LayoutError(f"page_size_padded {self.page_size_padded} is below the "
+                              f"{real} bytes of the Mamba states")
+        return self.page_size_padded

@@ -1,0 +1,59 @@
+"""kvconnect for vLLM 0.33: its objects in, committed-memory geometry out, patched connectors.
+
+Importing ``kvconnect.vllm`` does not import vLLM (nor does ``import kvconnect``); the names
+below load on first use, and those marked (vLLM) need vLLM 0.33 installed
+(``pip install 'kvconnect[vllm]'``, or ``make test-vllm`` on CPU).
+
+- :func:`config_from_vllm`: vLLM's ``KVCacheConfig`` -> kvconnect's (by its fields). The
+  helpers in :mod:`kvconnect.views` call it themselves, so
+  ``narrow_kv_caches_to_num_blocks(kv_caches, n, vllm_kv_cache_config)`` just works.
+- :class:`VllmKVCache` (vLLM): an extensible cache whose views are exactly what vLLM's
+  ``create_kv_cache_views`` builds over the reservation.
+- :func:`bound_for_connector` (vLLM): views and config bounded to the committed blocks.
+- :class:`KvconnectNixlConnector`, :class:`KvconnectSimpleCPUOffloadConnector`,
+  :class:`KvconnectOffloadingConnector` (vLLM): upstream's connectors whose workers see only
+  committed memory. Load them with ``--kv-transfer-config '{"kv_connector":
+  "KvconnectNixlConnector", "kv_connector_module_path": "kvconnect.vllm", ...}'``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: public name -> module that defines it (relative names are inside kvconnect.vllm)
+_EXPORTS: dict[str, str] = {
+    "config_from_vllm": "kvconnect.layout.foreign",
+    "spec_from_vllm": "kvconnect.layout.foreign",
+    "to_vllm_config": "kvconnect.vllm.convert",
+    "VllmKVCache": "kvconnect.vllm.cache",
+    "bound_for_connector": "kvconnect.vllm.bounding",
+    "BoundedKVCaches": "kvconnect.vllm.bounding",
+    "KvconnectNixlConnector": "kvconnect.vllm.connectors",
+    "KvconnectSimpleCPUOffloadConnector": "kvconnect.vllm.connectors",
+    "KvconnectOffloadingConnector": "kvconnect.vllm.connectors",
+    "prepare_cpu_runtime": "kvconnect.vllm.runtime",
+    "vllm_available": "kvconnect.vllm.runtime",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name != "vllm" and not str(exc.name).startswith("vllm."):
+            raise
+        raise ImportError(f"kvconnect.vllm.{name} needs vLLM 0.33: pip install "
+                          f"'kvconnect[vllm]' (on CPU: make test-vllm builds .venv-vllm)"
+                          ) from exc
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

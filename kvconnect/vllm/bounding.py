@@ -1,0 +1,106 @@
+"""vLLM views and config bounded to the committed blocks: what a connector may see.
+
+vLLM 0.33's connectors take geometry from storages (``untyped_storage().nbytes()``, the
+storage's first byte) and from the config's tensors (``layer_stride``, ``offset`` relative
+to that storage). Over an extensible reservation both describe reserved capacity.
+:func:`bound_for_connector` gives the same views narrowed to ``num_blocks`` blocks, each
+over a storage of exactly the committed bytes around it (the merged committed extents:
+on a plain allocation one storage per buffer, exactly what vLLM allocated), and a config
+whose tensors place the layers in those storages. On a plain allocation the config is
+unchanged and the views keep their addresses, shapes and strides: connectors register
+byte-identically. Units: bytes; blocks are vLLM's logical blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvconnect.layout import LayoutError, LayoutPlan, plan_layout
+from kvconnect.layout.foreign import config_from_vllm
+from kvconnect.views import narrow_kv_caches_to_num_blocks
+
+__all__ = ["BoundedKVCaches", "bound_for_connector"]
+
+
+@dataclass(frozen=True)
+class BoundedKVCaches:
+    """Views and vLLM config bounded to ``num_blocks`` committed blocks.
+
+    ``kv_caches``: the narrowed views; ``kv_cache_config``: vLLM's config whose tensors
+    place the layers in those views' storages; ``registered``: ``(address, nbytes)`` of
+    every distinct storage (what a connector registering storages registers).
+    """
+
+    kv_caches: dict[str, torch.Tensor]
+    kv_cache_config: Any
+    num_blocks: int
+    registered: tuple[tuple[int, int], ...]
+
+
+def _layer_start(plan: LayoutPlan, name: str, view: torch.Tensor) -> int:
+    g = plan.layers[name].views[0]
+    return view.data_ptr() - g.offset_bytes
+
+
+def _bounded_tensors(plan: LayoutPlan, cfg: Any, views: dict[str, torch.Tensor],
+                     num_blocks: int) -> list[Any]:
+    """vLLM tensors placing every layer in its bounded storage."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    out = []
+    for t in cfg.kv_cache_tensors:
+        names = [n for n in t.layers if n in views]
+        if not names:
+            continue
+        storages = {views[n].untyped_storage().data_ptr() for n in names}
+        first = views[names[0]].untyped_storage()
+        if plan.block_outer:  # one storage of rows from row 0: the placement holds as is
+            out.append(dataclasses.replace(t, size=first.nbytes()))
+            continue
+        starts = [_layer_start(plan, n, views[n]) for n in names]
+        planes = plan.layers[names[0]].segments[1] - plan.layers[names[0]].segments[0] + 1
+        committed_stride = planes * num_blocks * t.block_stride
+        contiguous = len(storages) == 1 and all(
+            s - starts[0] == j * t.layer_stride for j, s in enumerate(starts))
+        if contiguous and (len(names) == 1 or t.layer_stride == committed_stride):
+            out.append(dataclasses.replace(t, size=first.nbytes(),
+                                           offset=starts[0] - first.data_ptr()))
+            continue
+        for n, s in zip(names, starts, strict=True):
+            st = views[n].untyped_storage()
+            if planes > 1 and st.nbytes() != committed_stride:
+                raise LayoutError(
+                    f"layer {n!r}: layout {plan.config.layout} puts its {planes} head planes "
+                    f"{plan.tensors[0].bytes_per_block // plan.tensors[0].num_segments} x "
+                    f"capacity bytes apart; vLLM connectors assume they lie num_blocks blocks "
+                    f"apart, so no bounded config describes them (use LBHNC or BLHNC)")
+            out.append(KVCacheTensor(size=st.nbytes(), layers=[n],
+                                     layer_stride=committed_stride,
+                                     block_stride=t.block_stride, offset=s - st.data_ptr()))
+    return out
+
+
+def bound_for_connector(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any,
+                        num_blocks: int | None = None, *, layout: object = None,
+                        kernel_block_size: int | None = None) -> BoundedKVCaches:
+    """``kv_caches`` and vLLM's ``kv_cache_config`` bounded to ``num_blocks`` blocks
+    (default: the config's ``num_blocks``). ``layout`` defaults to the config's
+    ``kv_cache_layout``. Raises :class:`~kvconnect.layout.LayoutError` when the views do not
+    follow the config, or when no bounded config can describe the layout to vLLM's
+    connectors (``LHBNC`` with capacity above the committed blocks)."""
+    ours = config_from_vllm(kv_cache_config, layout, kernel_block_size)
+    n = int(kv_cache_config.num_blocks if num_blocks is None else num_blocks)
+    plan = plan_layout(ours)
+    views = narrow_kv_caches_to_num_blocks(kv_caches, n, plan)
+    tensors = _bounded_tensors(plan, kv_cache_config, views, n)  # type: ignore[arg-type]
+    config = dataclasses.replace(kv_cache_config, kv_cache_tensors=tensors, num_blocks=n,
+                                 kv_cache_layout=ours.layout)
+    seen: dict[int, int] = {}
+    for v in views.values():
+        st = v.untyped_storage()
+        seen.setdefault(st.data_ptr(), st.nbytes())
+    return BoundedKVCaches(views, config, n, tuple(sorted(seen.items())))  # type: ignore[arg-type]

@@ -1,0 +1,43 @@
+"""The conformance kit: does a vLLM connector see only committed memory? (needs vLLM)
+
+For each vLLM 0.33 layout it builds a VMM-style cache (capacity many times the committed
+blocks; the host backend on CPU, where touching uncommitted memory faults), hands it to the
+connector through vLLM's own factory and ``register_kv_caches``, each case in its own
+process, and reports in JSON: registrations outside committed memory, wrong block length or
+stride, faults (the signal and the step), a byte-exact transfer (NIXL: a second real agent)
+or offload round trip, and behaviour across sleep / wake.
+
+Entry points: ``kvconnect-conformance module:Class`` (:mod:`.cli`), the pytest plugin
+``pytest --kvconnect-connector module:Class`` (:mod:`.plugin`), and :func:`run_conformance`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kvconnect.layout.formats import VLLM_LAYOUTS
+
+__all__ = ["STOCK_AND_PATCHED", "VLLM_LAYOUTS", "run_conformance"]
+
+#: the connectors docs/conformance.md compares: vLLM 0.33's and kvconnect's patched ones
+STOCK_AND_PATCHED = (
+    "NixlConnector", "kvconnect.vllm:KvconnectNixlConnector",
+    "SimpleCPUOffloadConnector", "kvconnect.vllm:KvconnectSimpleCPUOffloadConnector",
+    "OffloadingConnector", "kvconnect.vllm:KvconnectOffloadingConnector",
+)
+
+
+def run_conformance(connectors: Sequence[str], layouts: Iterable[str] = VLLM_LAYOUTS, *,
+                    timeout: float | None = None,
+                    on_result: Callable[[dict[str, Any]], None] | None = None,
+                    **geometry: Any) -> list[dict[str, Any]]:
+    """One case per (connector, layout), each in its own process; their JSON results.
+    ``connectors``: ``"module:Class"`` or names vLLM registers; ``geometry`` overrides
+    :data:`~kvconnect.vllm.conformance.case.CASE_DEFAULTS` (``num_blocks``,
+    ``capacity_blocks``, ``num_layers``, ...)."""
+    from .runner import DEFAULT_TIMEOUT, run_cases
+
+    specs = [{"connector": c, "layout": lay, **geometry}
+             for c in connectors for lay in layouts]
+    return run_cases(specs, timeout=timeout or DEFAULT_TIMEOUT, on_result=on_result)

@@ -1,0 +1,287 @@
+"""One conformance case: one connector, one vLLM layout, one VMM-style cache (needs vLLM).
+
+:func:`run_case` runs inside its own process (see :mod:`.runner`). It builds vLLM's config
+for a tiny local model, a :class:`~kvconnect.vllm.cache.VllmKVCache` whose capacity is many
+times the committed blocks (host backend on CPU: touching uncommitted memory faults), fills
+the committed blocks with random bytes, creates the connector through vLLM's own
+``KVConnectorFactory`` (worker role) with the config an extensible cache hands it, calls
+``register_kv_caches`` with vLLM's views over the whole reservation, and checks:
+
+- ``committed_only``: every registered range and region lies in committed memory;
+- ``block_geometry``: regions stride by the layout's block stride, stay inside one block,
+  and together cover every KV byte of a block;
+- ``transfer`` (NIXL: a second real agent reads blocks, byte-exact) or
+  ``offload_round_trip`` (store, scribble, load, byte-exact);
+- ``sleep_wake``: ``unregister_kv_caches``, release, recommit, ``restore_kv_caches``, then
+  registrations committed-only again and blocks moving byte-exact again.
+
+Each check is ``{"status": "pass" | "fail" | "skip", ...evidence}``. Units: bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import random
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from .probes import ConnectorProbe, Region, probe_for
+
+__all__ = ["CASE_DEFAULTS", "fill_committed", "resolve_connector", "run_case"]
+
+#: the geometry every case uses unless told otherwise (small: the machine is shared)
+CASE_DEFAULTS: dict[str, Any] = {
+    "num_layers": 2, "num_kv_heads": 2, "head_size": 64, "block_size": 32, "dtype": "bfloat16",
+    "num_blocks": 128, "capacity_blocks": 1024, "transfer_blocks": 8, "device": "cpu",
+    "seed": 0,
+}
+
+Stage = Callable[[str], None]
+Report = Callable[[str, dict[str, Any]], None]
+
+
+def resolve_connector(name: str) -> tuple[str, str | None, type]:
+    """``"module:Class"`` or a name vLLM registers (``"NixlConnector"``) -> ``(class name,
+    module path or None, class)``."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if ":" in name:
+        module, _, cls_name = name.partition(":")
+        return cls_name, module, getattr(importlib.import_module(module), cls_name)
+    return name, None, KVConnectorFactory.get_connector_class_by_name(name)
+
+
+def _inside(extents: list[tuple[int, int]], a: int, n: int) -> bool:
+    return any(s <= a and a + n <= s + m for s, m in extents)
+
+
+def _read_runs(extents: list[tuple[int, int]], unreadable: list[int]
+               ) -> Callable[[list[tuple[int, int]]], bytes]:
+    """Bytes at ``(address, n)`` runs; runs outside committed memory are not touched (they
+    would fault): they read as zeros and count in ``unreadable[0]``."""
+    def read(runs: list[tuple[int, int]]) -> bytes:
+        out = []
+        for a, n in runs:
+            if _inside(extents, a, n):
+                out.append(ctypes.string_at(a, n))
+            else:
+                unreadable[0] += n
+                out.append(bytes(n))
+        return b"".join(out)
+    return read
+
+
+def _outside_bytes(extents: list[tuple[int, int]], a: int, n: int) -> int:
+    """Bytes of ``[a, a + n)`` outside every committed extent."""
+    inside = sum(max(0, min(a + n, s + m) - max(a, s)) for s, m in extents)
+    return n - inside
+
+
+def _committed_only(probe: ConnectorProbe, regions: list[Region],
+                    extents: list[tuple[int, int]]) -> dict[str, Any]:
+    registered = probe.registered() or [(r.base, r.end - r.base) for r in regions]
+    outside = [(a, n) for a, n in registered if not _inside(extents, a, n)]
+    bad = [r for r in regions if not _inside(extents, r.base, r.end - r.base)]
+    return {"status": "fail" if outside or bad else "pass",
+            "registered_bytes": sum(n for _, n in registered),
+            "committed_bytes": sum(n for _, n in extents),
+            "registered_outside_bytes": sum(_outside_bytes(extents, a, n)
+                                            for a, n in registered),
+            "ranges": len(registered), "ranges_outside": len(outside),
+            "regions": len(regions), "regions_outside": len(bad)}
+
+
+def _block_geometry(regions: list[Region], kv_runs: list[tuple[int, int, int]]
+                    ) -> dict[str, Any]:
+    """``kv_runs``: kvconnect's ``(address of block 0, length, block stride)`` runs."""
+    bad_stride, bad_extent = [], []
+    for r in regions:
+        home = [k for k in kv_runs if k[0] <= r.base < k[0] + k[2]]
+        row = min(home, key=lambda k: r.base - k[0]) if home else None
+        if row is None or r.block_stride != row[2]:
+            bad_stride.append((hex(r.base), r.block_stride, None if row is None else row[2]))
+        elif r.base + r.block_len > row[0] + row[2]:
+            bad_extent.append((hex(r.base), r.block_len))
+    covered = sorted((r.base, r.base + r.block_len) for r in regions)
+    missing = 0
+    for a, n, _ in kv_runs:
+        for lo, hi in covered:
+            if lo <= a < hi:
+                take = min(hi, a + n) - a
+                a, n = a + take, n - take
+            if n == 0:
+                break
+        missing += n
+    ok = not bad_stride and not bad_extent and missing == 0 and bool(regions)
+    return {"status": "pass" if ok else "fail", "regions": len(regions),
+            "wrong_stride": bad_stride[:4], "beyond_block": bad_extent[:4],
+            "uncovered_kv_bytes_per_block": missing}
+
+
+def fill_committed(cache: Any, rng: random.Random) -> None:
+    """Random bytes into every committed block prefix of a VllmKVCache (nothing else)."""
+    import torch
+
+    inner = cache.cache
+    (t,) = inner.tensors
+    used = inner.num_blocks * inner.plan.tensors[0].segment_bytes_per_block
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    for s in range(t.num_segments):
+        view = t.committed_view(s * t.segment_capacity, used)
+        view.copy_(torch.randint(0, 256, (used,), dtype=torch.uint8, generator=gen))
+
+
+def _exercise(probe: ConnectorProbe, connector: Any, cache: Any, extents: list[tuple[int, int]],
+              block_ids: list[int], rng: random.Random) -> dict[str, Any]:
+    runs = [(r.base_ptr + b * r.block_stride, r.block_len)
+            for r in cache.cache.committed_regions() for b in block_ids]
+
+    def scribble() -> None:  # kvconnect's runs: committed memory only
+        for a, n in runs:
+            ctypes.memset(a, rng.randrange(256), n)
+
+    unreadable = [0]
+    try:
+        moved, mismatched = probe.exercise(connector, block_ids, scribble,
+                                           _read_runs(extents, unreadable), runs)
+    except NotImplementedError as exc:
+        return {"status": "skip", "reason": str(exc)}
+    except Exception as exc:  # the connector's geometry made the move fail: evidence
+        return {"status": "fail", "error": f"{type(exc).__name__}: {exc}"[:400]}
+    bad = mismatched + unreadable[0]
+    return {"status": "pass" if moved and not bad else "fail", "moved_bytes": moved,
+            "mismatched_bytes": mismatched, "unreadable_bytes": unreadable[0],
+            "blocks": len(block_ids)}
+
+
+class _Checks(dict):
+    """The case's checks; each one is also sent to the parent as soon as it is known (so
+    a later fault does not lose it)."""
+
+    def __init__(self, send: Report | None) -> None:
+        super().__init__()
+        self._send = send
+
+    def __setitem__(self, key: str, value: dict[str, Any]) -> None:
+        super().__setitem__(key, value)
+        if self._send is not None:
+            self._send(key, value)
+
+
+def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
+             ) -> dict[str, Any]:
+    """Run one case; ``stage(name)`` is called before each step and ``report(check,
+    value)`` after each check (the parent keeps both if this process dies). Returns the
+    case's JSON result."""
+    from kvconnect.vllm.runtime import (
+        init_single_process_group,
+        make_vllm_config,
+        prepare_cpu_runtime,
+        write_tiny_model,
+    )
+
+    s = {**CASE_DEFAULTS, **spec}
+    prepare_cpu_runtime()
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    from kvconnect.vllm.cache import VllmKVCache
+
+    result: dict[str, Any] = {"connector": s["connector"], "layout": s["layout"],
+                              "num_blocks": s["num_blocks"],
+                              "capacity_blocks": s["capacity_blocks"]}
+    checks = result["checks"] = _Checks(report)
+    rng = random.Random(s["seed"])
+    tmp = s.get("workdir") or tempfile.mkdtemp(prefix="kvconnect-conformance-")
+    stage("setup")
+    cls_name, module, cls = resolve_connector(s["connector"])
+    probe = probe_for(cls)
+    ktc: dict[str, Any] = {"kv_connector": cls_name, "kv_role": "kv_both",
+                           "engine_id": f"conformance-{s['layout']}",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20}}
+    if module:
+        ktc["kv_connector_module_path"] = module
+    model = write_tiny_model(f"{tmp}/model", num_layers=s["num_layers"],
+                             num_kv_heads=s["num_kv_heads"], head_dim=s["head_size"],
+                             dtype=s["dtype"])
+    vc = make_vllm_config(model, layout=s["layout"], block_size=s["block_size"],
+                          kv_transfer_config=ktc, dtype=s["dtype"])
+    spec_ = FullAttentionSpec(block_size=s["block_size"], num_kv_heads=s["num_kv_heads"],
+                              head_size=s["head_size"], dtype=getattr(torch, s["dtype"]))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(s["num_layers"])]
+    kv_cfg = get_kv_cache_config_from_groups(
+        vc, [KVCacheGroupSpec(names, spec_)],
+        available_memory=s["num_blocks"] * s["num_layers"] * spec_.page_size_bytes)
+    with set_current_vllm_config(vc):
+        init_single_process_group(f"{tmp}/dist")
+        probe.install()
+        cache = VllmKVCache(kv_cfg, s["device"], layout=s["layout"],
+                            capacity_blocks=s["capacity_blocks"])
+        cache.allocate()
+        cache.ensure_kv_cache_blocks(max(1, s["num_blocks"] // 2))
+        cache.extend_kv_cache(s["num_blocks"])
+        fill_committed(cache, rng)
+        extents = cache.committed_extents()
+        result["reserved_bytes"] = cache.cache.tensors[0].capacity_bytes
+        result["committed_bytes"] = sum(n for _, n in extents)
+        stage("construct")
+        try:
+            connector = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER,
+                                                            cache.connector_config())
+        except Exception as exc:
+            checks["register"] = {"status": "fail", "stage": "construct",
+                                  "error": f"{type(exc).__name__}: {exc}"[:400]}
+            return result
+        stage("register")
+        try:
+            connector.register_kv_caches(cache.kv_caches())
+            checks["register"] = {"status": "pass"}
+        except Exception as exc:
+            # kvconnect's bounding refusing a layout it cannot describe is not a fault
+            refused = type(exc).__name__ == "LayoutError"
+            checks["register"] = {"status": "refused" if refused else "fail",
+                                  "error": f"{type(exc).__name__}: {exc}"[:400],
+                                  "where": traceback.extract_tb(exc.__traceback__)[-1].name}
+            return result
+        stage("inspect")
+        regions = probe.regions(connector)
+        base = cache.cache.tensors[0].base_ptr
+        result["registration"] = {  # relative to the reservation: comparable across runs
+            "regions": [[r.base - base, r.block_len, r.block_stride, r.num_blocks]
+                        for r in regions],
+            "ranges": [[a - base, n] for a, n in probe.registered()]}
+        checks["committed_only"] = _committed_only(probe, regions, extents)
+        kv_runs = [(r.base_ptr, r.block_len, r.block_stride)
+                   for r in cache.cache.committed_regions()]
+        checks["block_geometry"] = _block_geometry(regions, kv_runs)
+        block_ids = sorted(rng.sample(range(s["num_blocks"]), s["transfer_blocks"]))
+        stage(probe.exercise_name)
+        checks[probe.exercise_name] = _exercise(probe, connector, cache, extents, block_ids, rng)
+        stage("sleep")
+        connector.unregister_kv_caches()
+        left = probe.registered()
+        cache.release_physical()
+        cache.recommit()
+        fill_committed(cache, rng)
+        stage("wake")
+        connector.restore_kv_caches()
+        after = _committed_only(probe, probe.regions(connector), extents)
+        stage(f"{probe.exercise_name} after wake")
+        moved = _exercise(probe, connector, cache, extents, block_ids, rng)
+        ok = not left and after["status"] == "pass" and moved["status"] in ("pass", "skip")
+        checks["sleep_wake"] = {"status": "pass" if ok else "fail",
+                                "registered_while_asleep_bytes": sum(n for _, n in left),
+                                "registered_after_wake_bytes": after["registered_bytes"],
+                                "outside_after_wake": after["ranges_outside"]
+                                + after["regions_outside"],
+                                probe.exercise_name: moved["status"]}
+        stage("shutdown")
+        connector.shutdown()
+    return result

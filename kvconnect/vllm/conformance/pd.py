@@ -1,0 +1,326 @@
+"""1P1D through vLLM's connector API: a prefill and a decode process, vLLM's own handshake.
+
+Each side is its own process (forked from a parent that imported vLLM once) with a VMM-style
+cache (:class:`~kvconnect.vllm.cache.VllmKVCache`, capacity many times the committed blocks)
+and the connector in both roles vLLM gives it: scheduler and worker. The prefill side fills
+its blocks, finishes a request through the scheduler connector (``update_state_after_alloc``,
+``request_finished``: vLLM builds the ``kv_transfer_params`` a decode needs, and its
+scheduler serves the worker's handshake metadata on NIXL's ZMQ side channel), binds the
+scheduler's metadata to its worker and waits for the decode's completion notice. The decode
+side schedules a request carrying those parameters (``get_num_new_matched_tokens``,
+``update_state_after_alloc``, ``build_connector_meta``), binds the metadata to its worker,
+``start_load_kv`` (handshake over the side channel, NIXL READ) and polls ``get_finished``;
+then compares every KV byte of the received blocks with what the prefill side held.
+
+Units: blocks are vLLM's logical blocks; seconds for deadlines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any
+
+__all__ = ["run_pd", "transfers_over_nixl"]
+
+
+def transfers_over_nixl(connector: str) -> bool:
+    """True for connectors of vLLM's NIXL kind (what a 1P1D run exercises)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+
+    from .case import resolve_connector
+
+    return issubclass(resolve_connector(connector)[2], NixlBaseConnector)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _digest(cache: Any, block_ids: list[int]) -> tuple[str, int]:
+    """sha256 over every KV run of ``block_ids`` (kvconnect's regions, in order)."""
+    import ctypes
+
+    h, n = hashlib.sha256(), 0
+    regions = cache.cache.committed_regions()
+    for b in block_ids:
+        for r in regions:
+            h.update(ctypes.string_at(r.base_ptr + b * r.block_stride, r.block_len))
+            n += r.block_len
+    return h.hexdigest(), n
+
+
+def _side(spec: dict[str, Any], role: str, port: int, workdir: str) -> tuple[Any, Any, Any, Any]:
+    """vLLM config, cache, worker connector and scheduler connector of one side."""
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    from kvconnect.vllm.cache import VllmKVCache
+    from kvconnect.vllm.runtime import init_single_process_group, make_vllm_config
+
+    from .case import resolve_connector
+
+    cls_name, module, _ = resolve_connector(spec["connector"])
+    ktc: dict[str, Any] = {"kv_connector": cls_name, "engine_id": f"{role}-engine",
+                           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"}
+    if module:
+        ktc["kv_connector_module_path"] = module
+    vc = make_vllm_config(spec["model"], layout=spec["layout"], block_size=32, kv_transfer_config=ktc)
+    page = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                             dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(spec["num_layers"])]
+    kv_cfg = get_kv_cache_config_from_groups(
+        vc, [KVCacheGroupSpec(names, page)],
+        spec["num_blocks"] * spec["num_layers"] * page.page_size_bytes)
+    ctx = set_current_vllm_config(vc)
+    ctx.__enter__()
+    init_single_process_group(f"{workdir}/dist")
+    cache = VllmKVCache(kv_cfg, "cpu", layout=spec["layout"],
+                        capacity_blocks=spec["capacity_blocks"])
+    cache.allocate()
+    cache.extend_kv_cache(spec["num_blocks"])
+    cfg = cache.connector_config()
+    worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, cfg)
+    sched = KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, cfg)
+    return vc, cache, worker, sched
+
+
+def _request(request_id: str, num_tokens: int, params: dict[str, Any]) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id, list(range(num_tokens)),
+                   SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}),
+                   None)
+
+
+def _blocks(ids: list[int]) -> Any:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(([KVCacheBlock(b) for b in ids],))
+
+
+def _prefill(spec: dict[str, Any], workdir: str, send: Any) -> None:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import RequestStatus
+
+    from .case import fill_committed
+
+    rng = random.Random(spec["seed"])
+    _, cache, worker, sched = _side(spec, "prefill", spec["prefill_port"], workdir)
+    send({"stage": "prefill register"})
+    worker.register_kv_caches(cache.kv_caches())
+    sched.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
+    fill_committed(cache, rng)
+    ids = sorted(rng.sample(range(spec["num_blocks"]), spec["transfer_blocks"]))
+    tokens = spec["transfer_blocks"] * 32
+    req = _request("prefill-req", tokens, {"do_remote_decode": True})
+    sched.update_state_after_alloc(req, _blocks(ids), 0)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    req.num_computed_tokens = tokens
+    _, params = sched.request_finished(req, ids)
+    digest, nbytes = _digest(cache, ids)
+    send({"params": params, "digest": digest, "bytes": nbytes, "remote_ids": ids})
+    worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput.make_empty()))
+    worker.start_load_kv(None)
+    deadline = time.monotonic() + spec["timeout"]
+    while time.monotonic() < deadline:
+        sending, _ = worker.get_finished(set())
+        if sending and "prefill-req" in sending:
+            send({"done_sending": True})
+            break
+        time.sleep(0.01)
+    else:
+        send({"done_sending": False})
+    time.sleep(0.2)
+    worker.shutdown()
+    sched.shutdown()
+
+
+def _decode(spec: dict[str, Any], p: dict[str, Any], workdir: str, send: Any) -> None:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    rng = random.Random(spec["seed"] + 1)
+    _, cache, worker, sched = _side(spec, "decode", spec["decode_port"], workdir)
+    send({"stage": "decode register"})
+    worker.register_kv_caches(cache.kv_caches())
+    sched.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
+    local = rng.sample(range(spec["num_blocks"]), spec["transfer_blocks"])
+    params = dict(p["params"], do_remote_prefill=True, do_remote_decode=False)
+    req = _request("decode-req", spec["transfer_blocks"] * 32, params)
+    count, is_async = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, _blocks(local), count)
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    send({"stage": "decode start_load_kv"})
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    deadline = time.monotonic() + spec["timeout"]
+    done = False
+    while time.monotonic() < deadline and not done:
+        worker.start_load_kv(None)  # drives handshakes that finished in the background
+        _, recving = worker.get_finished(set())
+        done = bool(recving and "decode-req" in recving)
+        time.sleep(0.01)
+    errors = sorted(worker.get_block_ids_with_load_errors()) if done else []
+    digest, nbytes = _digest(cache, local)
+    ok = done and not errors and digest == p["digest"]
+    send({"result": {"status": "pass" if ok else "fail", "received": done,
+                     "load_error_blocks": errors[:8], "bytes": nbytes,
+                     "byte_exact": digest == p["digest"], "matched_tokens": count,
+                     "async": is_async, "local_ids": local, "remote_ids": p["remote_ids"]}})
+    worker.shutdown()
+    sched.shutdown()
+
+
+def _fork(target: Any, *args: Any) -> tuple[int, int, str]:
+    rfd, wfd = os.pipe()
+    log = tempfile.mkstemp(prefix="kvconnect-pd-", suffix=".log")[1]
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(rfd)
+            os.setpgid(0, 0)
+            fd = os.open(log, os.O_WRONLY | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+
+            def send(obj: dict[str, Any]) -> None:
+                os.write(wfd, (json.dumps(obj) + "\n").encode())
+
+            target(*args, send)
+        except BaseException:
+            code = 1
+            try:
+                os.write(wfd, (json.dumps({"error": traceback.format_exc()[-1500:]}) + "\n"
+                               ).encode())
+            except OSError:
+                pass
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    return pid, rfd, log
+
+
+def _read(rfd: int, buf: list[bytes], deadline: float) -> dict[str, Any] | None:
+    import select
+
+    while b"\n" not in buf[0]:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([rfd], [], [], min(left, 1.0))
+        if ready:
+            chunk = os.read(rfd, 65536)
+            if not chunk:
+                return None
+            buf[0] += chunk
+    line, buf[0] = buf[0].split(b"\n", 1)
+    return json.loads(line)
+
+
+def _end(pid: int) -> str | None:
+    """Reap ``pid`` (killing its group first if still alive); the signal that ended it."""
+    for _ in range(100):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else None
+        time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _, status = os.waitpid(pid, 0)
+    return signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else None
+
+
+def _until(rfd: int, buf: list[bytes], deadline: float, key: str, stage: list[str]
+           ) -> dict[str, Any] | None:
+    while True:
+        msg = _read(rfd, buf, deadline)
+        if msg is None or key in msg or "error" in msg:
+            return msg
+        stage[0] = msg.get("stage", stage[0])
+
+
+def run_pd(connector: str, layout: str, *, num_blocks: int = 128, capacity_blocks: int = 1024,
+           transfer_blocks: int = 8, num_layers: int = 2, timeout: float = 90.0,
+           seed: int = 0) -> dict[str, Any]:
+    """One 1P1D transfer through vLLM's connector API; JSON result (``status`` pass / fail /
+    fault / timeout, evidence)."""
+    from .runner import warm_up
+
+    warm_up()
+    spec = {"connector": connector, "layout": layout, "num_blocks": num_blocks,
+            "capacity_blocks": capacity_blocks, "transfer_blocks": transfer_blocks,
+            "num_layers": num_layers, "timeout": timeout, "seed": seed,
+            "prefill_port": _free_port(), "decode_port": _free_port()}
+    out: dict[str, Any] = {"connector": connector, "layout": layout, "num_blocks": num_blocks,
+                           "capacity_blocks": capacity_blocks}
+    t0 = time.monotonic()
+    deadline = t0 + timeout + 30
+    with tempfile.TemporaryDirectory(prefix="kvconnect-pd-") as tmp:
+        from kvconnect.vllm.runtime import write_tiny_model
+
+        # one model folder: vLLM's NIXL compatibility hash covers the model path
+        spec["model"] = str(write_tiny_model(f"{tmp}/model", num_layers=num_layers))
+        os.makedirs(f"{tmp}/p")
+        os.makedirs(f"{tmp}/d")
+        p_pid, p_fd, p_log = _fork(_prefill, spec, f"{tmp}/p")
+        p_buf, p_stage = [b""], ["prefill start"]
+        d_pid = d_fd = None
+        try:
+            p = _until(p_fd, p_buf, deadline, "params", p_stage)
+            if p is None or "error" in p:
+                err = (p or {}).get("error", "prefill gave no parameters")
+                # kvconnect's bounding declining a layout, before registering: not a fault
+                out.update(status="refused" if "LayoutError" in err else "fail",
+                           stage=p_stage[0], evidence=err.strip().splitlines()[-1][:400])
+                return out
+            d_pid, d_fd, d_log = _fork(_decode, spec, p, f"{tmp}/d")
+            d_buf, d_stage = [b""], ["decode start"]
+            d = _until(d_fd, d_buf, deadline, "result", d_stage)
+            sent = _until(p_fd, p_buf, min(deadline, time.monotonic() + 10), "done_sending",
+                          p_stage)
+            if d is None or "error" in d:
+                out.update(status="fail", stage=d_stage[0],
+                           evidence=(d or {}).get("error", "decode gave no result")[-600:])
+            else:
+                out.update(d["result"])
+                out["prefill_saw_completion"] = bool(sent and sent.get("done_sending"))
+        finally:
+            sigs = {"prefill": _end(p_pid)}
+            os.close(p_fd)
+            if d_pid is not None:
+                sigs["decode"] = _end(d_pid)
+                os.close(d_fd)
+            for side, sig in sigs.items():
+                if sig and sig != "SIGKILL":
+                    out.update(status="fault", signal=sig, side=side,
+                               evidence=f"{side} died by {sig}")
+            for side, path in (("prefill", p_log),) + (
+                    (("decode", d_log),) if d_pid is not None else ()):
+                if out.get("status") != "pass":
+                    with open(path, errors="replace") as f:
+                        lines = [x for x in f.read().splitlines()
+                                 if "ERROR" in x or "rror" in x or "Traceback" in x]
+                    out[f"{side}_log_errors"] = lines[-6:]
+                os.unlink(path)
+    out["seconds"] = round(time.monotonic() - t0, 2)
+    return out

@@ -1,0 +1,335 @@
+"""What a connector registered, and how to make it move blocks: one probe per connector kind.
+
+A probe is chosen by :func:`probe_for` from :data:`PROBES` (the first whose upstream base
+class the connector derives from; connectors of no known kind get :class:`NixlProbe`'s
+registration recording only). Probes run inside a case's own process, which is discarded
+afterwards, so they may patch classes for the life of that process.
+
+Two stand-ins replace what cannot exist on a CPU-only machine, and say so in their names:
+:class:`HostStreamStandIn` for ``torch.cuda.Stream`` and :class:`HostCopyBackendStandIn` for
+SimpleCPUOffload's ``cuMemcpyBatchAsync`` backend (it copies the same rows, synchronously).
+OffloadingConnector's CUDA worker is not created: :class:`OffloadingProbe` captures the
+canonical tensors upstream hands it and copies their rows the way that worker would.
+
+Units: bytes; block ids are the connector's blocks (logical blocks here).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PROBES", "ConnectorProbe", "HostCopyBackendStandIn", "HostStreamStandIn",
+           "NixlProbe", "OffloadingProbe", "Region", "SimpleCPUOffloadProbe", "probe_for"]
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered region: block ``b`` is ``block_len`` bytes at ``base + b * stride``."""
+
+    base: int
+    block_len: int
+    block_stride: int
+    num_blocks: int
+
+    def block(self, b: int) -> tuple[int, int]:
+        return self.base + b * self.block_stride, self.block_len
+
+    @property
+    def end(self) -> int:
+        return self.base + (self.num_blocks - 1) * self.block_stride + self.block_len
+
+
+class ConnectorProbe:
+    """Introspection of one connector kind. ``exercise`` moves ``block_ids`` through the
+    connector's geometry and returns ``(moved_bytes, mismatched_bytes)`` against
+    ``expected`` (block id -> the bytes every KV run of that block held)."""
+
+    kind = "generic"
+    #: "transfer" (peer reads blocks) or "offload_round_trip"
+    exercise_name = "transfer"
+
+    def install(self) -> None:
+        """Patch what must be patched before the connector is created."""
+
+    def regions(self, connector: Any) -> list[Region]:
+        return []
+
+    def registered(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of memory registered now (NIXL registrations, or the
+        spans an offload worker copies from)."""
+        return []
+
+    def exercise(self, connector: Any, block_ids: list[int], scribble: Any, read_runs: Any,
+                 runs: list[tuple[int, int]]) -> tuple[int, int]:
+        raise NotImplementedError(f"{type(self).__name__} cannot move blocks")
+
+
+# -- NIXL -------------------------------------------------------------------------------------
+class NixlProbe(ConnectorProbe):
+    """Records every NIXL registration (any agent in the process) and reads blocks from the
+    connector's agent with a second, real agent, as a decode peer does."""
+
+    kind = "nixl"
+    exercise_name = "transfer"
+
+    def __init__(self) -> None:
+        self._descs: dict[int, list[tuple[int, int]]] = {}
+        self._live: dict[int, list[tuple[int, int]]] = {}
+        self._dst: Any = None
+
+    def install(self) -> None:
+        from nixl._api import nixl_agent
+
+        probe = self
+        orig_get, orig_reg, orig_dereg = (nixl_agent.get_reg_descs, nixl_agent.register_memory,
+                                          nixl_agent.deregister_memory)
+
+        def get_reg_descs(self: Any, descs: Any, mem_type: Any = None) -> Any:
+            out = orig_get(self, descs, mem_type)
+            if isinstance(descs, list) and descs and isinstance(descs[0], tuple):
+                probe._descs[id(out)] = [(int(d[0]), int(d[1])) for d in descs]
+            return out
+
+        def register_memory(self: Any, reg_list: Any, mem_type: Any = None,
+                            backends: list[str] = []) -> Any:  # noqa: B006 - upstream's
+            out = orig_reg(self, reg_list, mem_type, backends)
+            probe._live[id(out)] = probe._descs.get(id(out), [])
+            return out
+
+        def deregister_memory(self: Any, dereg_list: Any, backends: list[str] = []) -> Any:  # noqa: B006
+            probe._live.pop(id(dereg_list), None)
+            return orig_dereg(self, dereg_list, backends)
+
+        nixl_agent.get_reg_descs = get_reg_descs
+        nixl_agent.register_memory = register_memory
+        nixl_agent.deregister_memory = deregister_memory
+
+    def registered(self) -> list[tuple[int, int]]:
+        return sorted(r for rs in self._live.values() for r in rs)
+
+    def regions(self, connector: Any) -> list[Region]:
+        w = connector.connector_worker
+        bases = w.kv_caches_base_addr[w.engine_id][w.tp_rank]
+        return [Region(int(a), int(n), int(s), int(b)) for a, n, s, b in zip(
+            bases, w.block_len_per_layer, w.block_stride_per_layer, w.region_num_blocks,
+            strict=True)]
+
+    def exercise(self, connector: Any, block_ids: list[int], scribble: Any, read_runs: Any,
+                 runs: list[tuple[int, int]], timeout: float = 30.0) -> tuple[int, int]:
+        """A fresh agent READs every region's ``block_ids`` from the connector's agent into
+        its own buffer; compares with the source bytes (read after, at the same addresses)."""
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        w = connector.connector_worker
+        src = w.nixl_wrapper
+        regions = self.regions(connector)
+        descs = [r.block(b) for r in regions for b in block_ids]
+        total = sum(n for _, n in descs)
+        if self._dst is None:
+            self._dst = nixl_agent("kvconnect-conformance-peer",
+                                   nixl_agent_config(backends=["UCX"]))
+        dst = self._dst
+        buf = torch.zeros(total, dtype=torch.uint8)
+        reg = dst.register_memory([(buf.data_ptr(), total, 0, "")], "DRAM")
+        name = dst.add_remote_agent(src.get_agent_metadata())
+        try:
+            local, off = [], buf.data_ptr()
+            for _, n in descs:
+                local.append((off, n, 0))
+                off += n
+            handle = dst.initialize_xfer("READ", dst.get_xfer_descs(local, "DRAM"),
+                                         dst.get_xfer_descs([(a, n, 0) for a, n in descs],
+                                                            "DRAM"), name)
+            try:
+                state = dst.transfer(handle)
+                deadline = time.monotonic() + timeout
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"NIXL READ of {total} bytes not done in {timeout} s")
+                    time.sleep(0.001)
+                    state = dst.check_xfer_state(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL READ of {total} bytes ended in state {state}")
+            finally:
+                dst.release_xfer_handle(handle)
+            want = read_runs(descs)
+            got = buf.numpy().tobytes()
+            return total, sum(a != b for a, b in zip(got, want, strict=True))
+        finally:
+            dst.remove_remote_agent(name)
+            dst.deregister_memory(reg)
+
+
+# -- offload connectors ---------------------------------------------------------------------
+class HostStreamStandIn:
+    """Stands in for ``torch.cuda.Stream`` on a CPU-only machine (no streams exist here)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return 0, 0
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class HostCopyBackendStandIn:
+    """Stands in for SimpleCPUOffload's ``DmaCopyBackend`` (``cuMemcpyBatchAsync``, CUDA
+    only): the same per-region rows (``base + block_id * stride(0)``, ``shape[1:]`` bytes),
+    copied synchronously on the CPU."""
+
+    def init(self, gpu_caches: dict[str, torch.Tensor], cpu_caches: dict[str, torch.Tensor],
+             *args: Any) -> None:
+        self.gpu_caches, self.cpu_caches = gpu_caches, cpu_caches
+
+    def copy(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool) -> int:
+        moved = 0
+        for name, dev in self.gpu_caches.items():
+            host = self.cpu_caches[name]
+            src, dst = (dev, host) if is_store else (host, dev)
+            for s, d in zip(src_blocks, dst_blocks, strict=True):
+                dst[d].copy_(src[s])
+                moved += src[s].numel() * src.element_size()
+        return moved
+
+    def launch_copy(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool,
+                    *args: Any, **kwargs: Any) -> None:
+        self.copy(src_blocks, dst_blocks, is_store)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _rows_region(t: torch.Tensor) -> Region:
+    e = t.element_size()
+    return Region(t.data_ptr(), t[0].numel() * e, t.stride(0) * e, t.shape[0])
+
+
+def _round_trip(copy: Any, block_ids: list[int], scribble: Any, read_runs: Any,
+                runs: list[tuple[int, int]]) -> tuple[int, int]:
+    """Store ``block_ids`` to host slots, scribble them on the device, load them back;
+    compare every KV run of those blocks with what it held before."""
+    want = read_runs(runs)
+    slots = list(range(len(block_ids)))
+    moved = copy(block_ids, slots, True)
+    scribble()
+    moved += copy(slots, block_ids, False)
+    got = read_runs(runs)
+    return moved, sum(a != b for a, b in zip(got, want, strict=True))
+
+
+class SimpleCPUOffloadProbe(ConnectorProbe):
+    """SimpleCPUOffload: its worker's device regions, and a store / scribble / load round
+    trip through its own region views (with :class:`HostCopyBackendStandIn`)."""
+
+    kind = "simple_cpu_offload"
+    exercise_name = "offload_round_trip"
+
+    def install(self) -> None:
+        import vllm.v1.simple_kv_offload.worker as worker
+
+        if not torch.cuda.is_available():
+            torch.cuda.Stream = HostStreamStandIn  # type: ignore[misc,assignment]
+            worker.DmaCopyBackend = HostCopyBackendStandIn  # type: ignore[misc,assignment]
+
+    def regions(self, connector: Any) -> list[Region]:
+        h = connector.worker_handler
+        return [_rows_region(t) for t in (h.gpu_kv_caches or {}).values()]
+
+    def registered(self) -> list[tuple[int, int]]:
+        return []
+
+    def exercise(self, connector: Any, block_ids: list[int], scribble: Any, read_runs: Any,
+                 runs: list[tuple[int, int]]) -> tuple[int, int]:
+        backend = connector.worker_handler._backend
+        return _round_trip(backend.copy, block_ids, scribble, read_runs, runs)
+
+
+class OffloadingProbe(ConnectorProbe):
+    """OffloadingConnector: the canonical tensors its worker is built from (captured; the
+    CUDA worker itself refuses CPU), and a round trip copying their rows."""
+
+    kind = "offloading"
+    exercise_name = "offload_round_trip"
+
+    def __init__(self) -> None:
+        self.canonical: Any = None
+
+    def install(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+            OffloadingConnectorWorker,
+        )
+
+        probe = self
+
+        def capture(self: Any, kv_caches: Any) -> None:
+            probe.canonical = kv_caches
+
+        OffloadingConnectorWorker._init_worker = capture  # type: ignore[method-assign]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [] if self.canonical is None else [t.tensor for t in self.canonical.tensors]
+
+    def regions(self, connector: Any) -> list[Region]:
+        return [_rows_region(t) for t in self._tensors()]
+
+    def exercise(self, connector: Any, block_ids: list[int], scribble: Any, read_runs: Any,
+                 runs: list[tuple[int, int]]) -> tuple[int, int]:
+        tensors = self._tensors()
+        host = [torch.zeros((len(block_ids),) + tuple(t.shape[1:]), dtype=t.dtype)
+                for t in tensors]
+
+        def copy(src: list[int], dst: list[int], is_store: bool) -> int:
+            moved = 0
+            for dev, h in zip(tensors, host, strict=True):
+                a, b = (dev, h) if is_store else (h, dev)
+                for s, d in zip(src, dst, strict=True):
+                    b[d].copy_(a[s])
+                    moved += a[s].numel() * a.element_size()
+            return moved
+
+        return _round_trip(copy, block_ids, scribble, read_runs, runs)
+
+
+def _nixl_base() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+
+    return NixlBaseConnector
+
+
+def _simple_base() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+        SimpleCPUOffloadConnector,
+    )
+
+    return SimpleCPUOffloadConnector
+
+
+def _offloading_base() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    return OffloadingConnector
+
+
+#: (upstream base class loader, probe class): the first base a connector derives from wins
+PROBES: list[tuple[Any, type[ConnectorProbe]]] = [
+    (_nixl_base, NixlProbe),
+    (_simple_base, SimpleCPUOffloadProbe),
+    (_offloading_base, OffloadingProbe),
+]
+
+
+def probe_for(connector_cls: type) -> ConnectorProbe:
+    """The probe of ``connector_cls``'s kind (NIXL registration recording if none fits)."""
+    for base, probe in PROBES:
+        if issubclass(connector_cls, base()):
+            return probe()
+    return NixlProbe()

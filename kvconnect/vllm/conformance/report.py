@@ -1,0 +1,115 @@
+"""Conformance results as a Markdown table (what docs/conformance.md holds).
+
+Rows are connector x layout; columns the checks (pass / fail / skip), the case's status,
+and the evidence: bytes registered vs committed, bytes registered outside committed
+memory, the error, or the signal and the step it struck in. Units: MiB where marked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["CHECK_COLUMNS", "evidence", "render_markdown", "render_pd_markdown",
+           "summary_counts"]
+
+#: table columns, in order (a case has either transfer or offload_round_trip)
+CHECK_COLUMNS = ("register", "committed_only", "block_geometry", "moves_blocks", "sleep_wake")
+
+_MIB = 1024 * 1024
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / _MIB:g}"
+
+
+def _short(connector: str) -> str:
+    return connector.rsplit(":", 1)[-1]
+
+
+def evidence(r: dict[str, Any]) -> str:
+    """One line: what went wrong (or the bytes registered when nothing did)."""
+    checks = r.get("checks", {})
+    parts = []
+    co = checks.get("committed_only")
+    if co:
+        parts.append(f"registered {_mib(co.get('registered_bytes'))} MiB / committed "
+                     f"{_mib(co.get('committed_bytes'))} MiB"
+                     + (f", {_mib(co['registered_outside_bytes'])} MiB outside"
+                        if co.get("registered_outside_bytes") else ""))
+        if co.get("regions_outside"):
+            parts.append(f"{co['regions_outside']}/{co['regions']} regions outside")
+    geo = checks.get("block_geometry", {})
+    if geo.get("status") == "fail" and geo.get("uncovered_kv_bytes_per_block"):
+        parts.append(f"{geo['uncovered_kv_bytes_per_block']} KV bytes/block not covered")
+    for name in ("transfer", "offload_round_trip"):
+        c = checks.get(name, {})
+        if c.get("error"):
+            parts.append(f"{name}: {c['error'][:90]}")
+        elif c.get("mismatched_bytes") or c.get("unreadable_bytes"):
+            parts.append(f"{name}: {c.get('mismatched_bytes', 0)} bytes differ, "
+                         f"{c.get('unreadable_bytes', 0)} outside committed")
+    reg = checks.get("register", {})
+    if reg.get("error"):
+        parts.append(reg["error"][:160])
+    if r.get("status") in ("fault", "timeout", "error"):
+        parts.append(str(r.get("evidence", r["status"]))[:160])
+    return "; ".join(parts).replace("|", "/") or "-"
+
+
+def _cell(r: dict[str, Any], col: str) -> str:
+    checks = r.get("checks", {})
+    if col == "moves_blocks":
+        c = checks.get("transfer") or checks.get("offload_round_trip")
+    else:
+        c = checks.get(col)
+    if c is None:
+        return "—"
+    return str(c.get("status", "?"))
+
+
+def summary_counts(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """connector -> {status: cases}."""
+    out: dict[str, dict[str, int]] = {}
+    for r in results:
+        d = out.setdefault(_short(r["connector"]), {})
+        d[r["status"]] = d.get(r["status"], 0) + 1
+    return out
+
+
+def render_markdown(results: Sequence[dict[str, Any]], *, title: str,
+                    preamble: str = "") -> str:
+    """A Markdown section: ``title``, ``preamble``, a per-connector summary and the table."""
+    lines = [f"## {title}", ""]
+    if preamble:
+        lines += [preamble.rstrip(), ""]
+    for name, counts in summary_counts(results).items():
+        lines.append(f"- **{name}**: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    lines += ["", "| connector | layout | status | " + " | ".join(CHECK_COLUMNS)
+              + " | evidence |", "|" + "---|" * (len(CHECK_COLUMNS) + 4)]
+    for r in results:
+        cells = [_short(r["connector"]), r["layout"], f"**{r['status']}**"]
+        cells += [_cell(r, c) for c in CHECK_COLUMNS]
+        cells.append(evidence(r))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_pd_markdown(results: Sequence[dict[str, Any]], *, title: str, preamble: str = ""
+                       ) -> str:
+    """1P1D results (:func:`kvconnect.vllm.conformance.pd.run_pd`) as a Markdown section."""
+    lines = [f"## {title}", ""]
+    if preamble:
+        lines += [preamble.rstrip(), ""]
+    lines += ["| connector | layout | status | received | byte-exact | blocks with load errors "
+              "(vLLM) | prefill saw completion | seconds | evidence |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        errs = r.get("load_error_blocks")
+        lines.append("| " + " | ".join([
+            _short(r["connector"]), r["layout"], f"**{r['status']}**",
+            str(r.get("received", "—")), str(r.get("byte_exact", "—")),
+            "—" if errs is None else f"{len(errs)} of {len(r.get('local_ids', []))}",
+            str(r.get("prefill_saw_completion", "—")), str(r.get("seconds", "—")),
+            str(r.get("evidence", "-")).replace("|", "/")[:160]]) + " |")
+    return "\n".join(lines) + "\n"

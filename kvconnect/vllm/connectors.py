@@ -1,0 +1,91 @@
+"""vLLM 0.33's connectors, patched so their workers see only committed memory (needs vLLM).
+
+Each class subclasses upstream's and changes one thing: before upstream's
+``register_kv_caches`` runs, the views and the connector's ``KVCacheConfig`` are bounded to
+the committed blocks (:func:`kvconnect.vllm.bounding.bound_for_connector`). Everything else,
+including sleep / wake (``unregister_kv_caches`` / ``restore_kv_caches``, which re-register
+exactly what was registered: the committed extents), is upstream's. On a plain allocation
+the bounded views and config equal the originals, so registrations are byte-identical.
+
+Load one with::
+
+    --kv-transfer-config '{"kv_connector": "KvconnectNixlConnector",
+                           "kv_connector_module_path": "kvconnect.vllm", "kv_role": ...}'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+    SimpleCPUOffloadConnector,
+)
+
+from .bounding import BoundedKVCaches, bound_for_connector
+
+__all__ = ["KvconnectNixlConnector", "KvconnectOffloadingConnector",
+           "KvconnectSimpleCPUOffloadConnector"]
+
+
+class _CommittedOnly:
+    """The bounding step shared by the patched connectors."""
+
+    _vllm_config: Any
+    _kv_cache_config: Any
+    #: what the last ``register_kv_caches`` handed upstream (None before it ran)
+    kvconnect_bounded: BoundedKVCaches | None = None
+
+    def _bounded(self, kv_caches: dict[str, torch.Tensor]) -> BoundedKVCaches:
+        cfg = self._kv_cache_config
+        layout = getattr(cfg, "kv_cache_layout", None) or (
+            self._vllm_config.cache_config.kv_cache_layout)
+        bounded = bound_for_connector(kv_caches, cfg, layout=layout)
+        self.kvconnect_bounded = bounded
+        return bounded
+
+
+class KvconnectNixlConnector(_CommittedOnly, NixlConnector):
+    """vLLM's ``NixlConnector`` (pull) registering committed memory only."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        bounded = self._bounded(kv_caches)
+        super().register_kv_caches(bounded.kv_caches)
+
+
+class KvconnectSimpleCPUOffloadConnector(_CommittedOnly, SimpleCPUOffloadConnector):
+    """vLLM's ``SimpleCPUOffloadConnector`` whose worker places regions in committed memory
+    (its worker reads ``layer_stride`` / ``offset`` from the config: bounded too)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker_handler is None:  # scheduler role, or offload disabled upstream
+            super().register_kv_caches(kv_caches)
+            return
+        bounded = self._bounded(kv_caches)
+        self.worker_handler.kv_cache_config = bounded.kv_cache_config
+        super().register_kv_caches(bounded.kv_caches)
+
+
+class KvconnectOffloadingConnector(_CommittedOnly, OffloadingConnector):
+    """vLLM's ``OffloadingConnector`` over bounded views (its geometry is already bounded by
+    ``num_blocks``; its packed path assumes row 0 at the storage start, which bounding
+    guarantees)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.connector_worker is not None
+        bounded = self._bounded(kv_caches)
+        self.connector_worker.kv_cache_config = bounded.kv_cache_config
+        super().register_kv_caches(bounded.kv_caches)
