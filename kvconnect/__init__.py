@@ -17,7 +17,11 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "IpcError": "framing",
     "PeerError": "framing",
+    "PeerRefusedError": "framing",
     "PeerMapping": "ipc",
+    "PeerSession": "session",
+    "accept_session": "session",
+    "connect_session": "session",
     "ExtensibleKVCache": "kv_cache",
     "KVCacheStateError": "kv_cache",
     "LAYOUTS": "layout",
@@ -63,8 +67,9 @@ _EXPORTS: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .framing import IpcError, PeerError  # noqa: F401
+    from .framing import IpcError, PeerError, PeerRefusedError  # noqa: F401
     from .ipc import PeerMapping  # noqa: F401
+    from .session import PeerSession, accept_session, connect_session  # noqa: F401
     from .kv_cache import ExtensibleKVCache, KVCacheStateError  # noqa: F401
     from .layout import (  # noqa: F401
         LAYOUTS,
@@ -164,7 +169,11 @@ __all__ = [
     "LiveViewsError",
     "PeerError",
     "PeerMapping",
+    "PeerRefusedError",
+    "PeerSession",
     "UndoStack",
+    "accept_session",
+    "connect_session",
     "VmmDriver",
     "VmmError",
     "VmmProbe",

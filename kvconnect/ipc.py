@@ -33,9 +33,13 @@ from .framing import (
     MAX_FDS,
     MAX_MESSAGE_BYTES,
     SCM_MAX_FD,
+    SEAL_BYTES,
+    FrameSeal,
     IpcError,
     PeerCredentials,
     PeerError,
+    PeerRefusedError,
+    check_peer,
     check_peer_uid,
     peer_credentials,
     private_socket_dir,
@@ -48,10 +52,10 @@ from .undo import UndoStack
 from .vmm import AllocationOptions, PhysicalHandle, Reservation, VmmDriver
 
 __all__ = [
-    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "IpcError", "PeerCredentials",
-    "PeerError", "PeerMapping", "check_peer_uid", "export_message", "import_message",
-    "peer_credentials", "private_socket_dir", "recv_json", "recv_message", "send_error",
-    "send_message",
+    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "SEAL_BYTES", "FrameSeal",
+    "IpcError", "PeerCredentials", "PeerError", "PeerMapping", "PeerRefusedError",
+    "check_peer", "check_peer_uid", "export_message", "import_message", "peer_credentials",
+    "private_socket_dir", "recv_json", "recv_message", "send_error", "send_message",
 ]
 
 #: most tensors one export message may describe
