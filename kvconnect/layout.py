@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
+
+from .checks import checked_int
 
 __all__ = [
     "LAYOUTS", "AttentionSpec", "FullAttentionSpec", "KVCacheConfig", "KVCacheGroupSpec",
@@ -104,19 +106,67 @@ class KVCacheSpec:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> KVCacheSpec:
+        """The spec :meth:`to_dict` described; any malformed field raises LayoutError."""
         kinds = {c.__name__: c for c in (FullAttentionSpec, SlidingWindowSpec,
                                          MLAAttentionSpec, MambaSpec)}
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"a KV cache spec must be a dict, got {type(d).__name__}")
         d = dict(d)
         kind = d.pop("kind", None)
-        if kind not in kinds:
-            raise ValueError(f"unknown KV cache spec kind {kind!r}; expected one of {list(kinds)}")
-        if "dtype" in d:
-            d["dtype"] = dtype_from_name(d["dtype"])
-        if "dtypes" in d:
-            d["dtypes"] = tuple(dtype_from_name(x) for x in d["dtypes"])
-        if "shapes" in d:
-            d["shapes"] = tuple(tuple(int(v) for v in s) for s in d["shapes"])
-        return kinds[kind](**d)
+        if not isinstance(kind, str) or kind not in kinds:
+            raise LayoutError(f"unknown KV cache spec kind {kind!r:.60}; expected one of "
+                              f"{list(kinds)}")
+        unknown = sorted(map(str, set(d) - {f.name for f in fields(kinds[kind])}))
+        if unknown:
+            raise LayoutError(f"{kind} has no fields {unknown[:4]}")
+        args: dict[str, Any] = {}
+        for name, value in d.items():
+            where = f"{kind}.{name}"
+            if name == "dtype":
+                args[name] = _dict_dtype(where, value)
+            elif name == "dtypes":
+                args[name] = tuple(_dict_dtype(f"{where}[{i}]", x)
+                                   for i, x in enumerate(_dict_list(where, value)))
+            elif name == "shapes":
+                args[name] = tuple(tuple(_dict_int(f"{where}[{i}]", v)
+                                         for v in _dict_list(f"{where}[{i}]", shape))
+                                   for i, shape in enumerate(_dict_list(where, value)))
+            elif name == "page_size_padded" and value is None:
+                args[name] = None
+            else:
+                args[name] = _dict_int(where, value)
+        try:
+            return kinds[kind](**args)
+        except TypeError as exc:  # a required field is missing
+            raise LayoutError(f"{kind}: {exc}") from None
+
+
+def _dict_int(what: str, value: object) -> int:
+    """A positive int field of a config dict, or LayoutError."""
+    try:
+        return checked_int(what, value)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
+
+
+def _dict_str(what: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise LayoutError(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _dict_list(what: str, value: object) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise LayoutError(f"{what} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _dict_dtype(what: str, value: object) -> torch.dtype:
+    try:
+        return dtype_from_name(value if isinstance(value, torch.dtype) else
+                               _dict_str(what, value))
+    except ValueError as exc:
+        raise LayoutError(f"{what}: {exc}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,15 +338,42 @@ class KVCacheConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KVCacheConfig:
+        """The config :meth:`to_dict` described. Every field is checked (types, positive
+        ints, known spec kinds and dtypes); anything malformed raises LayoutError. Whether
+        the config can be laid out is :func:`plan_layout`'s to say."""
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"a KV cache config must be a dict, got {type(d).__name__}")
+        known = {"num_blocks", "kv_cache_tensors", "kv_cache_groups", "layout",
+                 "kernel_block_size"}
+        missing = sorted(known - {"layout", "kernel_block_size"} - d.keys())
+        unknown = sorted(map(str, d.keys() - known))
+        if missing or unknown:
+            raise LayoutError(f"KV cache config: missing fields {missing}, unknown fields "
+                              f"{unknown[:4]}")
+        tensors, groups = [], []
+        for i, t in enumerate(_dict_list("kv_cache_tensors", d["kv_cache_tensors"])):
+            where = f"kv_cache_tensors[{i}]"
+            if not isinstance(t, Mapping) or not {"size", "shared_by"} <= t.keys():
+                raise LayoutError(f"{where} must be a dict with size and shared_by")
+            names = _dict_list(f"{where}.shared_by", t["shared_by"])
+            tensors.append(KVCacheTensor(_dict_int(f"{where}.size", t["size"]),
+                                         tuple(_dict_str(f"{where}.shared_by", n)
+                                               for n in names)))
+        for i, g in enumerate(_dict_list("kv_cache_groups", d["kv_cache_groups"])):
+            where = f"kv_cache_groups[{i}]"
+            if not isinstance(g, Mapping) or not {"layer_names", "kv_cache_spec"} <= g.keys():
+                raise LayoutError(f"{where} must be a dict with layer_names and kv_cache_spec")
+            names = _dict_list(f"{where}.layer_names", g["layer_names"])
+            groups.append(KVCacheGroupSpec(tuple(_dict_str(f"{where}.layer_names", n)
+                                                 for n in names),
+                                           KVCacheSpec.from_dict(g["kv_cache_spec"])))
+        kbs = d.get("kernel_block_size")
         return cls(
-            num_blocks=int(d["num_blocks"]),
-            kv_cache_tensors=tuple(KVCacheTensor(int(t["size"]), tuple(t["shared_by"]))
-                                   for t in d["kv_cache_tensors"]),
-            kv_cache_groups=tuple(KVCacheGroupSpec(tuple(g["layer_names"]),
-                                                   KVCacheSpec.from_dict(g["kv_cache_spec"]))
-                                  for g in d["kv_cache_groups"]),
-            layout=str(d.get("layout", "kv_split_nhd")),
-            kernel_block_size=d.get("kernel_block_size"),
+            num_blocks=_dict_int("num_blocks", d["num_blocks"]),
+            kv_cache_tensors=tuple(tensors),
+            kv_cache_groups=tuple(groups),
+            layout=_dict_str("layout", d.get("layout", "kv_split_nhd")),
+            kernel_block_size=None if kbs is None else _dict_int("kernel_block_size", kbs),
         )
 
 
