@@ -32,8 +32,7 @@ def _load(name: str) -> Any:
     return mod
 
 
-fuzz = _load("_fuzz")
-peer_fuzz = _load("test_fuzz_peer_input")
+fuzz = _load("_reliability")
 
 
 def _preset_dicts() -> list[dict]:
@@ -48,7 +47,7 @@ def test_layout_configs_plan_or_raise_layout_error() -> None:
         plan_layout(KVCacheConfig.from_dict(base))
 
     @fuzz.fuzz_settings(400)
-    @given(st.sampled_from(range(len(bases))).flatmap(lambda i: peer_fuzz.mutated(bases[i])))
+    @given(st.sampled_from(range(len(bases))).flatmap(lambda i: fuzz.mutated(bases[i])))
     def run(doc: Any) -> None:
         got = tally.run(lambda: plan_layout(KVCacheConfig.from_dict(doc)), (LayoutError,))
         if not isinstance(got, LayoutError):  # a plan: its config round-trips

@@ -26,7 +26,8 @@ from kvconnect.framing import (
     recv_message,
 )
 
-_spec = importlib.util.spec_from_file_location("_fuzz", Path(__file__).with_name("_fuzz.py"))
+_spec = importlib.util.spec_from_file_location("_reliability",
+                                               Path(__file__).with_name("_reliability.py"))
 fuzz = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz)
 

@@ -13,7 +13,6 @@ no fd, no mapped chunk, no reservation, no loaded peer.
 from __future__ import annotations
 
 import base64
-import copy
 import importlib.util
 import json
 import os
@@ -39,62 +38,8 @@ def _load(name: str) -> Any:
     return mod
 
 
-fuzz = _load("_fuzz")
+fuzz = _load("_reliability")
 G = 2 * 1024 * 1024
-
-#: values a peer might put where a number, string or list is expected
-evil_scalars = st.one_of(
-    st.integers(-(1 << 70), 1 << 70),
-    st.sampled_from([0, -1, 1, G, G - 1, 1 << 31, 1 << 46, 1 << 47, 1 << 62, (1 << 63) - 1,
-                     1 << 63, 1 << 64,
-                     (1 << 64) + G, 10 ** 39, -(10 ** 39)]),
-    st.booleans(), st.none(), st.floats(allow_nan=True), st.text(max_size=12),
-    st.just("x" * 5000),
-)
-evil_values = st.one_of(
-    evil_scalars,
-    st.lists(evil_scalars, max_size=4),
-    st.dictionaries(st.text(max_size=6), evil_scalars, max_size=3),
-    st.integers(1, 120).map(lambda n: json.loads("[" * n + "]" * n)),
-)
-
-
-def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
-    """Every path (tuple of keys/indexes) to a value inside ``doc``."""
-    out = [prefix] if prefix else []
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, prefix + (k,))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _paths(v, prefix + (i,))
-    return out
-
-
-@st.composite
-def mutated(draw: st.DrawFn, base: Any, max_mutations: int = 3) -> Any:
-    """``base`` (a JSON value) with 1..max_mutations fields replaced, deleted or added."""
-    doc = copy.deepcopy(base)
-    for _ in range(draw(st.integers(1, max_mutations))):
-        paths = _paths(doc)
-        if not paths:
-            break
-        path = draw(st.sampled_from(paths))
-        parent = doc
-        for key in path[:-1]:
-            parent = parent[key]
-        key = path[-1]
-        action = draw(st.sampled_from(["replace", "replace", "replace", "delete", "add"]))
-        if action == "replace":
-            parent[key] = draw(evil_values)
-        elif action == "delete":
-            del parent[key]
-        elif isinstance(parent, dict):
-            parent[draw(st.text(max_size=6))] = draw(evil_values)
-        else:
-            parent.append(draw(evil_values))
-    return doc
-
 
 # -- chunk records and export messages -------------------------------------------------------
 
@@ -148,7 +93,7 @@ def test_chunk_records_from_a_peer(exported) -> None:
     baseline_fds, baseline_vmm = fuzz.open_fds(), vmm_footprint()
 
     @fuzz.fuzz_settings(300)
-    @given(mutated(base), st.one_of(st.just(fds), fd_choices))
+    @given(fuzz.mutated(base), st.one_of(st.just(fds), fd_choices))
     def run(doc: Any, use_fds: list[int]) -> None:
         def attempt() -> PeerMapping:
             return PeerMapping.import_chunks(drv, doc.get("capacity_bytes"),
@@ -179,7 +124,7 @@ def test_export_messages_from_a_peer(exported) -> None:
     baseline_fds, baseline_vmm = fuzz.open_fds(), vmm_footprint()
 
     @fuzz.fuzz_settings(200)
-    @given(st.one_of(mutated(base), evil_values),
+    @given(st.one_of(fuzz.mutated(base), fuzz.evil_values),
            st.one_of(st.just(fds), st.lists(st.sampled_from(fds + decoys), max_size=3)))
     def run(message: Any, use_fds: list[int]) -> None:
         got = tally.run(lambda: import_message(drv, message, use_fds), (IpcError,))
@@ -218,7 +163,7 @@ def _valid_metadata() -> bytes:
 def raw_documents(draw: st.DrawFn, base_json: bytes) -> bytes:
     """A mutated document, then perhaps damaged as text: cut, wrapped in deep nesting, a
     4300+-digit integer spliced in, invalid UTF-8, another schema version."""
-    doc = draw(mutated(json.loads(base_json)))
+    doc = draw(fuzz.mutated(json.loads(base_json)))
     text = json.dumps(doc).encode()
     damage = draw(st.sampled_from(["none", "none", "cut", "nest", "bigint", "utf8", "schema",
                                    "b64"]))

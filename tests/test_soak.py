@@ -14,15 +14,13 @@ extent, so a registration NIXL kept would grow it) and whether NIXL accepts desc
 the registered extents. Fds, mappings and registrations must be exactly flat; resident
 memory within :data:`RSS_SLACK_KIB` (see there why).
 
-``KVC_SOAK_REPORT=path`` appends one JSON line per soak with its figures (used by
+With ``KVC_RELIABILITY_RECORD=path`` each soak appends its figures as one JSON line (read by
 ``scripts/reliability_tables.py`` for docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +45,7 @@ def _load(name: str) -> Any:
 
 peerlib = _load("_nixl_peer")
 service = _load("_nixl_service_peer")
+reliability = _load("_reliability")
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL Python bindings not installed")
 
 G = 2 * 1024 * 1024
@@ -64,11 +63,9 @@ WARMUP = 20
 
 
 def _report(name: str, start: dict, end: dict, **extra: Any) -> None:
-    """Append this soak's figures to $KVC_SOAK_REPORT (when set)."""
-    path = os.environ.get("KVC_SOAK_REPORT")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"soak": name, "start": start, "end": end, **extra}) + "\n")
+    """Record this soak's figures (tests/_reliability.py)."""
+    reliability.record("soak", soak=name, start=start, end=end,
+                       rss_slack_kib=RSS_SLACK_KIB, **extra)
 
 
 def _assert_flat(start: dict, end: dict, exact: tuple[str, ...]) -> None:
