@@ -69,7 +69,6 @@ _EXPORTS: dict[str, str] = {
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .framing import IpcError, PeerError, PeerRefusedError  # noqa: F401
     from .ipc import PeerMapping  # noqa: F401
-    from .session import PeerSession, accept_session, connect_session  # noqa: F401
     from .kv_cache import ExtensibleKVCache, KVCacheStateError  # noqa: F401
     from .layout import (  # noqa: F401
         LAYOUTS,
@@ -90,6 +89,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from .lifetime import LiveViewsError  # noqa: F401
     from .polling import poll_until  # noqa: F401
+    from .session import PeerSession, accept_session, connect_session  # noqa: F401
     from .sizing import (  # noqa: F401
         InsufficientMemoryError,
         KVSizing,

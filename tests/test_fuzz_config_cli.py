@@ -40,13 +40,14 @@ def _preset_dicts() -> list[dict]:
 
 
 def test_layout_configs_plan_or_raise_layout_error() -> None:
-    n = fuzz.examples(400)
+    """Mutated preset config dicts: a plan whose config round-trips, or LayoutError."""
+    n = fuzz.examples(1000)
     tally = fuzz.Tally("layout configs: KVCacheConfig.from_dict + plan_layout", "LayoutError", n)
     bases = _preset_dicts()
     for base in bases:  # the unmutated configs plan
         plan_layout(KVCacheConfig.from_dict(base))
 
-    @fuzz.fuzz_settings(400)
+    @fuzz.fuzz_settings(1000)
     @given(st.sampled_from(range(len(bases))).flatmap(lambda i: fuzz.mutated(bases[i])))
     def run(doc: Any) -> None:
         got = tally.run(lambda: plan_layout(KVCacheConfig.from_dict(doc)), (LayoutError,))
@@ -83,13 +84,15 @@ argvs = st.lists(st.one_of(st.tuples(st.sampled_from(_FLAGS), _VALUES).map(list)
 
 
 def test_cli_arguments_parse_or_fail_with_a_usage_error() -> None:
+    """Random argument lists: a RunConfig within bounds, argparse's usage error (exit 2)
+    or UsageError."""
     from kvconnect.harness import cli
 
-    n = fuzz.examples(400)
+    n = fuzz.examples(1000)
     tally = fuzz.Tally("kvconnect-validate arguments: build_parser + build_config",
                        "SystemExit(2) / UsageError", n)
 
-    @fuzz.fuzz_settings(400)
+    @fuzz.fuzz_settings(1000)
     @given(argvs)
     def run(argv: list[str]) -> None:
         def parse() -> Any:

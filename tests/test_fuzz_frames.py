@@ -96,12 +96,14 @@ def _send_stream(sock: socket.socket, frame_list: list[tuple[bytes, int]], cut: 
 
 
 def test_any_byte_stream_gives_a_message_or_ipc_error() -> None:
-    n = fuzz.examples(400)
+    """Any header, body, attached fds and cut of the stream: a JSON object with exactly
+    the announced fds, or IpcError; no fd left open; nothing passes a seal."""
+    n = fuzz.examples(1000)
     tally = fuzz.Tally("IPC frames: recv_message", "IpcError", n)
     pipe = os.pipe()
     baseline = fuzz.open_fds()
 
-    @fuzz.fuzz_settings(400)
+    @fuzz.fuzz_settings(1000)
     @given(streams, st.booleans())
     def run(stream: tuple, sealed: bool) -> None:
         frame_list, cut, max_fds = stream
@@ -137,13 +139,13 @@ def test_any_byte_stream_gives_a_message_or_ipc_error() -> None:
 def test_any_byte_stream_inside_a_session_is_refused() -> None:
     """Inside a session the peer's key is unknown to the writer: nothing is accepted, not
     even a well-formed frame, and the error is always IpcError."""
-    n = fuzz.examples(150)
+    n = fuzz.examples(300)
     tally = fuzz.Tally("IPC frames inside a session: PeerSession.recv", "IpcError", n)
     well_formed = st.dictionaries(st.text(max_size=8), json_values, max_size=4).map(
         lambda d: (lambda body: HEADER.pack(MAGIC, 1, 1, 0, len(body), 0) + body)(
             os.urandom(40) + json.dumps(d).encode()))
 
-    @fuzz.fuzz_settings(150)
+    @fuzz.fuzz_settings(300)
     @given(st.one_of(well_formed, st.binary(min_size=1, max_size=300)))
     def run(data: bytes) -> None:
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

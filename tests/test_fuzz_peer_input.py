@@ -85,14 +85,16 @@ def _check_mapping(m: PeerMapping, chunks: list[dict]) -> None:
 
 
 def test_chunk_records_from_a_peer(exported) -> None:
+    """Mutated chunk records, geometry and fds: a mapping of exactly the records, or
+    IpcError; no fd, chunk or reservation left behind."""
     drv, recs, fds, decoys = exported
-    n = fuzz.examples(300)
+    n = fuzz.examples(750)
     tally = fuzz.Tally("peer chunk records: PeerMapping.import_chunks", "IpcError", n)
     base = {"capacity_bytes": 8 * G, "segment_capacity": 4 * G, "chunks": recs}
     fd_choices = st.lists(st.sampled_from(fds + decoys), max_size=4)
     baseline_fds, baseline_vmm = fuzz.open_fds(), vmm_footprint()
 
-    @fuzz.fuzz_settings(300)
+    @fuzz.fuzz_settings(750)
     @given(fuzz.mutated(base), st.one_of(st.just(fds), fd_choices))
     def run(doc: Any, use_fds: list[int]) -> None:
         def attempt() -> PeerMapping:
@@ -115,15 +117,16 @@ def test_chunk_records_from_a_peer(exported) -> None:
 
 
 def test_export_messages_from_a_peer(exported) -> None:
+    """Mutated export messages and fds: mappings, or IpcError; nothing left behind."""
     drv, recs, fds, decoys = exported
-    n = fuzz.examples(200)
+    n = fuzz.examples(500)
     tally = fuzz.Tally("peer export messages: import_message", "IpcError", n)
     base = {"op": "chunks",
             "tensors": [{"capacity_bytes": 8 * G, "segment_capacity": 4 * G}],
             "chunks": [dict(r, tensor=0) for r in recs]}
     baseline_fds, baseline_vmm = fuzz.open_fds(), vmm_footprint()
 
-    @fuzz.fuzz_settings(200)
+    @fuzz.fuzz_settings(500)
     @given(st.one_of(fuzz.mutated(base), fuzz.evil_values),
            st.one_of(st.just(fds), st.lists(st.sampled_from(fds + decoys), max_size=3)))
     def run(message: Any, use_fds: list[int]) -> None:
@@ -186,13 +189,15 @@ def raw_documents(draw: st.DrawFn, base_json: bytes) -> bytes:
 
 
 def test_handshake_documents_parse_or_raise_metadata_error() -> None:
+    """Mutated, cut, deeply nested, huge-integer, non-UTF-8, other-schema documents:
+    metadata that round-trips, or MetadataError."""
     from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
 
     base = _valid_metadata()
-    n = fuzz.examples(500)
+    n = fuzz.examples(1200)
     tally = fuzz.Tally("handshake documents: HandshakeMetadata.from_json", "MetadataError", n)
 
-    @fuzz.fuzz_settings(500)
+    @fuzz.fuzz_settings(1200)
     @given(st.one_of(raw_documents(base), st.binary(max_size=200)))
     def run(data: bytes) -> None:
         got = tally.run(lambda: HandshakeMetadata.from_json(data), (MetadataError,))
@@ -233,13 +238,13 @@ def registered_pair(nixl_worker):
 @needs_nixl
 @pytest.mark.nixl
 def test_handshake_documents_through_add_peer(registered_pair) -> None:
-    """Mutated real metadata (fields, fingerprint, agent metadata blob) through a registered
-    worker's add_peer: a loaded peer, or a KVConnectorError (MetadataError for malformed
-    documents, IncompatiblePeerError for another layout) -- and no peer stays loaded."""
+    """Mutated real metadata (fields, fingerprint, the agent name inside NIXL's blob) through
+    a registered worker's add_peer: a loaded peer, or a KVConnectorError (MetadataError for
+    malformed documents, IncompatiblePeerError for another layout); no peer stays loaded."""
     from kvconnect.connectors.errors import KVConnectorError
 
     decode, base = registered_pair
-    n = fuzz.examples(150)
+    n = fuzz.examples(300)
     tally = fuzz.Tally("handshake documents: NixlConnectorWorker.add_peer",
                        "KVConnectorError", n)
 
@@ -258,7 +263,7 @@ def test_handshake_documents_through_add_peer(registered_pair) -> None:
         doc["agent_metadata_b64"] = base64.b64encode(bytes(blob)).decode()
         return json.dumps(doc).encode()
 
-    @fuzz.fuzz_settings(150)
+    @fuzz.fuzz_settings(300)
     @given(st.one_of(raw_documents(base), blob_damaged(), st.just(base)))
     def run(data: bytes) -> None:
         got = tally.run(lambda: decode.add_peer(data), (KVConnectorError,))

@@ -104,6 +104,8 @@ def session_pair(token_a: bytes = TOKEN, token_c: bytes = TOKEN
 # -- a session works, and owns its socket ----------------------------------------------------------
 
 def test_session_carries_messages_and_fds(listener) -> None:
+    """An accepted session carries sealed messages with fds both ways and an error
+    frame; both ends count what they sent and verified; no fd is left open."""
     srv, path = listener
     before = open_fds()
     cli = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -256,6 +258,9 @@ def _run_same_uid_child(srv: socket.socket, path: str, token: bytes,
 
 
 def test_same_uid_process_not_announced_is_refused(listener) -> None:
+    """A process of our uid whose pid was not announced is refused at accept
+    (SO_PEERCRED pid allow-list) and told so; the same process, announced, gets its
+    session."""
     srv, path = listener
     other = os.getpid()  # the announced peer is some other process (here: us)
     refused, report = _run_same_uid_child(
@@ -280,7 +285,8 @@ def test_same_uid_process_not_announced_is_refused(listener) -> None:
 
 
 def test_announced_pid_without_the_token_is_refused(listener) -> None:
-    """A process holding an announced pid (e.g. a recycled one) but not the run's token."""
+    """A process holding an announced pid (e.g. a recycled one) but not the run's token is
+    refused: its session proof does not verify, and it is told so."""
     srv, path = listener
     refused, report = _run_same_uid_child(
         srv, path, new_session_token(),
@@ -291,6 +297,8 @@ def test_announced_pid_without_the_token_is_refused(listener) -> None:
 
 
 def test_connector_refuses_a_socket_served_by_another_pid() -> None:
+    """A connector refuses a socket served by a pid other than the announced one, before
+    sending anything."""
     a, c = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         with pytest.raises(PeerRefusedError, match=f"refused peer pid {os.getpid()}"):
@@ -303,6 +311,8 @@ def test_connector_refuses_a_socket_served_by_another_pid() -> None:
 
 
 def test_an_acceptor_without_the_token_is_refused() -> None:
+    """An acceptor that does not hold the run's token is refused by the connector (and
+    refuses it)."""
     a, c = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     join = in_thread(lambda: accept_session(a, allowed_pids={os.getpid()},
                                             token=b"x" * 32))
@@ -320,6 +330,8 @@ def test_an_acceptor_without_the_token_is_refused() -> None:
     ({"op": "chunks", "protocol": PROTOCOL}, "expected 'challenge'"),
 ])
 def test_handshake_of_another_version_is_refused(challenge: dict, error: str) -> None:
+    """A handshake of another protocol version, a malformed nonce or an unexpected
+    message is refused."""
     a, c = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         send_message(a, challenge)
@@ -330,6 +342,7 @@ def test_handshake_of_another_version_is_refused(challenge: dict, error: str) ->
 
 
 def test_handshake_has_a_deadline() -> None:
+    """A handshake the peer never answers ends at its deadline with IpcError."""
     a, c = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         t0 = time.monotonic()
@@ -405,6 +418,7 @@ def relay() -> Iterator[Relay]:
 
 
 def test_a_sealed_message_is_taken_once(relay: Relay) -> None:
+    """A sealed message recorded on the wire and delivered again is refused as replayed."""
     relay.connector.send({"op": "transfer", "blocks": [1, 2]})
     wire = relay.take(relay.connector_wire)
     assert wire.startswith(MAGIC)
@@ -416,6 +430,8 @@ def test_a_sealed_message_is_taken_once(relay: Relay) -> None:
 
 
 def test_a_dropped_message_is_noticed(relay: Relay) -> None:
+    """A message dropped on the wire is noticed: the next one is refused as out of
+    order."""
     relay.connector.send({"op": "first"})
     relay.take(relay.connector_wire)  # never delivered
     relay.connector.send({"op": "second"})
@@ -425,6 +441,7 @@ def test_a_dropped_message_is_noticed(relay: Relay) -> None:
 
 
 def test_a_tampered_message_is_refused(relay: Relay) -> None:
+    """One changed byte in a sealed message (a block id) makes its seal fail."""
     relay.connector.send({"op": "transfer", "blocks": [1, 2]})
     wire = bytearray(relay.take(relay.connector_wire))
     at = wire.index(b"[1,2]")
@@ -435,6 +452,7 @@ def test_a_tampered_message_is_refused(relay: Relay) -> None:
 
 
 def test_a_message_sent_back_to_its_sender_is_refused(relay: Relay) -> None:
+    """A sealed message reflected back to its sender does not verify (direction labels)."""
     relay.acceptor.send({"op": "ready-to-send"})
     wire = relay.take(relay.acceptor_wire)
     relay.acceptor_wire.sendall(wire)  # reflected to the acceptor itself
@@ -443,12 +461,15 @@ def test_a_message_sent_back_to_its_sender_is_refused(relay: Relay) -> None:
 
 
 def test_unsealed_frames_are_refused_inside_a_session(relay: Relay) -> None:
+    """A well-formed but unsealed message injected into a session is refused."""
     send_message(relay.acceptor_wire, {"op": "forged"})  # well-formed, but not sealed
     with pytest.raises(IpcError, match="unsealed frame inside an authenticated session"):
         relay.acceptor.recv_json(timeout=5)
 
 
 def test_unsealed_error_frames_are_refused_inside_a_session(relay: Relay) -> None:
+    """An unsealed ERROR frame injected into a session is refused, not taken as the
+    peer's failure."""
     from kvconnect.framing import send_error
 
     send_error(relay.acceptor_wire, RuntimeError("forged failure"))
@@ -458,6 +479,8 @@ def test_unsealed_error_frames_are_refused_inside_a_session(relay: Relay) -> Non
 
 
 def test_messages_of_another_connection_are_refused() -> None:
+    """A message recorded on one connection does not verify on another, and a recorded
+    handshake reply replayed to a new challenge is refused."""
     first = Relay()
     second = Relay()
     try:
@@ -496,6 +519,8 @@ class _Tripwire:
 
 
 def test_a_pickle_payload_is_rejected_as_not_json(tmp_path: Path) -> None:
+    """A frame and a handshake document carrying a pickle are rejected as not JSON, and
+    the pickle's payload never runs (a tripwire file stays absent)."""
     from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
 
     trip = tmp_path / "unpickled"
