@@ -238,9 +238,10 @@ def registered_pair(nixl_worker):
 @needs_nixl
 @pytest.mark.nixl
 def test_handshake_documents_through_add_peer(registered_pair) -> None:
-    """Mutated real metadata (fields, fingerprint, the agent name inside NIXL's blob) through
-    a registered worker's add_peer: a loaded peer, or a KVConnectorError (MetadataError for
-    malformed documents, IncompatiblePeerError for another layout); no peer stays loaded."""
+    """Mutated real metadata (any field, another layout's fingerprint, the agent name inside
+    NIXL's blob) through a registered worker's add_peer: a loaded peer, or a
+    KVConnectorError (MetadataError for malformed documents, IncompatiblePeerError for
+    another layout); no peer stays loaded."""
     from kvconnect.connectors.errors import KVConnectorError
 
     decode, base = registered_pair
@@ -263,8 +264,30 @@ def test_handshake_documents_through_add_peer(registered_pair) -> None:
         doc["agent_metadata_b64"] = base64.b64encode(bytes(blob)).decode()
         return json.dumps(doc).encode()
 
+    @st.composite
+    def other_fingerprint(draw: st.DrawFn) -> bytes:
+        """A well-formed document for another layout: one fingerprint field changed to
+        another value of the right type."""
+        doc = json.loads(base)
+        fp = doc["fingerprint"]
+        field = draw(st.sampled_from(["block_len", "block_stride", "block_size", "dtype",
+                                      "layout", "kernel_block_size", "kvconnect_version",
+                                      "layers", "part"]))
+        if field in ("block_len", "block_stride", "part"):
+            region = fp["regions"][draw(st.integers(0, len(fp["regions"]) - 1))]
+            region[field] = draw(st.integers(1, 1 << 40) if field != "part" else
+                                 st.sampled_from(["kv", "latent", "state"]))
+        elif field in ("block_size", "kernel_block_size"):
+            fp[field] = draw(st.integers(1, 1 << 20))
+        elif field == "layers":
+            fp["layers"] = draw(st.lists(st.text(min_size=1, max_size=8), max_size=3))
+        else:
+            fp[field] = draw(st.text(min_size=1, max_size=12))
+        return json.dumps(doc).encode()
+
     @fuzz.fuzz_settings(300)
-    @given(st.one_of(raw_documents(base), blob_damaged(), st.just(base)))
+    @given(st.one_of(raw_documents(base), blob_damaged(), other_fingerprint(),
+                     st.just(base)))
     def run(data: bytes) -> None:
         got = tally.run(lambda: decode.add_peer(data), (KVConnectorError,))
         if isinstance(got, str):
