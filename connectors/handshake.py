@@ -303,7 +303,10 @@ class HandshakeMetadata:
 
     ``regions[i]`` is the address of ``fingerprint.regions[i]``. ``registrations`` are the
     registered extents ``(addr, length, device_id)``, one per physical chunk; every remote
-    descriptor must lie inside one of them. ``generation`` grows on every re-registration.
+    descriptor must lie inside one of them. ``generation`` grows on every re-registration;
+    ``incarnation`` (random, up to 64 characters) names the publishing worker instance, so a
+    reader tells a restarted peer (new incarnation, generation from 1 again) from an older
+    document of the same peer (same incarnation, lower generation: stale or replayed).
     """
 
     engine_id: str
@@ -314,6 +317,7 @@ class HandshakeMetadata:
     regions: tuple[RegionAddress, ...]
     registrations: tuple[tuple[int, int, int], ...]
     generation: int = 0
+    incarnation: str = ""
 
     def to_json(self) -> bytes:
         """UTF-8 JSON document (agent metadata base64-encoded)."""
@@ -324,6 +328,7 @@ class HandshakeMetadata:
             "agent_metadata_b64": base64.b64encode(self.agent_metadata).decode("ascii"),
             "memory_type": self.memory_type,
             "generation": self.generation,
+            "incarnation": self.incarnation,
             "fingerprint": self.fingerprint.to_json_dict(),
             "regions": [[r.base_ptr, r.num_blocks, r.device_id] for r in self.regions],
             "registrations": [list(x) for x in self.registrations],
@@ -385,4 +390,5 @@ class HandshakeMetadata:
             regions=tuple(regions),
             registrations=tuple(regs),
             generation=_int(doc.get("generation", 0), "generation"),
+            incarnation=_str(doc.get("incarnation", ""), "incarnation", max_len=64),
         )

@@ -161,6 +161,8 @@ class NixlConnectorWorker:
         self._fingerprint: LayoutFingerprint | None = None
         self._metadata: HandshakeMetadata | None = None
         self._generation = 0
+        #: names this worker instance in its metadata (a restart is a new incarnation)
+        self.incarnation = uuid.uuid4().hex
         self._peers: dict[str, LoadedPeer] = {}
         self._stuck_xfers: list[Any] = []
         self._notifs: dict[str, list[bytes]] = {}
@@ -350,6 +352,7 @@ class NixlConnectorWorker:
                                         memory_type_for_device(r.device)[1]) for r in regions),
             registrations=tuple(extents),
             generation=self._generation,
+            incarnation=self.incarnation,
         )
         return self._metadata
 
@@ -430,13 +433,22 @@ class NixlConnectorWorker:
         return md.engine_id
 
     def update_peer(self, metadata: bytes | str | HandshakeMetadata) -> str:
-        """Replace a peer's metadata (after it re-registered): remove its agent, load the new
-        metadata, prepare descriptors again. Adds the peer when it is not loaded yet. If
-        loading the new metadata fails, the peer is left removed."""
+        """Replace a peer's metadata (after it re-registered, or restarted under the same
+        engine id): remove its agent, load the new metadata, prepare descriptors again. Adds
+        the peer when it is not loaded yet. If loading the new metadata fails, the peer is
+        left removed. A document older than the loaded one (same incarnation, lower
+        generation: replayed or delayed) raises KVConnectorError and changes nothing."""
         md = self.check_peer(metadata)
         old = self._peers.get(md.engine_id)
         if old is None:
             return self.add_peer(md)
+        was = old.metadata
+        if md.incarnation and md.incarnation == was.incarnation and \
+                md.generation < was.generation:
+            raise KVConnectorError(
+                f"{self.engine_id}: refused stale metadata of peer {md.engine_id!r}: "
+                f"generation {md.generation} is older than the loaded {was.generation} of "
+                "the same incarnation (a replayed or delayed document); the loaded one stays")
         self._load_peer(md, replace=old)
         return md.engine_id
 

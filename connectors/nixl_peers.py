@@ -108,10 +108,12 @@ def load_peer(agent: Any, engine_id: str, md: HandshakeMetadata, remote_descs: n
     except Exception as exc:
         raise KVConnectorError(f"{engine_id}: loading the NIXL metadata of peer "
                                f"{md.engine_id!r} failed: {type(exc).__name__}: {exc}") from exc
-    name = name.decode() if isinstance(name, bytes) else str(name)
-    if name != md.agent_name:
+    # The name comes from the peer's blob: any bytes (a non-UTF-8 name must not escape as
+    # UnicodeDecodeError with the remote agent left loaded).
+    text = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+    if text != md.agent_name:
         agent.remove_remote_agent(name)
-        raise KVConnectorError(f"peer {md.engine_id!r}: agent metadata names {name!r}, "
+        raise KVConnectorError(f"peer {md.engine_id!r}: agent metadata names {text!r}, "
                                f"the handshake says {md.agent_name!r}")
     try:
         prep = agent.prep_xfer_dlist(md.agent_name, remote_descs, md.memory_type)

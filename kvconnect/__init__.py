@@ -18,8 +18,9 @@ __version__ = "0.1.0"
 
 #: submodule -> the public names it defines (the one list of kvconnect's exports)
 _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
-    "framing": ("IpcError", "PeerError",),
+    "framing": ("IpcError", "PeerError", "PeerRefusedError",),
     "ipc": ("PeerMapping",),
+    "session": ("PeerSession", "accept_session", "connect_session",),
     "kv_cache": ("ExtensibleKVCache", "KVCacheStateError",),
     "layout": (
         "LAYOUTS", "PRESETS", "VLLM_LAYOUTS", "placement_config", "AttentionSpec",

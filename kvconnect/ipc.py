@@ -33,9 +33,13 @@ from .framing import (
     MAX_FDS,
     MAX_MESSAGE_BYTES,
     SCM_MAX_FD,
+    SEAL_BYTES,
+    FrameSeal,
     IpcError,
     PeerCredentials,
     PeerError,
+    PeerRefusedError,
+    check_peer,
     check_peer_uid,
     peer_credentials,
     private_socket_dir,
@@ -45,13 +49,13 @@ from .framing import (
     send_message,
 )
 from .undo import UndoStack
-from .vmm import AllocationOptions, PhysicalHandle, Reservation, VmmDriver
+from .vmm import AllocationOptions, PhysicalHandle, Reservation, VmmDriver, VmmError
 
 __all__ = [
-    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "IpcError", "PeerCredentials",
-    "PeerError", "PeerMapping", "check_peer_uid", "export_message", "import_message",
-    "peer_credentials", "private_socket_dir", "recv_json", "recv_message", "send_error",
-    "send_message",
+    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "SEAL_BYTES", "FrameSeal",
+    "IpcError", "PeerCredentials", "PeerError", "PeerMapping", "PeerRefusedError",
+    "check_peer", "check_peer_uid", "export_message", "import_message", "peer_credentials",
+    "private_socket_dir", "recv_json", "recv_message", "send_error", "send_message",
 ]
 
 #: most tensors one export message may describe
@@ -155,7 +159,11 @@ class PeerMapping:
         for (a, a_size), (b, _) in zip(ordered, ordered[1:], strict=False):
             if a + a_size > b:
                 raise IpcError(f"peer chunks overlap: [{a}, {a + a_size}) and one at {b}")
-        mapping = cls(driver, capacity_bytes, segment_capacity, access_devices)
+        try:
+            mapping = cls(driver, capacity_bytes, segment_capacity, access_devices)
+        except (VmmError, OSError, ValueError) as exc:
+            raise IpcError(f"cannot reserve the peer's capacity of {capacity_bytes} bytes "
+                           f"here: {exc}") from exc
         with UndoStack() as undo:
             undo.push(mapping.close)
             for i, ((start, size), fd) in enumerate(zip(spans, fds, strict=True)):

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from .specs import KVCacheSpec, LayoutError
+from .specs import KVCacheSpec, LayoutError, dict_int, dict_list, dict_str
 
 if TYPE_CHECKING:
     from .plan import LayoutPlan
@@ -74,12 +74,27 @@ class KVCacheTensor:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> KVCacheTensor:
-        layers = d["layers"] if "layers" in d else d["shared_by"]
-        stride = d.get("layer_stride")
-        return cls(int(d["size"]), tuple(layers), None if stride is None else int(stride),
-                   None if d.get("block_stride") is None else int(d["block_stride"]),
-                   int(d.get("offset", 0)), bool(d.get("host_resident", False)))
+    def from_dict(cls, d: Mapping[str, Any], where: str = "kv_cache_tensor") -> KVCacheTensor:
+        """The tensor :meth:`to_dict` described (``shared_by`` is accepted for ``layers``);
+        any malformed field raises LayoutError."""
+        if not isinstance(d, Mapping) or "size" not in d or not ("layers" in d
+                                                                  or "shared_by" in d):
+            raise LayoutError(f"{where} must be a dict with size and layers")
+        unknown = sorted(map(str, set(d) - {"size", "layers", "shared_by", "layer_stride",
+                                             "block_stride", "offset", "host_resident"}))
+        if unknown:
+            raise LayoutError(f"{where} has unknown fields {unknown[:4]}")
+        names = dict_list(f"{where}.layers", d["layers"] if "layers" in d else d["shared_by"])
+        stride, block_stride = d.get("layer_stride"), d.get("block_stride")
+        host_resident = d.get("host_resident", False)
+        if not isinstance(host_resident, bool):
+            raise LayoutError(f"{where}.host_resident must be a bool")
+        return cls(dict_int(f"{where}.size", d["size"]),
+                   tuple(dict_str(f"{where}.layers", n) for n in names),
+                   None if stride is None else dict_int(f"{where}.layer_stride", stride),
+                   None if block_stride is None else dict_int(f"{where}.block_stride",
+                                                              block_stride),
+                   dict_int(f"{where}.offset", d.get("offset", 0), minimum=0), host_resident)
 
 
 @dataclass(frozen=True)
@@ -187,12 +202,34 @@ class KVCacheConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KVCacheConfig:
+        """The config :meth:`to_dict` described. Every field is checked (types, positive
+        ints, known spec kinds and dtypes); anything malformed raises LayoutError. Whether
+        the config can be laid out is :func:`plan_layout`'s to say."""
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"a KV cache config must be a dict, got {type(d).__name__}")
+        known = {"num_blocks", "kv_cache_tensors", "kv_cache_groups", "layout",
+                 "kernel_block_size"}
+        missing = sorted(known - {"layout", "kernel_block_size"} - d.keys())
+        unknown = sorted(map(str, d.keys() - known))
+        if missing or unknown:
+            raise LayoutError(f"KV cache config: missing fields {missing}, unknown fields "
+                              f"{unknown[:4]}")
+        tensors = [KVCacheTensor.from_dict(t, f"kv_cache_tensors[{i}]") for i, t in
+                   enumerate(dict_list("kv_cache_tensors", d["kv_cache_tensors"]))]
+        groups = []
+        for i, g in enumerate(dict_list("kv_cache_groups", d["kv_cache_groups"])):
+            where = f"kv_cache_groups[{i}]"
+            if not isinstance(g, Mapping) or not {"layer_names", "kv_cache_spec"} <= g.keys():
+                raise LayoutError(f"{where} must be a dict with layer_names and kv_cache_spec")
+            names = dict_list(f"{where}.layer_names", g["layer_names"])
+            groups.append(KVCacheGroupSpec(tuple(dict_str(f"{where}.layer_names", n)
+                                                 for n in names),
+                                           KVCacheSpec.from_dict(g["kv_cache_spec"])))
+        kbs = d.get("kernel_block_size")
         return cls(
-            num_blocks=int(d["num_blocks"]),
-            kv_cache_tensors=tuple(KVCacheTensor.from_dict(t) for t in d["kv_cache_tensors"]),
-            kv_cache_groups=tuple(KVCacheGroupSpec(tuple(g["layer_names"]),
-                                                   KVCacheSpec.from_dict(g["kv_cache_spec"]))
-                                  for g in d["kv_cache_groups"]),
-            layout=str(d.get("layout", "kv_split_nhd")),
-            kernel_block_size=d.get("kernel_block_size"),
+            num_blocks=dict_int("num_blocks", d["num_blocks"]),
+            kv_cache_tensors=tuple(tensors),
+            kv_cache_groups=tuple(groups),
+            layout=dict_str("layout", d.get("layout", "kv_split_nhd")),
+            kernel_block_size=None if kbs is None else dict_int("kernel_block_size", kbs),
         )

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+
+from ..checks import checked_int
 
 __all__ = [
     "AttentionSpec", "FullAttentionSpec", "KVCacheSpec", "LayoutError", "MLAAttentionSpec",
@@ -74,19 +76,71 @@ class KVCacheSpec:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> KVCacheSpec:
+        """The spec :meth:`to_dict` described; any malformed field raises LayoutError."""
         kinds = {c.__name__: c for c in (FullAttentionSpec, SlidingWindowSpec,
                                          MLAAttentionSpec, MambaSpec)}
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"a KV cache spec must be a dict, got {type(d).__name__}")
         d = dict(d)
         kind = d.pop("kind", None)
-        if kind not in kinds:
-            raise ValueError(f"unknown KV cache spec kind {kind!r}; expected one of {list(kinds)}")
-        if "dtype" in d:
-            d["dtype"] = dtype_from_name(d["dtype"])
-        if "dtypes" in d:
-            d["dtypes"] = tuple(dtype_from_name(x) for x in d["dtypes"])
-        if "shapes" in d:
-            d["shapes"] = tuple(tuple(int(v) for v in s) for s in d["shapes"])
-        return kinds[kind](**d)
+        if not isinstance(kind, str) or kind not in kinds:
+            raise LayoutError(f"unknown KV cache spec kind {kind!r:.60}; expected one of "
+                              f"{list(kinds)}")
+        unknown = sorted(map(str, set(d) - {f.name for f in fields(kinds[kind])}))
+        if unknown:
+            raise LayoutError(f"{kind} has no fields {unknown[:4]}")
+        args: dict[str, Any] = {}
+        for name, value in d.items():
+            where = f"{kind}.{name}"
+            if name == "dtype":
+                args[name] = dict_dtype(where, value)
+            elif name == "dtypes":
+                args[name] = tuple(dict_dtype(f"{where}[{i}]", x)
+                                   for i, x in enumerate(dict_list(where, value)))
+            elif name == "shapes":
+                args[name] = tuple(tuple(dict_int(f"{where}[{i}]", v)
+                                         for v in dict_list(f"{where}[{i}]", shape))
+                                   for i, shape in enumerate(dict_list(where, value)))
+            elif name == "page_size_padded" and value is None:
+                args[name] = None
+            else:
+                args[name] = dict_int(where, value)
+        try:
+            return kinds[kind](**args)
+        except TypeError as exc:  # a required field is missing
+            raise LayoutError(f"{kind}: {exc}") from None
+
+
+# -- fields of config dicts (from JSON): each malformed one raises LayoutError -------------------
+def dict_int(what: str, value: object, minimum: int = 1) -> int:
+    """An int field ``>= minimum`` of a config dict, or LayoutError."""
+    try:
+        return checked_int(what, value, minimum=minimum)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
+
+
+def dict_str(what: str, value: object) -> str:
+    """A string field of a config dict, or LayoutError."""
+    if not isinstance(value, str):
+        raise LayoutError(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def dict_list(what: str, value: object) -> list:
+    """A list field of a config dict, or LayoutError."""
+    if not isinstance(value, (list, tuple)):
+        raise LayoutError(f"{what} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def dict_dtype(what: str, value: object) -> torch.dtype:
+    """A dtype field (name or torch.dtype) of a config dict, or LayoutError."""
+    try:
+        return dtype_from_name(value if isinstance(value, torch.dtype) else
+                               dict_str(what, value))
+    except ValueError as exc:
+        raise LayoutError(f"{what}: {exc}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
