@@ -48,7 +48,7 @@ $(VLLM_STAMP): $(VLLM_PY) pyproject.toml constraints-cpu.txt
 	$(VLLM_PY) -m pip install -q -c constraints-cpu.txt torch
 	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_NODEPS)
 	$(VLLM_PY) -m pip install -q -c constraints-cpu.txt $(VLLM_RUNTIME) \
-		"pytest>=8" "pytest-xdist>=3" "hypothesis>=6.100"
+		"pytest>=8" "pytest-xdist>=3" "pytest-timeout>=2.3" "hypothesis>=6.100"
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
 
