@@ -5,7 +5,8 @@ kvconnect is installed; without the option it adds nothing and imports nothing h
 Each added test runs one conformance case in its own process and fails with the case's
 JSON when any check fails (or the case faults / times out). Options:
 ``--kvconnect-connector`` (repeatable), ``--kvconnect-layouts LBHNC,BLHNC``,
-``--kvconnect-capacity-blocks`` and ``--kvconnect-num-blocks``.
+``--kvconnect-capacity-blocks``, ``--kvconnect-num-blocks`` and ``--kvconnect-device``
+(``cpu``, the host VMM backend, or ``cuda:N``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="vLLM layouts to test (default: all six)")
     group.addoption("--kvconnect-num-blocks", type=int, default=128)
     group.addoption("--kvconnect-capacity-blocks", type=int, default=1024)
+    group.addoption("--kvconnect-device", default="cpu", metavar="DEVICE",
+                    help="where the cases' KV caches live: cpu (host VMM) or cuda:N")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -79,6 +82,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         for lay in layouts:
             spec = {"connector": c, "layout": lay,
                     "num_blocks": config.getoption("--kvconnect-num-blocks"),
-                    "capacity_blocks": config.getoption("--kvconnect-capacity-blocks")}
+                    "capacity_blocks": config.getoption("--kvconnect-capacity-blocks"),
+                    "device": config.getoption("--kvconnect-device")}
             items.append(ConformanceItem.from_parent(session, name=f"conformance[{c}-{lay}]",
                                                      spec=spec))
