@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run a 1P1D transfer through vLLM's connector API (scheduler and "
                         "worker roles, vLLM's handshake) for NIXL-kind connectors")
     p.add_argument("--json", metavar="PATH", help="write {meta, results, pd} as JSON")
+    p.add_argument("--jsonl", metavar="PATH",
+                   help="append each case's result as one JSON line as soon as it is known "
+                        "(kept when the run is cut short)")
     p.add_argument("--markdown", metavar="PATH", help="write the results table as Markdown")
     return p
 
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     def show(r: dict[str, Any]) -> None:
         print(f"{r['connector'].rsplit(':', 1)[-1]:<36} {r['layout']:<6} {r['status']:<8} "
               f"{evidence(r)}", flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(r) + "\n")
 
     results = run_conformance(connectors, args.layouts, timeout=args.timeout, on_result=show,
                               num_blocks=args.num_blocks, capacity_blocks=args.capacity_blocks,
