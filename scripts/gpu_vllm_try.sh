@@ -62,7 +62,8 @@ try:
     out["extension_shims"] = prepare_runtime(os.environ["DEVICE"])
 except Exception:
     out["error"] = traceback.format_exc()
-mods = ["vllm", "vllm.platforms", "vllm.platforms.cuda", "vllm.config", "vllm.engine.arg_utils",
+cuda = os.environ["DEVICE"].startswith("cuda")
+mods = ["vllm", "vllm.platforms", *(["vllm.platforms.cuda"] if cuda else []), "vllm.config", "vllm.engine.arg_utils",
         "vllm.distributed.kv_transfer.kv_connector.factory",
         "vllm.v1.simple_kv_offload.worker", "vllm.v1.simple_kv_offload.copy_backend",
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker",
@@ -112,7 +113,7 @@ rows = []
 p = os.path.join(out, "conformance-cuda.jsonl")
 if os.path.exists(p):
     rows = [json.loads(line) for line in open(p) if line.strip()]
-lines = ["# vLLM offload connectors on cuda:0 (CUDA VMM, 1024 reserved / 128 committed blocks)", ""]
+lines = [f"# vLLM offload connectors on {os.environ['DEVICE']} (VMM caches, 1024 reserved / 128 committed blocks)", ""]
 imp = os.path.join(out, "import.json")
 if os.path.exists(imp):
     d = json.load(open(imp))

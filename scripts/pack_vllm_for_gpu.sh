@@ -24,7 +24,8 @@ VERSION=$($PY -c 'from importlib.metadata import version; print(version("vllm"))
 # aiohttp, requests, pillow, psutil, regex, pyyaml, cloudpickle, einops, uvloop, rich,
 # prometheus-client, py-cpuinfo, safetensors, tokenizers, huggingface-hub.
 WHEELS=(pyzmq cbor2 msgspec pybase64 cachetools partial-json-parser pydantic pydantic-core
-        annotated-types typing-inspection fastapi starlette sniffio openai jiter
+        annotated-types typing-inspection fastapi starlette sniffio openai jiter httpx2 httpcore2
+        truststore
         oss-harmony llguidance xgrammar apache-tvm-ffi)
 
 rm -rf "$CARRY"
