@@ -6,7 +6,8 @@ Each added test runs one conformance case in its own process and fails with the 
 JSON when any check fails (or the case faults / times out). Options:
 ``--kvconnect-connector`` (repeatable), ``--kvconnect-layouts LBHNC,BLHNC``,
 ``--kvconnect-capacity-blocks``, ``--kvconnect-num-blocks`` and ``--kvconnect-device``
-(``cpu``, the host VMM backend, or ``cuda:N``).
+(``cpu``, the host VMM backend, or ``cuda:N``: then each case runs in a fresh
+interpreter, since the pytest process may have initialised CUDA).
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ class ConformanceItem(pytest.Item):
 
     def runtest(self) -> None:
         from kvconnect.vllm.conformance.runner import run_cases
+        from kvconnect.vllm.runtime import is_cuda_device
 
-        (result,) = run_cases([self.spec])
+        # a pytest process may have initialised CUDA (fixtures, gpu markers): never fork it
+        method = "spawn" if is_cuda_device(self.spec["device"]) else "fork"
+        (result,) = run_cases([self.spec], start_method=method)
         self.user_properties.append(("kvconnect_conformance", json.dumps(result)))
         if result["status"] != "pass":
             raise ConformanceFailure(result)
