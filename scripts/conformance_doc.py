@@ -77,6 +77,37 @@ do not fault may land before the transfer fails); vLLM recomputes blocks it repo
 errors alone fail a run.
 """
 
+GPU_SECTION = """\
+## Running the kit on a GPU
+
+`kvconnect-conformance ... --device cuda:0` (pytest: `--kvconnect-device cuda:0`) builds the
+same caches with the CUDA VMM backend (VRAM; uncommitted VA is unmapped), selects vLLM's CUDA
+platform, checks data through torch views of committed memory, and keeps SimpleCPUOffload's
+own `DmaCopyBackend` (`cuMemcpyBatchAsync`, its streams and events; a copy that does not
+finish in 20 s, or whose copy thread dies, fails the check). OffloadingConnector's CUDA
+worker needs vLLM's compiled `swap_blocks_batch`, so the kit still copies the canonical
+tensors' rows itself (on VRAM). NIXL's transfer check reads DRAM only and is skipped on
+CUDA. The parent never initialises CUDA before forking a case (`PYTORCH_NVML_BASED_CUDA_CHECK=1`,
+vLLM's NVML-only probing); `--start-method spawn` runs each case in a fresh interpreter.
+
+Where vLLM is installed with its compiled extensions:
+
+    kvconnect-conformance --stock-and-patched --device cuda:0 --json out.json --markdown out.md
+
+Where it cannot be installed (the lent GPU machine: no registry, torch 2.11 while the vLLM
+wheel pins 2.14), carry vLLM's Python sources without its `.so` files and the wheels it
+imports that the image lacks (~29 MB), and run the offload connectors, stock vs kvconnect's:
+
+    make test-vllm && bash scripts/pack_vllm_for_gpu.sh   # here: builds .vllm-carry/
+    OUT=gpu-vllm-out bash scripts/gpu_vllm_try.sh          # there, in the checkout
+
+Without `.so` files an empty module stands for `vllm._C_stable_libtorch`, which vLLM's CUDA
+platform imports unguarded (`kvconnect/vllm/shims.py`; the result JSON lists it under
+`extension_shims`). `scripts/nightly-gpu.sh` has a `vllm-conformance` step that runs the
+kit on cuda:0 where vLLM imports and records "skipped: vLLM not installed" where it does not.
+No GPU results are recorded in this document yet.
+"""
+
 FINDINGS = """\
 ## What the run shows
 
@@ -175,6 +206,7 @@ def main() -> int:
         plain, title="Control: reservation = committed (256 blocks), a plain allocation's "
                      "geometry",
         preamble="Stock and patched must agree here, registration for registration.")
+    text += "\n" + GPU_SECTION
     Path(args.out).write_text(text)
     print(f"wrote {args.out} and {args.json} ({meta['seconds']} s)")
     return 0

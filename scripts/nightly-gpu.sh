@@ -10,7 +10,9 @@
 # kvconnect already importable (default: pip install --no-deps -e . and NIXL from .whl/ when
 # wheels are there), KVC_QUICK=1 for a shorter matrix (what a lent single-GPU call can fit),
 # KVC_SWEEP=1 to compare the copy kernel's launch shapes first (bench_transfer --sweep),
-# KVC_FLOORS="validate:ipc=0.5 transfer:ipc/kernel=0.7" to override floors.
+# KVC_FLOORS="validate:ipc=0.5 transfer:ipc/kernel=0.7" to override floors. The vllm-conformance
+# step runs the conformance kit on cuda:0 (vLLM's offload connectors, stock vs kvconnect's)
+# when vLLM is importable, and records "skipped: vLLM not installed" otherwise (never a failure).
 set -u
 ART=${ARTIFACTS:-$PWD/gpu-artifacts}
 mkdir -p "$ART"
@@ -101,6 +103,27 @@ step bench-transfer 420 $PY benchmarks/bench_transfer.py --nixl "${BT[@]}" \
 step bench-offload 300 $PY benchmarks/bench_offload.py --device cuda:0 \
   --batch 4 16 64 256 --slots runs scattered --path direct staged --iters 9 \
   --out "$ART/bench_offload.md" --json "$ART/bench_offload.json"
+
+vllm_conformance() {  # the kit on CUDA where vLLM is installed; a skip (rc 0) where it is not
+  if ! $PY -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
+    echo "skipped: vLLM not installed"
+    return 0
+  fi
+  $PY -m kvconnect.vllm.conformance.cli --stock-and-patched --device cuda:0 --timeout 120 \
+    --jsonl "$ART/vllm-conformance.jsonl" --json "$ART/vllm-conformance.json" \
+    --markdown "$ART/vllm-conformance.md"
+  local rc=$?
+  [ "$rc" -gt 1 ] && return "$rc"  # 1 only says a case did not pass: stock ones are expected to
+  $PY - "$ART/vllm-conformance.json" <<'EOF'
+import json, sys
+bad = [(r["connector"], r["layout"], r["status"]) for r in json.load(open(sys.argv[1]))["results"]
+       if r["connector"].startswith("kvconnect.vllm:") and r["status"] not in ("pass", "refused")]
+print("kvconnect's connectors:", "all pass or refused" if not bad else f"NOT PASSING {bad}")
+sys.exit(1 if bad else 0)
+EOF
+}
+export ART
+step vllm-conformance 600 vllm_conformance
 
 FLOOR_ARGS=()
 for f in ${KVC_FLOORS:-}; do FLOOR_ARGS+=(--floor "$f"); done

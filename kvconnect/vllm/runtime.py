@@ -1,10 +1,15 @@
-"""Running vLLM 0.33's connectors on a CPU-only machine (facts in docs/conformance.md).
+"""Running vLLM 0.33's connectors on a CPU-only machine, or on CUDA from its Python sources
+(facts in docs/conformance.md).
 
 vLLM on CPU needs ``VLLM_TARGET_DEVICE=cpu``; with no model hub, ``HF_HUB_OFFLINE=1`` and a
 local folder holding only a small ``config.json``; an explicit ``kv_cache_layout``; a
 ``block_size`` multiple of 32 (its CPU attention); a gloo process group; and, because vLLM
 imports ``nixl._api`` while ``nixl-cu13`` installs ``nixl_cu13``, the module aliased before
-vLLM first asks (its ``nixl_utils`` caches a miss). Nothing here imports vLLM at import time.
+vLLM first asks (its ``nixl_utils`` caches a miss). On CUDA (:func:`prepare_cuda_runtime`):
+vLLM's CUDA platform, with shims for its compiled extensions when they were not carried
+(:mod:`kvconnect.vllm.shims`), and torch's NVML-based device check so that a parent which
+forks conformance cases never initialises CUDA itself. Nothing here imports vLLM at import
+time.
 """
 
 from __future__ import annotations
@@ -12,13 +17,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["alias_nixl", "init_single_process_group", "make_vllm_config", "prepare_cpu_runtime",
-           "vllm_available", "write_tiny_model"]
+log = logging.getLogger(__name__)
+
+__all__ = ["alias_nixl", "init_single_process_group", "is_cuda_device", "make_vllm_config",
+           "prepare_cpu_runtime", "prepare_cuda_runtime", "prepare_runtime", "vllm_available",
+           "write_tiny_model"]
 
 
 def vllm_available() -> str | None:
@@ -50,6 +59,16 @@ def alias_nixl() -> bool:
     return False
 
 
+def is_cuda_device(device: object) -> bool:
+    """True for ``"cuda"``, ``"cuda:N"`` or a CUDA ``torch.device``; False for ``"cpu"``.
+    Raises ValueError for anything else (the kit runs on those two)."""
+    kind = str(device).split(":", 1)[0]
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: the conformance kit runs on 'cpu' (host VMM "
+                         "backend) or 'cuda[:N]' (CUDA VMM)")
+    return kind == "cuda"
+
+
 def prepare_cpu_runtime() -> None:
     """Environment for vLLM's connectors on CPU: set before vLLM is imported."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -57,6 +76,34 @@ def prepare_cpu_runtime() -> None:
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     alias_nixl()
+
+
+def prepare_cuda_runtime() -> list[str]:
+    """Environment for vLLM's connectors on CUDA: set before vLLM is imported. Selects
+    vLLM's CUDA platform (``VLLM_TARGET_DEVICE=cuda``: a ``cpu`` left in the environment,
+    e.g. by ``make test-vllm``, would pick its CPU platform), makes torch count devices
+    through NVML (no CUDA initialisation in a parent that forks cases) and shims vLLM's
+    compiled extensions when they are absent. Returns the names shimmed."""
+    from .shims import install_extension_shims
+
+    if os.environ.get("VLLM_TARGET_DEVICE", "cuda") != "cuda":
+        log.warning("VLLM_TARGET_DEVICE=%s overridden with cuda for a CUDA run",
+                    os.environ["VLLM_TARGET_DEVICE"])
+    os.environ["VLLM_TARGET_DEVICE"] = "cuda"
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    alias_nixl()
+    return install_extension_shims()
+
+
+def prepare_runtime(device: object = "cpu") -> list[str]:
+    """:func:`prepare_cpu_runtime` or :func:`prepare_cuda_runtime` for ``device``; returns
+    the extension shims installed (CUDA only)."""
+    if is_cuda_device(device):
+        return prepare_cuda_runtime()
+    prepare_cpu_runtime()
+    return []
 
 
 def write_tiny_model(directory: str | Path, *, num_layers: int = 2, num_kv_heads: int = 2,
@@ -77,9 +124,11 @@ def write_tiny_model(directory: str | Path, *, num_layers: int = 2, num_kv_heads
 
 def make_vllm_config(model_dir: str | Path, *, layout: str, block_size: int = 32,
                      kv_transfer_config: dict[str, Any] | None = None,
-                     dtype: str = "bfloat16", max_model_len: int = 2048) -> Any:
-    """vLLM's ``VllmConfig`` for a tiny local model, its KV cache layout set to ``layout``."""
-    prepare_cpu_runtime()
+                     dtype: str = "bfloat16", max_model_len: int = 2048,
+                     device: object = "cpu") -> Any:
+    """vLLM's ``VllmConfig`` for a tiny local model, its KV cache layout set to ``layout``
+    (``device`` picks vLLM's platform: see :func:`prepare_runtime`)."""
+    prepare_runtime(device)
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 

@@ -31,13 +31,15 @@ STOCK_AND_PATCHED = (
 def run_conformance(connectors: Sequence[str], layouts: Iterable[str] = VLLM_LAYOUTS, *,
                     timeout: float | None = None,
                     on_result: Callable[[dict[str, Any]], None] | None = None,
-                    **geometry: Any) -> list[dict[str, Any]]:
+                    start_method: str = "fork", **geometry: Any) -> list[dict[str, Any]]:
     """One case per (connector, layout), each in its own process; their JSON results.
     ``connectors``: ``"module:Class"`` or names vLLM registers; ``geometry`` overrides
     :data:`~kvconnect.vllm.conformance.case.CASE_DEFAULTS` (``num_blocks``,
-    ``capacity_blocks``, ``num_layers``, ...)."""
+    ``capacity_blocks``, ``num_layers``, ``device`` ("cpu" or "cuda:N"), ...);
+    ``start_method``: "fork" (default) or "spawn" (see :mod:`.runner`)."""
     from .runner import DEFAULT_TIMEOUT, run_cases
 
     specs = [{"connector": c, "layout": lay, **geometry}
              for c in connectors for lay in layouts]
-    return run_cases(specs, timeout=timeout or DEFAULT_TIMEOUT, on_result=on_result)
+    return run_cases(specs, timeout=timeout or DEFAULT_TIMEOUT, on_result=on_result,
+                     start_method=start_method)

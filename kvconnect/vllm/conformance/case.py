@@ -20,7 +20,6 @@ Each check is ``{"status": "pass" | "fail" | "skip", ...evidence}``. Units: byte
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import random
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any
 
 from .probes import ConnectorProbe, Region, probe_for
 
-__all__ = ["CASE_DEFAULTS", "fill_committed", "resolve_connector", "run_case"]
+__all__ = ["CASE_DEFAULTS", "DeviceBytes", "fill_committed", "resolve_connector", "run_case"]
 
 #: the geometry every case uses unless told otherwise (small: the machine is shared)
 CASE_DEFAULTS: dict[str, Any] = {
@@ -58,7 +57,34 @@ def _inside(extents: list[tuple[int, int]], a: int, n: int) -> bool:
     return any(s <= a and a + n <= s + m for s, m in extents)
 
 
-def _read_runs(extents: list[tuple[int, int]], unreadable: list[int]
+class DeviceBytes:
+    """Reads and writes bytes of an :class:`~kvconnect.tensor.ExtensibleTensor`'s committed
+    memory through torch views (host or CUDA alike: no raw host pointers), synchronising
+    the device around them so that copies on other streams are ordered."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.device = tensor.device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def _view(self, address: int, n: int) -> Any:
+        return self.tensor.committed_view(address - self.tensor.base_ptr, n)
+
+    def read(self, address: int, n: int) -> bytes:
+        self.sync()
+        return self._view(address, n).cpu().numpy().tobytes()
+
+    def fill(self, address: int, n: int, value: int) -> None:
+        self._view(address, n).fill_(value)
+        self.sync()
+
+
+def _read_runs(extents: list[tuple[int, int]], unreadable: list[int], memory: DeviceBytes
                ) -> Callable[[list[tuple[int, int]]], bytes]:
     """Bytes at ``(address, n)`` runs; runs outside committed memory are not touched (they
     would fault): they read as zeros and count in ``unreadable[0]``."""
@@ -66,7 +92,7 @@ def _read_runs(extents: list[tuple[int, int]], unreadable: list[int]
         out = []
         for a, n in runs:
             if _inside(extents, a, n):
-                out.append(ctypes.string_at(a, n))
+                out.append(memory.read(a, n))
             else:
                 unreadable[0] += n
                 out.append(bytes(n))
@@ -139,14 +165,16 @@ def _exercise(probe: ConnectorProbe, connector: Any, cache: Any, extents: list[t
     runs = [(r.base_ptr + b * r.block_stride, r.block_len)
             for r in cache.cache.committed_regions() for b in block_ids]
 
+    memory = DeviceBytes(cache.cache.tensors[0])
+
     def scribble() -> None:  # kvconnect's runs: committed memory only
         for a, n in runs:
-            ctypes.memset(a, rng.randrange(256), n)
+            memory.fill(a, n, rng.randrange(256))
 
     unreadable = [0]
     try:
         moved, mismatched = probe.exercise(connector, block_ids, scribble,
-                                           _read_runs(extents, unreadable), runs)
+                                           _read_runs(extents, unreadable, memory), runs)
     except NotImplementedError as exc:
         return {"status": "skip", "reason": str(exc)}
     except Exception as exc:  # the connector's geometry made the move fail: evidence
@@ -178,14 +206,18 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
     case's JSON result."""
     from kvconnect.vllm.runtime import (
         init_single_process_group,
+        is_cuda_device,
         make_vllm_config,
-        prepare_cpu_runtime,
+        prepare_runtime,
         write_tiny_model,
     )
 
     s = {**CASE_DEFAULTS, **spec}
-    prepare_cpu_runtime()
+    shims = prepare_runtime(s["device"])
     import torch
+
+    if is_cuda_device(s["device"]):  # this process only: the parent never touches CUDA
+        torch.cuda.set_device(torch.device(s["device"]))
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -196,13 +228,15 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
 
     result: dict[str, Any] = {"connector": s["connector"], "layout": s["layout"],
                               "num_blocks": s["num_blocks"],
-                              "capacity_blocks": s["capacity_blocks"]}
+                              "capacity_blocks": s["capacity_blocks"], "device": s["device"]}
+    if shims:
+        result["extension_shims"] = shims
     checks = result["checks"] = _Checks(report)
     rng = random.Random(s["seed"])
     tmp = s.get("workdir") or tempfile.mkdtemp(prefix="kvconnect-conformance-")
     stage("setup")
     cls_name, module, cls = resolve_connector(s["connector"])
-    probe = probe_for(cls)
+    probe = probe_for(cls, s["device"])
     ktc: dict[str, Any] = {"kv_connector": cls_name, "kv_role": "kv_both",
                            "engine_id": f"conformance-{s['layout']}",
                            "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20}}
@@ -212,7 +246,7 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
                              num_kv_heads=s["num_kv_heads"], head_dim=s["head_size"],
                              dtype=s["dtype"])
     vc = make_vllm_config(model, layout=s["layout"], block_size=s["block_size"],
-                          kv_transfer_config=ktc, dtype=s["dtype"])
+                          kv_transfer_config=ktc, dtype=s["dtype"], device=s["device"])
     spec_ = FullAttentionSpec(block_size=s["block_size"], num_kv_heads=s["num_kv_heads"],
                               head_size=s["head_size"], dtype=getattr(torch, s["dtype"]))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(s["num_layers"])]

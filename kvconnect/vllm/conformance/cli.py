@@ -19,6 +19,8 @@ from typing import Any
 
 from kvconnect.layout.formats import VLLM_LAYOUTS
 
+from .runner import START_METHODS
+
 __all__ = ["main", "run_metadata"]
 
 
@@ -28,6 +30,16 @@ def _layouts(text: str) -> list[str]:
     if bad or not out:
         raise argparse.ArgumentTypeError(f"unknown layouts {bad}; choose from {VLLM_LAYOUTS}")
     return out
+
+
+def _device(text: str) -> str:
+    from kvconnect.vllm.runtime import is_cuda_device
+
+    try:
+        is_cuda_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
 
 
 def _positive(text: str) -> int:
@@ -54,6 +66,7 @@ def run_metadata(argv: list[str]) -> dict[str, Any]:
     return {"command": "kvconnect-conformance " + " ".join(argv),
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
             "cpus": os.cpu_count(), "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "python": platform.python_version(), "torch": torch.__version__,
             "vllm": version("vllm"), "nixl": version("nixl-cu13") or version("nixl"),
             "kvconnect": version("kvconnect")}
@@ -73,12 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-blocks", type=_positive, default=1024,
                    help="reserved blocks (default 1024: 8x committed)")
     p.add_argument("--num-layers", type=_positive, default=2)
-    p.add_argument("--device", default="cpu", help="cpu (host VMM backend) or cuda:N")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="cpu (host VMM backend) or cuda:N (CUDA VMM; vLLM's CUDA platform)")
+    p.add_argument("--start-method", choices=START_METHODS, default="fork",
+                   help="fork the warmed-up parent per case (default) or spawn a fresh "
+                        "interpreter per case (slower: vLLM imported each time)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
     p.add_argument("--pd", action="store_true",
                    help="also run a 1P1D transfer through vLLM's connector API (scheduler and "
                         "worker roles, vLLM's handshake) for NIXL-kind connectors")
     p.add_argument("--json", metavar="PATH", help="write {meta, results, pd} as JSON")
+    p.add_argument("--jsonl", metavar="PATH",
+                   help="append each case's result as one JSON line as soon as it is known "
+                        "(kept when the run is cut short)")
     p.add_argument("--markdown", metavar="PATH", help="write the results table as Markdown")
     return p
 
@@ -109,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     def show(r: dict[str, Any]) -> None:
         print(f"{r['connector'].rsplit(':', 1)[-1]:<36} {r['layout']:<6} {r['status']:<8} "
               f"{evidence(r)}", flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(r) + "\n")
 
     results = run_conformance(connectors, args.layouts, timeout=args.timeout, on_result=show,
                               num_blocks=args.num_blocks, capacity_blocks=args.capacity_blocks,
-                              num_layers=args.num_layers, device=args.device)
+                              num_layers=args.num_layers, device=args.device,
+                              start_method=args.start_method)
     pd: list[dict[str, Any]] = []
     if args.pd:
         from .pd import run_pd, transfers_over_nixl

@@ -5,7 +5,9 @@ kvconnect is installed; without the option it adds nothing and imports nothing h
 Each added test runs one conformance case in its own process and fails with the case's
 JSON when any check fails (or the case faults / times out). Options:
 ``--kvconnect-connector`` (repeatable), ``--kvconnect-layouts LBHNC,BLHNC``,
-``--kvconnect-capacity-blocks`` and ``--kvconnect-num-blocks``.
+``--kvconnect-capacity-blocks``, ``--kvconnect-num-blocks`` and ``--kvconnect-device``
+(``cpu``, the host VMM backend, or ``cuda:N``: then each case runs in a fresh
+interpreter, since the pytest process may have initialised CUDA).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="vLLM layouts to test (default: all six)")
     group.addoption("--kvconnect-num-blocks", type=int, default=128)
     group.addoption("--kvconnect-capacity-blocks", type=int, default=1024)
+    group.addoption("--kvconnect-device", default="cpu", metavar="DEVICE",
+                    help="where the cases' KV caches live: cpu (host VMM) or cuda:N")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,8 +48,11 @@ class ConformanceItem(pytest.Item):
 
     def runtest(self) -> None:
         from kvconnect.vllm.conformance.runner import run_cases
+        from kvconnect.vllm.runtime import is_cuda_device
 
-        (result,) = run_cases([self.spec])
+        # a pytest process may have initialised CUDA (fixtures, gpu markers): never fork it
+        method = "spawn" if is_cuda_device(self.spec["device"]) else "fork"
+        (result,) = run_cases([self.spec], start_method=method)
         self.user_properties.append(("kvconnect_conformance", json.dumps(result)))
         if result["status"] != "pass":
             raise ConformanceFailure(result)
@@ -79,6 +86,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         for lay in layouts:
             spec = {"connector": c, "layout": lay,
                     "num_blocks": config.getoption("--kvconnect-num-blocks"),
-                    "capacity_blocks": config.getoption("--kvconnect-capacity-blocks")}
+                    "capacity_blocks": config.getoption("--kvconnect-capacity-blocks"),
+                    "device": config.getoption("--kvconnect-device")}
             items.append(ConformanceItem.from_parent(session, name=f"conformance[{c}-{lay}]",
                                                      spec=spec))

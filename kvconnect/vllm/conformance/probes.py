@@ -8,8 +8,11 @@ afterwards, so they may patch classes for the life of that process.
 Two stand-ins replace what cannot exist on a CPU-only machine, and say so in their names:
 :class:`HostStreamStandIn` for ``torch.cuda.Stream`` and :class:`HostCopyBackendStandIn` for
 SimpleCPUOffload's ``cuMemcpyBatchAsync`` backend (it copies the same rows, synchronously).
-OffloadingConnector's CUDA worker is not created: :class:`OffloadingProbe` captures the
-canonical tensors upstream hands it and copies their rows the way that worker would.
+On CUDA (a probe's ``device``) SimpleCPUOffload keeps upstream's streams and its
+``DmaCopyBackend``. OffloadingConnector's CUDA worker is not created on either (it needs
+vLLM's compiled ``swap_blocks_batch``): :class:`OffloadingProbe` captures the canonical
+tensors upstream hands it and copies their rows the way that worker would (on the device's
+memory, through torch).
 
 Units: bytes; block ids are the connector's blocks (logical blocks here).
 """
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 
 __all__ = ["PROBES", "ConnectorProbe", "HostCopyBackendStandIn", "HostStreamStandIn",
-           "NixlProbe", "OffloadingProbe", "Region", "SimpleCPUOffloadProbe", "probe_for"]
+           "NixlProbe", "dma_copy", "OffloadingProbe", "Region", "SimpleCPUOffloadProbe", "probe_for"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class ConnectorProbe:
     kind = "generic"
     #: "transfer" (peer reads blocks) or "offload_round_trip"
     exercise_name = "transfer"
+    #: where the case's KV cache lives (set by :func:`probe_for`)
+    device: torch.device = torch.device("cpu")
 
     def install(self) -> None:
         """Patch what must be patched before the connector is created."""
@@ -122,6 +127,9 @@ class NixlProbe(ConnectorProbe):
                  runs: list[tuple[int, int]], timeout: float = 30.0) -> tuple[int, int]:
         """A fresh agent READs every region's ``block_ids`` from the connector's agent into
         its own buffer; compares with the source bytes (read after, at the same addresses)."""
+        if self.device.type != "cpu":
+            raise NotImplementedError("the NIXL transfer check reads DRAM only (a VRAM peer "
+                                      "needs NIXL on the GPU machine)")
         from nixl._api import nixl_agent, nixl_agent_config
 
         w = connector.connector_worker
@@ -231,10 +239,13 @@ class SimpleCPUOffloadProbe(ConnectorProbe):
     kind = "simple_cpu_offload"
     exercise_name = "offload_round_trip"
 
+    #: seconds one DMA copy (store or load) may take on CUDA
+    copy_timeout = 20.0
+
     def install(self) -> None:
         import vllm.v1.simple_kv_offload.worker as worker
 
-        if not torch.cuda.is_available():
+        if self.device.type == "cpu":
             torch.cuda.Stream = HostStreamStandIn  # type: ignore[misc,assignment]
             worker.DmaCopyBackend = HostCopyBackendStandIn  # type: ignore[misc,assignment]
 
@@ -247,8 +258,37 @@ class SimpleCPUOffloadProbe(ConnectorProbe):
 
     def exercise(self, connector: Any, block_ids: list[int], scribble: Any, read_runs: Any,
                  runs: list[tuple[int, int]]) -> tuple[int, int]:
-        backend = connector.worker_handler._backend
-        return _round_trip(backend.copy, block_ids, scribble, read_runs, runs)
+        h = connector.worker_handler
+        backend = h._backend
+        if isinstance(backend, HostCopyBackendStandIn):
+            return _round_trip(backend.copy, block_ids, scribble, read_runs, runs)
+        row_bytes = sum(t[0].numel() * t.element_size() for t in h.gpu_kv_caches.values())
+
+        def copy(src: list[int], dst: list[int], is_store: bool) -> int:
+            dma_copy(backend, src, dst, is_store, self.copy_timeout)
+            return row_bytes * len(src)
+
+        return _round_trip(copy, block_ids, scribble, read_runs, runs)
+
+
+def dma_copy(backend: Any, src_blocks: list[int], dst_blocks: list[int], is_store: bool,
+             timeout: float) -> None:
+    """One copy through upstream's ``DmaCopyBackend`` (its background thread and streams,
+    ``cuMemcpyBatchAsync``), waited for: its event recorded, then synchronised. Raises
+    RuntimeError when the copy thread died (the copy failed: its error is in the log) and
+    TimeoutError past ``timeout`` seconds."""
+    events: list[tuple[int, Any]] = []
+    backend.launch_copy(src_blocks, dst_blocks, is_store, 0, events)
+    deadline = time.monotonic() + timeout
+    while not events:
+        thread = getattr(backend, "_thread", None)
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError("DmaCopyBackend's copy thread died (cuMemcpyBatchAsync failed: "
+                               "see the case log)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"DmaCopyBackend copy not done in {timeout} s")
+        time.sleep(0.001)
+    events[0][1].synchronize()
 
 
 class OffloadingProbe(ConnectorProbe):
@@ -282,8 +322,8 @@ class OffloadingProbe(ConnectorProbe):
     def exercise(self, connector: Any, block_ids: list[int], scribble: Any, read_runs: Any,
                  runs: list[tuple[int, int]]) -> tuple[int, int]:
         tensors = self._tensors()
-        host = [torch.zeros((len(block_ids),) + tuple(t.shape[1:]), dtype=t.dtype)
-                for t in tensors]
+        host = [torch.zeros((len(block_ids),) + tuple(t.shape[1:]), dtype=t.dtype,
+                            device="cpu") for t in tensors]
 
         def copy(src: list[int], dst: list[int], is_store: bool) -> int:
             moved = 0
@@ -327,9 +367,10 @@ PROBES: list[tuple[Any, type[ConnectorProbe]]] = [
 ]
 
 
-def probe_for(connector_cls: type) -> ConnectorProbe:
-    """The probe of ``connector_cls``'s kind (NIXL registration recording if none fits)."""
-    for base, probe in PROBES:
-        if issubclass(connector_cls, base()):
-            return probe()
-    return NixlProbe()
+def probe_for(connector_cls: type, device: object = "cpu") -> ConnectorProbe:
+    """The probe of ``connector_cls``'s kind (NIXL registration recording if none fits),
+    for a case whose KV cache lives on ``device``."""
+    probe: ConnectorProbe = next(
+        (p() for base, p in PROBES if issubclass(connector_cls, base())), NixlProbe())
+    probe.device = torch.device(device)
+    return probe

@@ -7,6 +7,12 @@ imports vLLM once and forks a child per case (a fresh interpreter would pay vLLM
 ``{"result": ...}``) over a pipe; the parent waits with a deadline, kills the child's
 process group when it passes, and turns a death by signal into a ``fault`` result naming
 the signal and the stage it died in. Units: seconds.
+
+On CUDA the parent must not initialise CUDA before it forks (a child of a process that did
+cannot use it): :func:`warm_up` selects vLLM's CUDA platform and torch's NVML-based device
+count, and :func:`run_cases` refuses to fork once torch has initialised CUDA. With
+``start_method="spawn"`` each case runs in a fresh interpreter instead (``python -m
+kvconnect.vllm.conformance.runner``: vLLM's import paid per case).
 """
 
 from __future__ import annotations
@@ -15,24 +21,29 @@ import json
 import os
 import select
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["DEFAULT_TIMEOUT", "case_status", "run_cases", "warm_up"]
+__all__ = ["DEFAULT_TIMEOUT", "START_METHODS", "case_status", "run_cases", "warm_up"]
+
+#: how a case's process starts: a fork of the warmed-up parent, or a fresh interpreter
+START_METHODS = ("fork", "spawn")
 
 #: seconds one case may take (setup, register, transfers, sleep / wake)
 DEFAULT_TIMEOUT = 180.0
 _MAX_LINE = 1 << 20
 
 
-def warm_up() -> None:
-    """Import what every case needs, once, before forking."""
-    from kvconnect.vllm.runtime import prepare_cpu_runtime
+def warm_up(device: object = "cpu") -> None:
+    """Import what every case needs, once, before forking (CUDA stays uninitialised)."""
+    from kvconnect.vllm.runtime import prepare_runtime
 
-    prepare_cpu_runtime()
+    prepare_runtime(device)
     import vllm.distributed.kv_transfer.kv_connector.factory  # noqa: F401
     import vllm.engine.arg_utils  # noqa: F401
     import vllm.v1.core.kv_cache_planning  # noqa: F401
@@ -55,11 +66,12 @@ def case_status(result: dict[str, Any]) -> str:
     return "pass"
 
 
-def _child(spec: dict[str, Any], wfd: int, log_path: str) -> None:
-    """In the forked child: run the case, write JSON lines, leave without cleanup."""
+def _child(spec: dict[str, Any], wfd: int, log_path: str, *, own_group: bool = True) -> None:
+    """In the case's process: run the case, write JSON lines, leave without cleanup."""
     code = 0
     try:
-        os.setpgid(0, 0)
+        if own_group:
+            os.setpgid(0, 0)
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -91,17 +103,36 @@ def _tail(path: str, n: int = 2000) -> str:
         return ""
 
 
-def _run_one(spec: dict[str, Any], timeout: float, log_dir: str) -> dict[str, Any]:
+def _start(spec: dict[str, Any], wfd: int, rfd: int, log_path: str, start_method: str
+           ) -> int:
+    """Start the case's process (its own process group); returns its pid."""
+    if start_method == "spawn":
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvconnect.vllm.conformance.runner", "--case",
+             json.dumps(spec), str(wfd), log_path],
+            pass_fds=(wfd,), start_new_session=True, stdin=subprocess.DEVNULL)
+        return proc.pid
+    pid = os.fork()
+    if pid == 0:
+        os.close(rfd)
+        _child(spec, wfd, log_path)
+    return pid
+
+
+def _run_one(spec: dict[str, Any], timeout: float, log_dir: str, start_method: str = "fork"
+             ) -> dict[str, Any]:
     rfd, wfd = os.pipe()
     workdir = tempfile.mkdtemp(dir=log_dir)
     spec = {**spec, "workdir": workdir}
     log_path = os.path.join(workdir, "case.log")
     t0 = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
+    try:
+        pid = _start(spec, wfd, rfd, log_path, start_method)
+    except BaseException:
         os.close(rfd)
-        _child(spec, wfd, log_path)
-    os.close(wfd)
+        raise
+    finally:
+        os.close(wfd)
     buf, stage, result, error = b"", "start", None, None
     checks: dict[str, Any] = {}
     deadline = t0 + timeout
@@ -168,17 +199,60 @@ def _waitpid(pid: int, timeout: float) -> tuple[int, int | None]:
         time.sleep(0.05)
 
 
+def case_device(specs: list[dict[str, Any]]) -> str:
+    """The one device every spec names (``cpu`` when none does). Raises ValueError when
+    specs name several: vLLM's platform is chosen once per process."""
+    devices = {str(s.get("device", "cpu")) for s in specs} or {"cpu"}
+    if len(devices) > 1:
+        raise ValueError(f"conformance cases of one run must share a device, got "
+                         f"{sorted(devices)}: run one kvconnect-conformance per device")
+    return devices.pop()
+
+
+def _check_fork_safe(device: str) -> None:
+    from kvconnect.vllm.runtime import is_cuda_device
+
+    if not is_cuda_device(device):
+        return
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised in the conformance kit's parent process, so "
+                           "forked cases could not use it: run with start_method='spawn' "
+                           "(kvconnect-conformance --start-method spawn)")
+
+
 def run_cases(specs: Iterable[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT,
-              on_result: Callable[[dict[str, Any]], None] | None = None
-              ) -> list[dict[str, Any]]:
-    """Run each case spec (``connector``, ``layout``, optional geometry: see
-    :data:`~kvconnect.vllm.conformance.case.CASE_DEFAULTS`) in its own forked process."""
-    warm_up()
+              on_result: Callable[[dict[str, Any]], None] | None = None,
+              start_method: str = "fork") -> list[dict[str, Any]]:
+    """Run each case spec (``connector``, ``layout``, ``device``, optional geometry: see
+    :data:`~kvconnect.vllm.conformance.case.CASE_DEFAULTS`) in its own process: a fork of
+    this one (vLLM imported once) or, with ``start_method="spawn"``, a fresh interpreter."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method {start_method!r}: choose from {START_METHODS}")
+    specs = [dict(s) for s in specs]
+    device = case_device(specs)
+    if start_method == "fork":
+        warm_up(device)
     results = []
     with tempfile.TemporaryDirectory(prefix="kvconnect-conformance-logs-") as log_dir:
         for spec in specs:
-            res = _run_one(dict(spec), timeout, log_dir)
+            if start_method == "fork":
+                _check_fork_safe(device)
+            res = _run_one(spec, timeout, log_dir, start_method)
             results.append(res)
             if on_result is not None:
                 on_result(res)
     return results
+
+
+def _case_main(argv: list[str]) -> None:
+    """``python -m kvconnect.vllm.conformance.runner --case SPEC_JSON FD LOG``: one case in
+    this fresh interpreter (the spawn start method)."""
+    if len(argv) != 4 or argv[0] != "--case":
+        sys.exit("usage: python -m kvconnect.vllm.conformance.runner --case SPEC_JSON FD LOG")
+    _child(json.loads(argv[1]), int(argv[2]), argv[3], own_group=False)
+
+
+if __name__ == "__main__":
+    _case_main(sys.argv[1:])
