@@ -29,7 +29,7 @@ _EXPORTS: dict[str, str] = {
     "VllmKVCache": "kvconnect.vllm.cache",
     "bound_for_connector": "kvconnect.vllm.bounding",
     "BoundedKVCaches": "kvconnect.vllm.bounding",
-    "KvconnectNixlConnector": "kvconnect.vllm.connectors",
+    "KvconnectNixlConnector": "kvconnect.vllm.nixl_connector",
     "KvconnectSimpleCPUOffloadConnector": "kvconnect.vllm.connectors",
     "KvconnectOffloadingConnector": "kvconnect.vllm.connectors",
     "prepare_cpu_runtime": "kvconnect.vllm.runtime",

@@ -1,4 +1,6 @@
-"""vLLM 0.33's connectors, patched so their workers see only committed memory (needs vLLM).
+"""vLLM 0.33's offload connectors, patched so their workers see only committed memory (needs
+vLLM); the NIXL one is in :mod:`kvconnect.vllm.nixl_connector` (upstream's NIXL module pulls in
+attention backends that need vLLM's compiled extensions on CUDA, so it loads only when asked).
 
 Each class subclasses upstream's and changes one thing: before upstream's
 ``register_kv_caches`` runs, the views and the connector's ``KVCacheConfig`` are bounded to
@@ -18,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -28,11 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 
 from .bounding import BoundedKVCaches, bound_for_connector
 
-__all__ = ["KvconnectNixlConnector", "KvconnectOffloadingConnector",
+__all__ = ["CommittedOnly", "KvconnectOffloadingConnector",
            "KvconnectSimpleCPUOffloadConnector"]
 
 
-class _CommittedOnly:
+class CommittedOnly:
     """The bounding step shared by the patched connectors."""
 
     _vllm_config: Any
@@ -49,18 +50,7 @@ class _CommittedOnly:
         return bounded
 
 
-class KvconnectNixlConnector(_CommittedOnly, NixlConnector):
-    """vLLM's ``NixlConnector`` (pull) registering committed memory only."""
-
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        bounded = self._bounded(kv_caches)
-        super().register_kv_caches(bounded.kv_caches)
-
-
-class KvconnectSimpleCPUOffloadConnector(_CommittedOnly, SimpleCPUOffloadConnector):
+class KvconnectSimpleCPUOffloadConnector(CommittedOnly, SimpleCPUOffloadConnector):
     """vLLM's ``SimpleCPUOffloadConnector`` whose worker places regions in committed memory
     (its worker reads ``layer_stride`` / ``offset`` from the config: bounded too)."""
 
@@ -76,7 +66,7 @@ class KvconnectSimpleCPUOffloadConnector(_CommittedOnly, SimpleCPUOffloadConnect
         super().register_kv_caches(bounded.kv_caches)
 
 
-class KvconnectOffloadingConnector(_CommittedOnly, OffloadingConnector):
+class KvconnectOffloadingConnector(CommittedOnly, OffloadingConnector):
     """vLLM's ``OffloadingConnector`` over bounded views (its geometry is already bounded by
     ``num_blocks``; its packed path assumes row 0 at the storage start, which bounding
     guarantees)."""
