@@ -367,10 +367,21 @@ PROBES: list[tuple[Any, type[ConnectorProbe]]] = [
 ]
 
 
+def _derives(connector_cls: type, load_base: Any) -> bool:
+    """Whether ``connector_cls`` derives from the upstream class ``load_base()`` loads; False
+    when that upstream module cannot be imported here (e.g. vLLM's NIXL connector on CUDA
+    without vLLM's compiled attention extensions): a class cannot derive from it then."""
+    try:
+        base = load_base()
+    except ImportError:
+        return False
+    return issubclass(connector_cls, base)
+
+
 def probe_for(connector_cls: type, device: object = "cpu") -> ConnectorProbe:
     """The probe of ``connector_cls``'s kind (NIXL registration recording if none fits),
     for a case whose KV cache lives on ``device``."""
     probe: ConnectorProbe = next(
-        (p() for base, p in PROBES if issubclass(connector_cls, base())), NixlProbe())
+        (p() for base, p in PROBES if _derives(connector_cls, base)), NixlProbe())
     probe.device = torch.device(device)
     return probe
