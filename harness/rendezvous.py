@@ -234,6 +234,12 @@ class StoreControl(Control):
         self.transfers.append(t)
         self.display.transfer(t)
 
+    def _send_fault(self, record: dict[str, Any]) -> None:
+        """A multi-host run has no coordinator to time the report: the fault is logged and
+        shown; the failure it causes is reported as usual."""
+        self.display.message(f"{self.name}: --inject {record['fault']} fires in phase "
+                             f"{record['in_phase']}")
+
     def _set(self, key: str, value: Any) -> None:
         self.store.set(PREFIX + "kv/" + key, json.dumps(value))
 
