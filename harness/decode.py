@@ -130,6 +130,7 @@ class DecodeWorker(WorkerSteps):
         if diffs:
             ctl.failed(f"compat/{pair}", f"{prefill}'s KV layout differs: "
                                          + "; ".join(diffs[:MAX_QUOTED]))
+            ctl.publish(f"handshake/{prefill}/round{round_no}", {"opened": []})
             return
         remote_ids, local_ids = cfg.block_sets(p, self.rank, round_no)
         pending = list(cfg.transports)
@@ -208,6 +209,9 @@ class DecodeWorker(WorkerSteps):
                                             time.perf_counter() - t0)
                 continue
             opened.append(transport)
+        # the prefill starts its transfer phase once every decode got this far
+        ctl.publish(f"handshake/{prefill}/round{round_no}",
+                    {"incarnation": incarnation, "opened": opened, "failed": sorted(failed)})
         expected = info["digests"][self.name]
         remote_specs = [RegionSpec.from_json(s) for s in info["regions"]]
         reference: dict[int, float] = {}  # bytes -> GB/s of the same-run reference copy

@@ -3,8 +3,9 @@ contents and serves them to every decode, round 1 and (after an offload round tr
 sleep / wake) round 2.
 
 Per round its phases are ``digest:roundN``, ``handshake:roundN`` (starts the transports'
-serving halves once, publishes the offers), ``transfer:roundN`` (decodes read; NIXL progress
-is pumped) and ``notification:roundN`` (each decode's NIXL READs must have notified us).
+serving halves once, publishes the offers, waits until every decode loaded them),
+``transfer:roundN`` (decodes read; NIXL progress is pumped) and ``notification:roundN``
+(each decode's NIXL READs must have notified us).
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ class PrefillWorker(WorkerSteps):
             self.serve(round_no)
 
     def serve(self, round_no: int) -> None:
-        """One round: digest, publish the offers (handshake), let the decodes read
-        (transfer), check their READ completion notifications (notification)."""
+        """One round: digest, publish the offers and wait until every decode loaded them
+        (handshake), let the decodes read (transfer), check their READ completion
+        notifications (notification)."""
         ctl, cfg = self.ctl, self.cfg
         ctl.phase(f"digest:round{round_no}")
         digests = {}
@@ -110,6 +112,9 @@ class PrefillWorker(WorkerSteps):
             "exports": {name: e.describe() for name, e in self.exporters.items()},
         }
         ctl.publish(f"round{round_no}", info)
+        for d in range(cfg.num_decode):  # each decode loaded the offers (or could not)
+            ctl.wait(worker_name(DECODE, d), f"handshake/{self.name}/round{round_no}",
+                     timeout=round_wait(cfg))
         ctl.phase(f"transfer:round{round_no}")
         done = {}
         with _ProgressPump(self.nixl):
