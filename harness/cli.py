@@ -9,6 +9,7 @@ SIGINT (130) or SIGTERM (143) stopped the run (the summary and reports are still
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -40,6 +41,7 @@ from .faults import (
 from .lifetime import InterruptSignals, exit_now
 from .rendezvous import Membership, membership_from_env, parse_hostport
 from .report import EXIT_USAGE, Report
+from .store_auth import TOKEN_ENV, TokenError, load_token
 
 log = logging.getLogger("kvconnect.harness")
 
@@ -152,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     mh.add_argument("--role", choices=ROLES, help="this process's role")
     mh.add_argument("--rank", type=_non_negative_int, metavar="R",
                     help="this process's rank within its role")
+    mh.add_argument("--rendezvous-token-file", metavar="PATH",
+                    help="a file holding a shared secret (>= 16 bytes) every process of the "
+                         f"run must prove it knows (HMAC over nonces; never sent); or set "
+                         f"{TOKEN_ENV}. A process with a wrong token is refused (exit 3)")
     p.add_argument("--plain", action="store_true",
                    help="plain progress lines even on a terminal")
     p.add_argument("-q", "--quiet", action="store_true", help="only the final table")
@@ -234,6 +240,20 @@ def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None
 
 
 def _membership(args: argparse.Namespace) -> Membership | None:
+    m = _membership_of(args)
+    if m is None:
+        if args.rendezvous_token_file is not None:
+            raise UsageError("--rendezvous-token-file is for multi-host runs (--rendezvous, or "
+                             "the variables torchrun / srun set)")
+        return None
+    try:
+        token = load_token(args.rendezvous_token_file, os.environ)
+    except TokenError as exc:
+        raise UsageError(str(exc)) from None
+    return dataclasses.replace(m, token=token)
+
+
+def _membership_of(args: argparse.Namespace) -> Membership | None:
     given = [flag for flag, v in (("--rendezvous", args.rendezvous), ("--role", args.role),
                                   ("--rank", args.rank)) if v is not None]
     if given and len(given) < 3:
