@@ -162,6 +162,18 @@ def _cell_reported(row: dict[str, Any]) -> str:
     return f"{got['role']} {got['rank']} in `{got['phase']}` ({got.get('cause') or got['check']})"
 
 
+def _per_fault(rows: list[dict[str, Any]]) -> list[str]:
+    """One summary line per fault kind: time to report over its phases."""
+    out = []
+    for fault in dict.fromkeys(r["fault"] for r in rows):
+        ran = [r for r in rows if r["fault"] == fault and not r.get("na")]
+        times = [r["time_to_report_seconds"] for r in ran
+                 if r.get("time_to_report_seconds") is not None]
+        span = f"{min(times):.2f}-{max(times):.2f} s" if times else "-"
+        out.append(f"| {fault} | {span} | {sum(1 for r in ran if r.get('ok'))} of {len(ran)} |")
+    return out
+
+
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The markdown section (without the markers)."""
     ok = sum(1 for r in rows if r.get("ok"))
@@ -181,6 +193,10 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"and phase within --timeout + 2 s or recovered, `cleanup` check passed, no process "
         f"or temp entry left); {na} do not apply."
         + (f" Time to report: {min(times):.2f}-{max(times):.2f} s." if times else ""),
+        "",
+        "| fault | time to report (min-max over phases) | runs that behaved |",
+        "| --- | --- | --- |",
+        *_per_fault(rows),
         "",
         "Time to report: from the moment the fault fired in the worker to the failing check "
         "that names it reaching the coordinator (same host, one monotonic clock); for "
@@ -253,7 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doc", type=Path, default=DOC, help="where the table goes")
     ap.add_argument("--json", type=Path, help="also write every row as JSON")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="do not run: write the table of a run saved with --json")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        saved = json.loads(args.render.read_text())
+        write_doc(render(saved["rows"], saved["meta"]), args.doc)
+        print(f"wrote the table of {args.render} into {args.doc}")
+        return 0 if all(r.get("ok") or r.get("na") for r in saved["rows"]) else 1
     meta = _meta(args.timeout)
     rows: list[dict[str, Any]] = []
     for fault, phase, why in matrix(args.only):
