@@ -13,7 +13,7 @@ With a token (``--rendezvous-token-file PATH`` or ``KVCONNECT_RENDEZVOUS_TOKEN``
    ``HMAC-SHA256(token, "member|<name>|Nh|Nm")``;
 3. the reporter checks it and answers ``auth/verdict/<name>``: refused, or accepted with
    ``HMAC(token, "host|<name>|Nh|Nm")`` so the member knows the reporter holds the token too.
-   A refused proof is deleted, so the right process may still join under that name before
+   A refused proof is cleared, so the right process may still join under that name before
    the deadline;
 4. from then on every value the run reads from the store is sealed with
    ``HMAC(K, key || value)``, ``K = HMAC(token, "session|Nh")``: a value written by anyone
@@ -158,7 +158,7 @@ def authenticate_reporter(store: Any, prefix: str, token: bytes | None,
         for name in sorted(waiting):
             key = prefix + f"auth/proof/{name}"
             text = _read(store, key)
-            if text is None:
+            if not text:  # none yet, or a refused one cleared
                 continue
             try:
                 proof = json.loads(text)
@@ -173,7 +173,9 @@ def authenticate_reporter(store: Any, prefix: str, token: bytes | None,
                 waiting.discard(name)
             else:
                 refused[name] = refused.get(name, 0) + 1
-                store.delete_key(key)  # the right process may still come
+                # cleared (only if unchanged: a new proof may have just replaced it) so the
+                # right process may still come
+                store.compare_set(key, text, "")
                 log.info("rendezvous: refused a proof for %s (wrong token)", name)
             store.set(prefix + f"auth/verdict/{name}", json.dumps(verdict))
         if not waiting:
@@ -224,7 +226,10 @@ def authenticate_member(store: Any, prefix: str, token: bytes | None, name: str,
             verdict = {}
         if isinstance(verdict, dict) and verdict.get("nonce") == mine:
             break
-        time.sleep(0.05)  # an answer to an earlier attempt under our name
+        if time.monotonic() > deadline:  # only answers to an earlier attempt under our name
+            raise RendezvousRefused(f"rendezvous at {where}: no answer from prefill0 to our "
+                                    "token proof within --timeout", "no_answer")
+        time.sleep(0.05)
     if not verdict.get("ok"):
         raise RendezvousRefused(f"rendezvous at {where}: prefill0 refused {name}: this "
                                 "process's rendezvous token does not match", "wrong_token")

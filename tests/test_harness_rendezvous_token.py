@@ -113,24 +113,28 @@ def test_members_prove_the_token_and_values_are_sealed_without_sending_it(stores
     with pytest.raises(TamperedValue):  # written by someone without the token
         host.open(PREFIX + "kv/x", json.dumps({"pid": 1}))
     assert written and not any(TOKEN in w or TOKEN.hex().encode() in w for w in written)
-    # another run (fresh nonces) cannot replay this run's values
+    # another run (fresh nonces, a fresh store as prefill0 hosts one) cannot replay this
+    # run's values
+    for key in ("auth/mode", "auth/proof/decode0", "auth/verdict/decode0"):
+        client().delete_key(PREFIX + key)
     host2, member2 = _both(client, TOKEN, TOKEN)
+    assert host2.active and member2.active
     with pytest.raises(TamperedValue):
         host2.open(PREFIX + "kv/decode0/hello", sealed)
 
 
 def test_a_wrong_missing_or_unexpected_token_is_refused(stores) -> None:
     client, _ = stores
-    host, member = _both(client, TOKEN, b"wrong-horse-battery-staple-0042", timeout=3.0)
+    host, member = _both(client, TOKEN, b"wrong-horse-battery-staple-0042", timeout=2.0)
     assert isinstance(member, RendezvousRefused) and member.cause == "wrong_token"
     assert isinstance(host, RendezvousRefused) and host.cause == "members_missing"
     assert "1 attempt(s) refused for a wrong token" in str(host)
-    for key in ("auth/mode", "auth/verdict/decode0"):  # next case starts from a clean store
+    for key in ("auth/mode", "auth/proof/decode0", "auth/verdict/decode0"):  # a clean store
         client().delete_key(PREFIX + key)
-    host, member = _both(client, TOKEN, None, timeout=3.0)
+    host, member = _both(client, TOKEN, None, timeout=2.0)
     assert isinstance(member, RendezvousRefused) and member.cause == "token_missing"
     client().delete_key(PREFIX + "auth/mode")
-    host, member = _both(client, None, TOKEN, timeout=3.0)
+    host, member = _both(client, None, TOKEN, timeout=2.0)
     assert isinstance(member, RendezvousRefused) and member.cause == "unauthenticated_host"
     assert not host.active  # the reporter itself runs without
 
