@@ -142,7 +142,7 @@ class DecodeWorker(WorkerSteps):
                 return
             old = int(info.get("incarnation", 1))
             t0 = time.monotonic()
-            ctl.phase(f"recover:{prefill}:round{round_no}")
+            ctl.phase(f"peer-check:{prefill}:round{round_no}")  # did it die and come back?
             new = (ctl.peer_restarted(prefill, old, timeout=cfg.heartbeat_timeout)
                    if attempt < MAX_ATTEMPTS else None)
             if new is None:  # the prefill is alive: these are failures of their own
@@ -153,6 +153,7 @@ class DecodeWorker(WorkerSteps):
                                      "peer": prefill, "peer_incarnation": old,
                                      "attempt": attempt, "blocks_not_received": len(local_ids)})
                 return
+            ctl.phase(f"recover:{prefill}:round{round_no}")
             intact = self.intact(guard, local_ids)
             for transport in failed:
                 self.transport(transport).invalidate(prefill)  # the dead prefill's mappings
