@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -182,10 +183,19 @@ def _finish(proc: subprocess.Popen, out: Path) -> tuple[int, str, dict[str, Any]
     return proc.returncode, err, report, time.monotonic() - t0
 
 
+@pytest.fixture
+def short_tmp() -> Any:
+    """A TMPDIR short enough for Unix socket paths (removed afterwards, whatever happened)."""
+    path = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow
 def test_processes_with_the_token_run_and_one_with_a_wrong_token_is_refused(
-        tmp_path: Path) -> None:
-    short_tmp = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+        tmp_path: Path, short_tmp: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_bytes(TOKEN + b"\n")
     token_file.chmod(0o600)
@@ -228,4 +238,3 @@ def test_processes_with_the_token_run_and_one_with_a_wrong_token_is_refused(
     lines = [line for line in perr.splitlines() if line.strip()]
     assert len(lines) == 1 and "did not prove the rendezvous token" in lines[0], perr
     assert list(short_tmp.iterdir()) == []
-    short_tmp.rmdir()
