@@ -9,9 +9,15 @@ config every worker gets), :mod:`.report` (checks, transfers, JSON / JUnit), :mo
 run's private directory), :mod:`.lifetime` (how harness processes end),
 :mod:`.rendezvous` (multi-host runs over a TCPStore), :mod:`.control` (what a worker uses to
 talk to the run), :mod:`.worker` (worker process entry), :mod:`.scenario` (the steps per
-worker), :mod:`.content` (block contents and digests), :mod:`.transports` (ipc and nixl
-fetches), :mod:`.ucx_lanes` (which UCX lane carried a NIXL READ).
+worker: :mod:`.steps` shared, :mod:`.prefill`, :mod:`.decode`), :mod:`.content` (block
+contents and digests), :mod:`.transports` (same-run reference copies), :mod:`.ucx_lanes`
+(which UCX lane carried a NIXL READ), :mod:`.faults` (``--inject`` fault kinds, fired at a
+worker's phase boundary), :mod:`.footprint` (fds, sockets and KV mappings a process holds),
+:mod:`.faultwatch` (time-to-report of injected faults), :mod:`.workerset` (the coordinator's
+worker records, teardown), :mod:`.cleanup` (the after-run leak check), :mod:`.store_auth`
+(the rendezvous token check).
 
 Worker processes import nothing of the coordinator side (cli, resources, orchestrator,
-launch, rundir, rendezvous, display). Nothing below the harness imports it.
+launch, rundir, rendezvous, display, faultwatch, cleanup, workerset). Nothing below the
+harness imports it.
 """

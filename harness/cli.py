@@ -9,6 +9,7 @@ SIGINT (130) or SIGTERM (143) stopped the run (the summary and reports are still
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -27,9 +28,20 @@ from .environment import (
     nixl_available,
     resolve_device,
 )
+from .faults import (
+    PHASES,
+    FaultSpec,
+    FaultSpecError,
+    check_faults,
+    fault_names,
+    missing_transports,
+    parse_fault,
+    specs_from_config,
+)
 from .lifetime import InterruptSignals, exit_now
 from .rendezvous import Membership, membership_from_env, parse_hostport
 from .report import EXIT_USAGE, Report
+from .store_auth import TOKEN_ENV, TokenError, load_token
 
 log = logging.getLogger("kvconnect.harness")
 
@@ -83,6 +95,13 @@ def _transports(text: str) -> list[str]:
     return items
 
 
+def _fault(text: str) -> FaultSpec:
+    try:
+        return parse_fault(text)
+    except FaultSpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvconnect-validate",
@@ -121,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "must fail naming that block")
     p.add_argument("--seed", type=_non_negative_int, default=0, metavar="S",
                    help="seed of the block contents and block choice (default 0)")
+    p.add_argument("--inject", type=_fault, action="append", default=None,
+                   metavar="FAULT@PHASE",
+                   help="inject a fault (repeatable): the run must report it (exit 1) naming "
+                        "the worker, its rank and phase within --timeout, or recover from it "
+                        f"(restart-prefill: exit 0). Faults: {', '.join(fault_names())} "
+                        "(append a rank: kill-decode1); phases: " + ", ".join(PHASES))
     mh = p.add_argument_group(
         "multi-host", "one process per worker, rendezvous through torch.distributed.TCPStore "
         "(also taken from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun or srun set)")
@@ -129,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     mh.add_argument("--role", choices=ROLES, help="this process's role")
     mh.add_argument("--rank", type=_non_negative_int, metavar="R",
                     help="this process's rank within its role")
+    mh.add_argument("--rendezvous-token-file", metavar="PATH",
+                    help="a file holding a shared secret (>= 16 bytes) every process of the "
+                         f"run must prove it knows (HMAC over nonces; never sent); or set "
+                         f"{TOKEN_ENV}. A process with a wrong token is refused (exit 3)")
     p.add_argument("--plain", action="store_true",
                    help="plain progress lines even on a terminal")
     p.add_argument("-q", "--quiet", action="store_true", help="only the final table")
@@ -190,17 +219,41 @@ def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None
     if args.json and args.junit and os.path.abspath(args.json) == os.path.abspath(args.junit):
         raise UsageError("--json and --junit name the same file")
     membership = _membership(args)
+    faults: list[FaultSpec] = list(args.inject or [])
+    try:
+        check_faults(faults, args.prefill, args.decode, multi_host=membership is not None)
+    except FaultSpecError as exc:
+        raise UsageError(str(exc)) from None
+    if args.transports is not None:
+        missing = missing_transports(faults, args.transports)
+        if missing:
+            raise UsageError("; ".join(missing))
     cfg = RunConfig(
         num_prefill=args.prefill, num_decode=args.decode, layout=args.layout,
         num_blocks=args.num_blocks, num_layers=args.num_layers, transfer_blocks=transfer,
         transports=list(args.transports or TRANSPORTS), timeout=args.timeout,
         heartbeat_timeout=min(10.0, max(2.0, args.timeout / 2)),
         corrupt=args.corrupt, seed=args.seed, min_gbps=args.min_gbps,
+        faults=[f.to_json() for f in faults],
     )
     return cfg, membership
 
 
 def _membership(args: argparse.Namespace) -> Membership | None:
+    m = _membership_of(args)
+    if m is None:
+        if args.rendezvous_token_file is not None:
+            raise UsageError("--rendezvous-token-file is for multi-host runs (--rendezvous, or "
+                             "the variables torchrun / srun set)")
+        return None
+    try:
+        token = load_token(args.rendezvous_token_file, os.environ)
+    except TokenError as exc:
+        raise UsageError(str(exc)) from None
+    return dataclasses.replace(m, token=token)
+
+
+def _membership_of(args: argparse.Namespace) -> Membership | None:
     given = [flag for flag, v in (("--rendezvous", args.rendezvous), ("--role", args.role),
                                   ("--rank", args.rank)) if v is not None]
     if given and len(given) < 3:
@@ -351,6 +404,10 @@ def _select_transports(cfg: RunConfig, explicit: bool) -> None:
     if not cfg.transports:
         raise EnvironmentProblem("no transport can run here: "
                                  + "; ".join(cfg.skipped_transports.values()))
+    missing = missing_transports(specs_from_config(cfg.faults), cfg.transports)
+    if missing:
+        raise EnvironmentProblem("; ".join(f"{m}: {cfg.skipped_transports.get('nixl', '')}"
+                                           for m in missing))
 
 
 def _finish(report: Report, args: argparse.Namespace, display: Display, started: float,

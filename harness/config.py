@@ -53,6 +53,8 @@ class RunConfig:
     min_gbps: float | None = None
     #: multi-host runs: this process's own device (set per process, not shared)
     local_device: str = ""
+    #: ``--inject`` faults (:class:`~.faults.FaultSpec` as JSON: ``kind``, ``rank``, ``phase``)
+    faults: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +71,11 @@ class RunConfig:
     @property
     def capacity_blocks(self) -> int:
         return self.num_blocks * self.capacity_factor
+
+    @property
+    def stall_seconds(self) -> float:
+        """How long a ``slow-*`` fault stalls a worker: longer than any deadline of the run."""
+        return 3.0 * self.timeout
 
     @property
     def warmup_blocks(self) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import abc
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -28,13 +27,11 @@ from typing import Any
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
 
 from .config import RunConfig
+from .faults import FaultEffects, FaultPlan, FaultSpec, specs_from_config
 from .report import FAIL, PASS, SKIP, Check, Transfer
 
 log = logging.getLogger(__name__)
 
-#: test hooks: ``"<worker>:<phase prefix>"``; SIGKILL / SIGSTOP that worker on entering the phase
-KILL_HOOK_ENV = "KVCONNECT_TEST_KILL"
-STOP_HOOK_ENV = "KVCONNECT_TEST_STOP"
 #: seconds between heartbeats
 HEARTBEAT_S = 0.5
 
@@ -53,21 +50,39 @@ class PeerFailure(RuntimeError):
 
 
 class Control(abc.ABC):
-    """What a worker uses to talk to the rest of the run (one per worker process)."""
+    """What a worker uses to talk to the rest of the run (one per worker process).
 
-    def __init__(self, name: str, config: RunConfig) -> None:
+    ``incarnation`` counts the processes that have run under this worker's name: 1, or 2
+    for the replacement the coordinator starts after a ``restart-*`` fault."""
+
+    def __init__(self, name: str, config: RunConfig, incarnation: int = 1) -> None:
         self.name = name
         self.config = config
+        self.incarnation = incarnation
         self.current_phase = "start"
         self._phase_started = time.monotonic()
+        #: what fired ``--inject`` faults changed in this worker (read by its steps)
+        self.effects = FaultEffects()
+        self._faults = FaultPlan(specs_from_config(config.faults), name, incarnation)
 
     # -- progress ----------------------------------------------------------------------------
     def phase(self, phase: str) -> None:
-        """Enter ``phase`` (reported to the coordinator; named in every failure message)."""
+        """Enter ``phase`` (reported to the coordinator; named in every failure message).
+        The phase boundary is where ``--inject`` faults aimed at this worker fire."""
         self.current_phase = phase
         self._phase_started = time.monotonic()
         self._send_phase(phase)
-        _run_test_hooks(self.name, phase)
+        self._faults.at_phase(phase, self)
+
+    @property
+    def stall_seconds(self) -> float:
+        """How long a ``slow-*`` fault stalls this worker (seconds)."""
+        return self.config.stall_seconds
+
+    def fault_fired(self, spec: FaultSpec, phase: str) -> None:
+        """Tell the run that fault ``spec`` fires now, in ``phase`` (before it acts)."""
+        self._send_fault({"fault": spec.text, **spec.to_json(), "in_phase": phase,
+                          "at": time.monotonic(), "at_unix": time.time()})
 
     def check(self, name: str, status: str, detail: str = "", seconds: float = 0.0,
               data: dict[str, Any] | None = None) -> Check:
@@ -102,6 +117,13 @@ class Control(abc.ABC):
         return self._get(f"{owner}/{key}", owner, self.config.timeout if timeout is None
                          else timeout)
 
+    def peer_restarted(self, peer: str, incarnation: int, timeout: float) -> int | None:
+        """After an operation with ``peer`` failed: the incarnation that replaced ``peer``'s
+        ``incarnation`` when it died and was restarted under the same name, or None when it
+        is alive (the failure was not its death) or no restart is possible. PeerFailure when
+        the run aborts (it died for good). Waits at most ``timeout`` seconds."""
+        return None
+
     # -- implementation ----------------------------------------------------------------------
     @abc.abstractmethod
     def _send_phase(self, phase: str) -> None: ...
@@ -111,6 +133,9 @@ class Control(abc.ABC):
 
     @abc.abstractmethod
     def _send_transfer(self, t: Transfer) -> None: ...
+
+    @abc.abstractmethod
+    def _send_fault(self, record: dict[str, Any]) -> None: ...
 
     @abc.abstractmethod
     def _set(self, key: str, value: Any) -> None: ...
@@ -127,18 +152,6 @@ class Control(abc.ABC):
     def close(self) -> None: ...
 
 
-def _run_test_hooks(worker: str, phase: str) -> None:
-    """Hidden test hooks: make this worker die (SIGKILL) or hang (SIGSTOP) in a phase."""
-    for env, sig in ((KILL_HOOK_ENV, signal.SIGKILL), (STOP_HOOK_ENV, signal.SIGSTOP)):
-        spec = os.environ.get(env)
-        if not spec:
-            continue
-        who, _, when = spec.partition(":")
-        if who == worker and phase.startswith(when):
-            log.warning("test hook %s=%s: sending %s to myself", env, spec, sig.name)
-            os.kill(os.getpid(), sig)
-
-
 class SocketControl(Control):
     """Worker side of the coordinator connection (local runs).
 
@@ -147,8 +160,9 @@ class SocketControl(Control):
     coordinator goes away the worker exits at once (there is nobody left to report to).
     """
 
-    def __init__(self, sock: socket.socket, name: str, config: RunConfig) -> None:
-        super().__init__(name, config)
+    def __init__(self, sock: socket.socket, name: str, config: RunConfig,
+                 incarnation: int = 1) -> None:
+        super().__init__(name, config, incarnation)
         self._sock = sock
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -163,8 +177,13 @@ class SocketControl(Control):
 
     @classmethod
     def connect(cls, path: str, role: str, rank: int, info: dict[str, Any],
-                timeout: float) -> SocketControl:
-        """Connect to the coordinator at ``path``, say hello, receive the run config."""
+                timeout: float, standby: bool = False) -> SocketControl:
+        """Connect to the coordinator at ``path``, say hello, receive the run config.
+
+        A ``standby`` worker (started ahead of time to replace one that a ``restart-*``
+        fault kills) is answered ``standby`` and then blocks until the coordinator sends the
+        config, or closes the connection; it dies with the coordinator (PR_SET_PDEATHSIG)
+        and is killed at the end of the run when it was not needed."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
@@ -175,17 +194,20 @@ class SocketControl(Control):
                                   f"(peer pid {creds.pid} uid {creds.uid}, parent "
                                   f"{os.getppid()})")
             send_message(sock, {"op": "hello", "role": role, "rank": rank, "pid": os.getpid(),
-                                "info": info})
+                                "info": info, "standby": standby})
             reply = recv_json(sock, timeout=timeout)
+            if standby and reply.get("op") == "standby":
+                reply = recv_json(sock, timeout=None)  # bounded by the coordinator's life
             if reply.get("op") != "config":
                 raise PeerFailure(f"coordinator answered hello with {reply.get('op')!r}: "
                                   f"{reply.get('message', '')}")
             config = RunConfig.from_json(reply["config"])
+            incarnation = int(reply.get("incarnation", 1))
             sock.settimeout(None)
         except BaseException:
             sock.close()
             raise
-        return cls(sock, f"{role}{rank}", config)
+        return cls(sock, f"{role}{rank}", config, incarnation)
 
     # -- sending ---------------------------------------------------------------------------
     def _send(self, msg: dict[str, Any]) -> None:
@@ -201,14 +223,34 @@ class SocketControl(Control):
     def _send_transfer(self, t: Transfer) -> None:
         self._send({"op": "transfer", "transfer": asdict(t)})
 
+    def _send_fault(self, record: dict[str, Any]) -> None:
+        self._send({"op": "fault", "fault": record})
+
     def _set(self, key: str, value: Any) -> None:
         self._send({"op": "set", "key": key, "value": value})
 
     def _get(self, key: str, owner: str, timeout: float) -> Any:
+        reply = self._request({"op": "get", "key": key, "timeout": timeout}, timeout,
+                              f"while waiting for {key}")
+        if reply["op"] == "value":
+            return reply["value"]
+        raise PeerFailure(str(reply.get("message", "wait failed")))
+
+    def peer_restarted(self, peer: str, incarnation: int, timeout: float) -> int | None:
+        reply = self._request({"op": "peer", "peer": peer, "incarnation": incarnation,
+                               "timeout": timeout}, timeout, f"while asking about {peer}")
+        if reply["op"] != "value":
+            raise PeerFailure(str(reply.get("message", "run aborted")), peer=peer,
+                              cause="aborted")
+        value = reply.get("value")
+        return int(value) if isinstance(value, int) and value > incarnation else None
+
+    def _request(self, msg: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
+        """Send ``msg`` with a fresh id; the coordinator's reply (``value`` or ``fail``)."""
         with self._cond:
             self._next_id += 1
             rid = self._next_id
-        self._send({"op": "get", "id": rid, "key": key, "timeout": timeout})
+        self._send({**msg, "id": rid})
         # the coordinator enforces ``timeout`` with a better message; this is the backstop
         deadline = time.monotonic() + timeout + 5.0
         with self._cond:
@@ -218,12 +260,9 @@ class SocketControl(Control):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerFailure(f"no answer from the coordinator within {timeout:.0f} s "
-                                      f"while waiting for {key}")
+                                      f"{what}")
                 self._cond.wait(min(left, 0.5))
-            reply = self._replies.pop(rid)
-        if reply["op"] == "value":
-            return reply["value"]
-        raise PeerFailure(str(reply.get("message", "wait failed")))
+            return self._replies.pop(rid)
 
     def finish(self, error: str | None = None, data: dict[str, Any] | None = None) -> None:
         msg: dict[str, Any] = {"op": "done"}

@@ -43,7 +43,7 @@ def preload_worker_modules() -> None:
     import kvconnect.connectors.nixl  # noqa: F401
     import kvconnect.kv_cache  # noqa: F401
 
-    from . import scenario, transports, worker  # noqa: F401
+    from . import decode, prefill, scenario, transports, worker  # noqa: F401
 
 
 def start_worker(method: str, args: list[str], log_path: str,

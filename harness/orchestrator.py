@@ -8,12 +8,17 @@ and uid), and then runs one event loop:
 - worker messages (length-prefixed JSON, :mod:`kvconnect.framing`) update phases,
   collect checks and transfers, and implement publish / wait with per-wait deadlines;
 - a worker that dies (socket EOF, exit status), stops sending heartbeats (hung or stopped),
-  makes no progress for ``--timeout`` seconds outside a wait, or reports a fatal error
-  fails the run at once: the report names the worker, its role and rank, its phase, and the
-  tail of its log; every other worker is told to abort.
+  makes no progress for ``--timeout`` (+1 s) seconds outside a wait, or reports a fatal
+  error fails the run at once: the report names the worker, its role and rank, its phase,
+  and the tail of its log; every other worker is told to abort;
+- ``--inject`` faults: workers say when one fires (:mod:`.faultwatch` times the report); a
+  worker killed by a ``restart-*`` fault is replaced by a standby started with the others
+  (no torch import then), under the same name: its keys are dropped from the table, the
+  standby gets the config as incarnation 2, and decodes asking after the dead worker
+  (``peer`` requests) learn it was replaced and fetch again.
 
 On every exit path all workers are killed if still running and reaped, sockets closed, and
-the private directory removed.
+the private directory removed; then :mod:`.cleanup` checks nothing was left behind.
 """
 
 from __future__ import annotations
@@ -22,82 +27,52 @@ import logging
 import os
 import queue
 import select
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
 
+from .cleanup import ProcessRecord, become_subreaper, check_cleanup, take_baseline
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .display import Display
+from .faults import restarted_workers, specs_from_config
+from .faultwatch import FaultWatch
 from .launch import (
     exit_signal_name,
     exit_text,
-    fd_target,
     kill_process,
     launch_method,
     log_tail,
-    open_fds,
     preload_worker_modules,
     proc_state,
     start_worker,
 )
 from .lifetime import InterruptSignals
 from .report import FAIL, PASS, SKIP, Check, Report, Transfer, signal_name
-from .rundir import run_dir
+from .rundir import process_start_ticks, run_dir
+from .workerset import (
+    EXIT_GRACE_S,
+    LocalWorker,
+    PeerQuery,
+    Waiter,
+    describe_workers,
+    keep_logs,
+    stop_all,
+)
 
 log = logging.getLogger(__name__)
 
-#: seconds a worker gets to exit by itself after an abort before SIGKILL
-EXIT_GRACE_S = 3.0
-#: seconds a worker that reported "done" gets to exit (it releases NIXL, memory, sockets)
-DONE_GRACE_S = 15.0
 #: lines of a failed worker's log quoted in the report
 LOG_TAIL_LINES = 12
-
-
-@dataclass
-class _Worker:
-    role: str
-    rank: int
-    device: str
-    proc: Any  # subprocess.Popen or launch.ForkedWorker
-    log_path: str
-    sock: socket.socket | None = None
-    phase: str = "spawned"
-    state: str = "starting"  # starting | running | done | failed | dead
-    info: dict[str, Any] = field(default_factory=dict)
-    last_seen: float = field(default_factory=time.monotonic)
-    last_progress: float = field(default_factory=time.monotonic)
-    waiting: int = 0
-    reader: threading.Thread | None = None
-
-    @property
-    def name(self) -> str:
-        return worker_name(self.role, self.rank)
-
-    @property
-    def who(self) -> str:
-        return f"{self.role} rank {self.rank} ({self.name}, pid {self.proc.pid})"
-
-    @property
-    def finished(self) -> bool:
-        return self.state in ("done", "failed", "dead")
-
-
-@dataclass
-class _Waiter:
-    worker: _Worker
-    rid: int
-    key: str
-    timeout: float
-    deadline: float
+#: a worker making no progress outside a wait is failed this long after --timeout (its own
+#: steps time out after --timeout: their specific error comes first)
+PROGRESS_GRACE_S = 1.0
+#: seconds a ``peer`` request waits for the peer's death before answering "alive"
+PEER_QUERY_GRACE_S = 1.0
 
 
 def run_local(cfg: RunConfig, report: Report, display: Display,
@@ -107,10 +82,17 @@ def run_local(cfg: RunConfig, report: Report, display: Display,
     A SIGINT / SIGTERM raised through ``signals`` (:class:`~.lifetime.InterruptSignals`)
     stops the run: the workers are told to abort, then stopped and reaped, and ``report``
     records the signal and every worker's phase (:meth:`Report.interrupt`)."""
-    fds_before = open_fds()
-    coordinator = Coordinator(cfg, report, display, signals or InterruptSignals())
-    coordinator.run()
-    coordinator.check_cleanup(fds_before)
+    before = take_baseline()
+    subreaper = become_subreaper(True)  # a worker's orphaned child would come to us
+    try:
+        coordinator = Coordinator(cfg, report, display, signals or InterruptSignals())
+        coordinator.run()
+        check_cleanup(report, before, coordinator.process_records(), coordinator.dir,
+                      cfg.device)
+    finally:
+        if subreaper:
+            become_subreaper(False)
+    coordinator.watch.finish(report)
 
 
 class Coordinator:
@@ -124,17 +106,21 @@ class Coordinator:
         self.stage = "startup"
         self.report = report
         self.display = display
-        self.workers: list[_Worker] = []
+        self.workers: list[LocalWorker] = []
         self.store: dict[str, Any] = {}
-        self.waiters: list[_Waiter] = []
-        self.events: queue.Queue[tuple[str, _Worker, Any]] = queue.Queue()
+        self.waiters: list[Waiter] = []
+        self.events: queue.Queue[tuple[str, LocalWorker, Any]] = queue.Queue()
         self.aborted: str | None = None
         self.abort_deadline: float | None = None
         self.dir = ""
         self.listener: socket.socket | None = None
         #: a worker's own steps time out after ``timeout``; this backstop comes later so the
         #: worker's specific error arrives first
-        self._progress_deadline = cfg.timeout * 1.5 + 5.0
+        self._progress_deadline = cfg.timeout + PROGRESS_GRACE_S
+        self.watch = FaultWatch(specs_from_config(cfg.faults), cfg.timeout, time.monotonic())
+        #: workers a ``restart-*`` fault replaces (once each) by a standby
+        self.restartable = restarted_workers(cfg.faults)
+        self.peer_queries: list[PeerQuery] = []
 
     # -- top level -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -167,27 +153,45 @@ class Coordinator:
         """A signal stopped the run: record where everyone was, tell the workers to stop."""
         if self.report.interrupted is not None:
             return
-        self.report.interrupt(signum, self.stage, {w.name: w.phase for w in self.workers})
+        self.report.interrupt(signum, self.stage,
+                              {w.name: w.phase for w in self.workers if w.counted})
         self.display.message(f"interrupted by {signal_name(signum)} during {self.stage}; "
                              "stopping the workers")
         self._abort(f"interrupted by {signal_name(signum)}")
 
     # -- spawning ------------------------------------------------------------------------------
     def _spawn_all(self, path: str) -> None:
-        method = launch_method(self.cfg)
-        if method == "fork":
+        if launch_method(self.cfg) == "fork":
             preload_worker_modules()
+        standbys = []
         for role, count in ((PREFILL, self.cfg.num_prefill), (DECODE, self.cfg.num_decode)):
             for rank in range(count):
                 name = worker_name(role, rank)
-                log_path = os.path.join(self.dir, f"{name}.log")
                 device = self.cfg.device_for(role, rank)
                 args = ["--connect", path, "--role", role, "--rank", str(rank)]
-                proc = start_worker(method, args, log_path, self.listener)
-                w = _Worker(role, rank, device, proc, log_path)
-                self.workers.append(w)
-                self.display.worker(name, proc.pid, device)
+                w = self._start(role, rank, device, args, f"{name}.log")
+                self.display.worker(name, w.proc.pid, device)
+                if name in self.restartable:
+                    standbys.append((role, rank, device, [*args, "--standby"], f"{name}.2.log"))
+        for role, rank, device, args, log_name in standbys:
+            standby = self._start(role, rank, device, args, log_name)
+            standby.incarnation = 2
+            standby.state = "standby"
         self.display.start()
+
+    def _start(self, role: str, rank: int, device: str, args: list[str],
+               log_name: str) -> LocalWorker:
+        log_path = os.path.join(self.dir, log_name)
+        proc = start_worker(launch_method(self.cfg), args, log_path, self.listener)
+        w = LocalWorker(role, rank, device, proc, log_path,
+                    start_ticks=process_start_ticks(proc.pid))
+        self.workers.append(w)
+        return w
+
+    def process_records(self) -> list[ProcessRecord]:
+        """Every process this run started (for the cleanup check)."""
+        return [ProcessRecord(w.name if w.incarnation == 1 else f"{w.name}.{w.incarnation}",
+                              w.proc.pid, w.start_ticks) for w in self.workers]
 
     def _accept_all(self) -> bool:
         """Accept every worker's connection and hello; False (run failed) past the deadline
@@ -206,7 +210,7 @@ class Coordinator:
             left = deadline - time.monotonic()
             if left <= 0:
                 names = ", ".join(by_pid[p].name for p in sorted(pending))
-                self.report.add_check("startup", FAIL,
+                self._add_check("startup", FAIL,
                                       f"workers {names} did not connect within --timeout "
                                       f"{self.cfg.timeout:g} s (still importing? hung?)",
                                       data={"cause": "startup_timeout",
@@ -227,12 +231,21 @@ class Coordinator:
                     conn.close()
                     continue
                 hello = recv_json(conn, timeout=max(1.0, min(left, 10.0)))
+                standby = w.state == "standby"
                 if (hello.get("op") != "hello" or hello.get("role") != w.role
-                        or hello.get("rank") != w.rank):
+                        or hello.get("rank") != w.rank
+                        or bool(hello.get("standby")) != standby):
                     raise IpcError(f"unexpected hello {hello!r}")
                 w.info = dict(hello.get("info") or {})
                 w.info["device"] = w.device
-                send_message(conn, {"op": "config", "config": self.cfg.to_json()})
+                if standby:  # it gets the config when it replaces a worker (_restart)
+                    send_message(conn, {"op": "standby"})
+                    conn.settimeout(None)
+                    w.sock = conn
+                    pending.discard(w.proc.pid)
+                    continue
+                send_message(conn, {"op": "config", "config": self.cfg.to_json(),
+                                    "incarnation": 1})
             except (IpcError, OSError, KeyError, ValueError) as exc:
                 conn.close()
                 if w is not None:
@@ -242,16 +255,20 @@ class Coordinator:
                 continue
             conn.settimeout(None)
             w.sock = conn
-            w.state = "running"
-            w.phase = "connected"
-            w.last_seen = w.last_progress = time.monotonic()
-            w.reader = threading.Thread(target=self._read_loop, args=(w,), daemon=True,
-                                        name=f"kvv-read-{w.name}")
-            w.reader.start()
+            self._running(w)
             pending.discard(w.proc.pid)
         return True
 
-    def _read_loop(self, w: _Worker) -> None:
+    def _running(self, w: LocalWorker) -> None:
+        """``w`` has its config: watch it and read its messages."""
+        w.state = "running"
+        w.phase = "connected"
+        w.last_seen = w.last_progress = time.monotonic()
+        w.reader = threading.Thread(target=self._read_loop, args=(w,), daemon=True,
+                                    name=f"kvv-read-{w.name}.{w.incarnation}")
+        w.reader.start()
+
+    def _read_loop(self, w: LocalWorker) -> None:
         sock = w.sock
         assert sock is not None
         while True:
@@ -265,7 +282,7 @@ class Coordinator:
     # -- the event loop --------------------------------------------------------------------------
     def _event_loop(self) -> None:
         while True:
-            if all(w.finished for w in self.workers):
+            if all(w.finished or w.state == "standby" for w in self.workers):
                 return
             if self.abort_deadline is not None and time.monotonic() > self.abort_deadline:
                 return
@@ -279,7 +296,7 @@ class Coordinator:
                 self._on_eof(w, payload)
             self._tick()
 
-    def _on_message(self, w: _Worker, msg: dict[str, Any]) -> None:
+    def _on_message(self, w: LocalWorker, msg: dict[str, Any]) -> None:
         now = time.monotonic()
         w.last_seen = now
         op = msg.get("op")
@@ -294,7 +311,19 @@ class Coordinator:
                 check = Check.from_json(msg["check"])
                 check.worker = w.name
                 self.report.checks.append(check)
+                self.watch.observe(check, now)
                 self.display.check(check)
+            elif op == "fault":
+                record = msg["fault"]
+                if self.watch.fired(w.name, record) is None:
+                    raise ValueError(f"no such fault aimed at {w.name}: {record!r}")
+                self.display.message(f"{w.name}: --inject {record['fault']} fires in phase "
+                                     f"{record['in_phase']}")
+            elif op == "peer":
+                self.peer_queries.append(PeerQuery(
+                    w, int(msg["id"]), str(msg["peer"]), int(msg["incarnation"]),
+                    now + min(PEER_QUERY_GRACE_S, max(0.0, float(msg["timeout"])))))
+                self._answer_peer_queries()
             elif op == "transfer":
                 t = Transfer.from_json(msg["transfer"])
                 self.report.transfers.append(t)
@@ -317,7 +346,7 @@ class Coordinator:
                 if self.aborted is not None and text.startswith("run aborted"):
                     # not its own failure: the run was aborted under it
                     w.state = "failed"
-                    self.report.add_check(f"worker/{w.name}", SKIP,
+                    self._add_check(f"worker/{w.name}", SKIP,
                                           f"{w.who} stopped in phase {phase} because the {text}",
                                           data={**self._who(w), "phase": phase,
                                                 "cause": "aborted"})
@@ -333,7 +362,14 @@ class Coordinator:
             self._fail_worker(w, f"{w.who} sent a malformed message ({exc}); killed it",
                               state="dead", kill=True, cause="malformed_message")
 
-    def _on_get(self, w: _Worker, rid: int, key: str, timeout: float) -> None:
+    def _add_check(self, name: str, status: str, detail: str = "",
+                   data: dict[str, Any] | None = None) -> Check:
+        """A check of the coordinator's own (shown to the fault watch as it arrives)."""
+        check = self.report.add_check(name, status, detail, data=data)
+        self.watch.observe(check, time.monotonic())
+        return check
+
+    def _on_get(self, w: LocalWorker, rid: int, key: str, timeout: float) -> None:
         if key in self.store:
             self._reply(w, {"op": "value", "id": rid, "key": key, "value": self.store[key]})
             return
@@ -342,20 +378,21 @@ class Coordinator:
             return
         timeout = min(max(timeout, 0.0), self.cfg.timeout * 10)
         w.waiting += 1
-        self.waiters.append(_Waiter(w, rid, key, timeout, time.monotonic() + timeout))
+        self.waiters.append(Waiter(w, rid, key, timeout, time.monotonic() + timeout))
 
     def _resolve(self, key: str) -> None:
         keep = []
         for wt in self.waiters:
             if wt.key == key:
                 wt.worker.waiting -= 1
+                wt.worker.last_progress = time.monotonic()  # a wait's end is progress
                 self._reply(wt.worker, {"op": "value", "id": wt.rid, "key": key,
                                         "value": self.store[key]})
             else:
                 keep.append(wt)
         self.waiters = keep
 
-    def _reply(self, w: _Worker, msg: dict[str, Any]) -> None:
+    def _reply(self, w: LocalWorker, msg: dict[str, Any]) -> None:
         if w.sock is None or w.state in ("failed", "dead"):
             return
         try:
@@ -363,7 +400,7 @@ class Coordinator:
         except OSError as exc:
             log.debug("reply to %s failed: %s", w.name, exc)
 
-    def _on_eof(self, w: _Worker, reason: str) -> None:
+    def _on_eof(self, w: LocalWorker, reason: str) -> None:
         if w.state in ("done", "failed", "dead"):
             return
         try:
@@ -372,6 +409,12 @@ class Coordinator:
         except subprocess.TimeoutExpired:
             how = f"closed its connection ({reason}) but is still running; killed it"
             kill_process(w.proc)
+        self._died(w, how)
+
+    def _died(self, w: LocalWorker, how: str) -> None:
+        """``w`` died: replace it when a ``restart-*`` fault says so, else fail the run."""
+        if w.name in self.restartable and self._restart(w, how):
+            return
         self._fail_worker(w, f"{w.who} died in phase {w.phase}: {how}", state="dead",
                           cause="died")
 
@@ -387,8 +430,9 @@ class Coordinator:
                      else f"no worker named {owner} exists")
             msg = (f"{wt.worker.who} timed out after {wt.timeout:g} s in phase "
                    f"{wt.worker.phase} waiting for {wt.key!r}: {where}")
+            wt.worker.last_progress = now
             self._reply(wt.worker, {"op": "fail", "id": wt.rid, "message": msg})
-            self.report.add_check(f"deadline/{wt.worker.name}", FAIL, msg, data={
+            self._add_check(f"deadline/{wt.worker.name}", FAIL, msg, data={
                 **self._who(wt.worker), "phase": wt.worker.phase, "cause": "wait_timeout",
                 "key": wt.key, "owner": owner, "owner_phase": peer.phase if peer else None,
                 "timeout": wt.timeout})
@@ -411,16 +455,84 @@ class Coordinator:
                        f"{self.cfg.timeout:g} s); killed it", state="dead", kill=True,
                     cause="no_progress")
             elif w.proc.poll() is not None:
-                self._fail_worker(w, f"{w.who} died in phase {w.phase}: "
-                                     f"{exit_text(w.proc.returncode)}", state="dead",
-                                  cause="died")
+                self._died(w, exit_text(w.proc.returncode))
+        self._answer_peer_queries()
+
+    # -- restarts (``restart-*`` faults) ---------------------------------------------------------
+    def _restart(self, dead: LocalWorker, how: str) -> bool:
+        """Replace ``dead`` by its standby under the same name: drop the keys it published,
+        hand the standby the config as the next incarnation. False when no standby can."""
+        standby = next((x for x in self.workers if x.name == dead.name
+                        and x.state == "standby"), None)
+        if standby is None or standby.sock is None or standby.proc.poll() is not None:
+            return False
+        self.restartable.discard(dead.name)
+        dead.state = "dead"
+        dead.replaced = True
+        for key in [k for k in self.store if k.startswith(dead.name + "/")]:
+            del self.store[key]
+        for wt in [wt for wt in self.waiters if wt.worker is dead]:
+            self.waiters.remove(wt)
+        self.peer_queries = [q for q in self.peer_queries if q.worker is not dead]
+        try:
+            send_message(standby.sock, {"op": "config", "config": self.cfg.to_json(),
+                                        "incarnation": standby.incarnation})
+        except OSError as exc:
+            log.warning("the standby of %s cannot take over: %s", dead.name, exc)
+            dead.replaced = False
+            return False
+        self._running(standby)
+        self.display.worker(standby.name, standby.proc.pid, standby.device)
+        code = dead.proc.returncode
+        record = {"worker": dead.name, "role": dead.role, "rank": dead.rank,
+                  "phase": dead.phase, "cause": "died", "exit_code": code,
+                  "signal": exit_signal_name(code), "old_pid": dead.proc.pid,
+                  "new_pid": standby.proc.pid, "incarnation": standby.incarnation,
+                  "at_seconds": round(time.monotonic() - self.watch.started, 3)}
+        self.report.recovery.append(record)
+        self.watch.restarted(dead.name, record, time.monotonic())
+        self._add_check(f"restart/{dead.name}", PASS,
+                        f"{dead.who} died in phase {dead.phase} ({how}); its standby (pid "
+                        f"{standby.proc.pid}) took over as incarnation {standby.incarnation}",
+                        data=record)
+        self.display.message(f"{dead.name} died in phase {dead.phase} ({how}): restarted as "
+                             f"incarnation {standby.incarnation}, pid {standby.proc.pid}")
+        return True
+
+    def _current(self, name: str) -> LocalWorker | None:
+        """The worker running under ``name`` now (the latest incarnation that started)."""
+        found = [w for w in self.workers if w.name == name and w.state != "standby"]
+        return max(found, key=lambda w: w.incarnation) if found else None
+
+    def _answer_peer_queries(self) -> None:
+        """Answer ``peer`` requests: the replacing incarnation as soon as there is one; None
+        once the grace passed with the peer alive (or a peer no restart can replace);
+        ``fail`` after an abort."""
+        now = time.monotonic()
+        keep = []
+        for q in self.peer_queries:
+            current = self._current(q.peer)
+            if self.aborted is not None:
+                self._reply(q.worker, {"op": "fail", "id": q.rid, "message": self.aborted})
+            elif current is not None and current.incarnation > q.incarnation:
+                self._reply(q.worker, {"op": "value", "id": q.rid,
+                                       "value": current.incarnation})
+            elif current is None or now >= q.answer_by or (
+                    current.finished and q.peer not in self.restartable):
+                self._reply(q.worker, {"op": "value", "id": q.rid, "value": None})
+            else:
+                keep.append(q)
+                continue
+            q.worker.last_progress = now
+        self.peer_queries = keep
 
     # -- failures --------------------------------------------------------------------------------
     @staticmethod
-    def _who(w: _Worker) -> dict[str, Any]:
-        return {"worker": w.name, "role": w.role, "rank": w.rank, "pid": w.proc.pid}
+    def _who(w: LocalWorker) -> dict[str, Any]:
+        return {"worker": w.name, "role": w.role, "rank": w.rank, "pid": w.proc.pid,
+                "incarnation": w.incarnation}
 
-    def _fail_worker(self, w: _Worker, message: str, *, state: str, cause: str,
+    def _fail_worker(self, w: LocalWorker, message: str, *, state: str, cause: str,
                      kill: bool = False, tail: bool = True,
                      data: dict[str, Any] | None = None) -> None:
         """Fail the run because of ``w``: one ``worker/<name>`` check whose ``data`` names
@@ -435,7 +547,7 @@ class Coordinator:
             lines = log_tail(w.log_path, LOG_TAIL_LINES)
             if lines:
                 detail += "\n--- last lines of its log ---\n" + lines
-        self.report.add_check(f"worker/{w.name}", FAIL, detail, data={
+        self._add_check(f"worker/{w.name}", FAIL, detail, data={
             **self._who(w), "phase": w.phase, "cause": cause, "exit_code": code,
             "signal": exit_signal_name(code), **(data or {})})
         self.display.message(f"FAIL {message}")
@@ -448,82 +560,36 @@ class Coordinator:
         self.abort_deadline = time.monotonic() + EXIT_GRACE_S
         for wt in self.waiters:
             wt.worker.waiting -= 1
+            wt.worker.last_progress = time.monotonic()  # its wait ends: not a stall
             self._reply(wt.worker, {"op": "fail", "id": wt.rid, "message": self.aborted})
         self.waiters = []
+        self._answer_peer_queries()
         for w in self.workers:
-            if not w.finished:
+            if not w.finished and w.state != "standby":
                 self._reply(w, {"op": "abort", "message": self.aborted})
 
     # -- teardown ----------------------------------------------------------------------------------
     def _teardown(self) -> None:
         """Every worker exits (or is killed) and is reaped; every socket is closed."""
-        clean = self.aborted is None and all(w.state == "done" for w in self.workers)
-        deadline = time.monotonic() + (DONE_GRACE_S if clean else EXIT_GRACE_S)
-        for w in self.workers:
-            left = deadline - time.monotonic()
-            try:
-                w.proc.wait(timeout=max(0.05, left))
-            except subprocess.TimeoutExpired:
-                if not w.finished:
-                    self._fail_worker(w, f"{w.who} was still running in phase {w.phase} when "
-                                         "the run ended; killed it", state="dead",
-                                      cause="still_running")
-                kill_process(w.proc)
-        for w in self.workers:
-            try:
-                w.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
-                log.error("worker pid %d did not die after SIGKILL", w.proc.pid)
-            if w.sock is not None:
-                try:
-                    w.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        for w in self.workers:
-            if w.reader is not None:
-                w.reader.join(timeout=2)
-            if w.sock is not None:
-                w.sock.close()
-                w.sock = None
-        # keep failing workers' logs only in the report (the directory goes away)
-        if os.environ.get("KVCONNECT_KEEP_WORKER_LOGS"):
-            keep = tempfile.mkdtemp(prefix="kvconnect-validate-logs-")
-            for w in self.workers:
-                if os.path.exists(w.log_path):
-                    shutil.copy(w.log_path, keep)
-            self.display.message(f"worker logs kept in {keep}")
-
-    def check_cleanup(self, fds_before: set[int]) -> None:
-        """Add the ``cleanup`` check: workers reaped, socket directory gone, no fd leaked."""
-        problems = []
-        alive = [f"{w.name} (pid {w.proc.pid})" for w in self.workers
-                 if w.proc.returncode is None or os.path.exists(f"/proc/{w.proc.pid}")]
-        if alive:
-            problems.append("processes still present: " + ", ".join(alive))
-        if self.dir and os.path.exists(self.dir):
-            problems.append(f"socket directory {self.dir} still exists")
-        leaked = sorted(open_fds() - fds_before)
-        if leaked:
-            problems.append(f"fds left open: {[fd_target(fd) for fd in leaked][:8]}")
-        self.report.add_check(
-            "cleanup", FAIL if problems else PASS, "; ".join(problems) if problems else
-            f"{len(self.workers)} workers reaped, socket directory removed, no fd left open")
+        clean = self.aborted is None and all(w.state == "done" for w in self.workers
+                                             if w.counted)
+        stop_all(self.workers, clean, lambda w: self._fail_worker(
+            w, f"{w.who} was still running in phase {w.phase} when the run ended; killed it",
+            state="dead", cause="still_running"))
+        kept = keep_logs(self.workers)
+        if kept:
+            self.display.message(f"worker logs kept in {kept}")
 
     def _summarise(self) -> None:
-        for w in self.workers:
-            published = self.store.get(f"{w.name}/hello")
-            extra = {**w.info, **(published if isinstance(published, dict) else {})}
-            self.report.workers.append({
-                **{k: v for k, v in extra.items() if k not in ("device", "pid")},
-                "name": w.name, "role": w.role, "rank": w.rank, "pid": w.proc.pid,
-                "device": w.device, "phase": w.phase, "state": w.state,
-                "exit_code": w.proc.returncode,
-            })
-        bad = [w for w in self.workers if w.state != "done" or w.proc.returncode != 0]
-        if not bad and self.workers:
-            self.report.add_check("workers", PASS,
-                                  f"{len(self.workers)} workers ran to the end and exited 0")
+        self.report.workers.extend(describe_workers(self.workers, self.store))
+        counted = [w for w in self.workers if w.counted]
+        bad = [w for w in counted if w.state != "done" or w.proc.returncode != 0]
+        if not bad and counted:
+            self._add_check("workers", PASS,
+                            f"{len(counted)} workers ran to the end and exited 0"
+                            + (f" ({len(self.report.recovery)} replaced on the way)"
+                               if self.report.recovery else ""))
         elif bad and not any(c.status == FAIL for c in self.report.checks):
             names = ", ".join(f"{w.name} ({w.state}, {exit_text(w.proc.returncode)})"
                               for w in bad)
-            self.report.add_check("workers", FAIL, f"workers did not finish cleanly: {names}")
+            self._add_check("workers", FAIL, f"workers did not finish cleanly: {names}")

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .config import DECODE, PREFILL, RunConfig, worker_name
@@ -33,6 +33,13 @@ from .display import Display
 from .environment import EnvironmentProblem
 from .report import FAIL, PASS, Check, Report, Transfer, signal_name
 from .rundir import run_dir
+from .store_auth import (
+    RendezvousRefused,
+    Sealer,
+    TamperedValue,
+    authenticate_member,
+    authenticate_reporter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,8 @@ class Membership:
     source: str = "cli"
     use_agent_store: bool = False
     local_rank: int | None = None
+    #: the shared rendezvous token (:mod:`.store_auth`); never printed or reported
+    token: bytes | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -208,9 +217,12 @@ class StoreControl(Control):
     """:class:`~.control.Control` over a TCPStore (see the module docstring)."""
 
     def __init__(self, name: str, config: RunConfig, store: Any,
-                 store_factory: Callable[[], Any], display: Display) -> None:
+                 store_factory: Callable[[], Any], display: Display,
+                 sealer: Sealer | None = None) -> None:
         super().__init__(name, config)
         self.store = store
+        #: seals what this process writes and checks what it reads (with a token)
+        self.sealer = sealer or Sealer()
         self.display = display
         self.checks: list[Check] = []
         self.transfers: list[Transfer] = []
@@ -234,8 +246,25 @@ class StoreControl(Control):
         self.transfers.append(t)
         self.display.transfer(t)
 
+    def _send_fault(self, record: dict[str, Any]) -> None:
+        """A multi-host run has no coordinator to time the report: the fault is logged and
+        shown; the failure it causes is reported as usual."""
+        self.display.message(f"{self.name}: --inject {record['fault']} fires in phase "
+                             f"{record['in_phase']}")
+
     def _set(self, key: str, value: Any) -> None:
-        self.store.set(PREFIX + "kv/" + key, json.dumps(value))
+        self.put_raw("kv/" + key, json.dumps(value))
+
+    def put_raw(self, key: str, text: str) -> None:
+        """Set store key ``PREFIX + key`` to ``text`` (sealed with a token)."""
+        self.store.set(PREFIX + key, self.sealer.seal(PREFIX + key, text))
+
+    def _open(self, key: str, raw: bytes, owner: str) -> str:
+        try:
+            return self.sealer.open(key, raw)
+        except TamperedValue as exc:
+            raise PeerFailure(f"{exc} (expected from {owner})", peer=owner,
+                              cause="tampered") from None
 
     def _get(self, key: str, owner: str, timeout: float) -> Any:
         return self.get_raw("kv/" + key, owner, timeout, what=repr(key))
@@ -255,10 +284,11 @@ class StoreControl(Control):
                         raise PeerFailure(f"{owner} published {len(raw)} bytes for {what}, over "
                                           f"the {MAX_VALUE_BYTES}-byte limit", peer=owner,
                                           cause="oversized")
-                    return json.loads(raw)
+                    return json.loads(self._open(full, raw, owner))
                 if self.store.check([PREFIX + "abort"]):
-                    raise PeerFailure("run aborted: " + self.store.get(PREFIX + "abort").decode(),
-                                      cause="aborted")
+                    text = self._open(PREFIX + "abort", self.store.get(PREFIX + "abort"),
+                                      "a member")
+                    raise PeerFailure("run aborted: " + text, cause="aborted")
                 now = time.monotonic()
                 hb = int(self.store.add(PREFIX + f"hb/{owner}", 0))
                 if hb != last_hb:
@@ -304,10 +334,11 @@ class StoreControl(Control):
                   "failure": asdict(self.failure) if self.failure is not None else None}
         try:
             if error is not None:
+                text = (f"{self.name} failed in phase {self.current_phase}: "
+                        f"{error.splitlines()[0] if error else ''}")
                 self.store.compare_set(PREFIX + "abort", "",
-                                       f"{self.name} failed in phase {self.current_phase}: "
-                                       f"{error.splitlines()[0] if error else ''}")
-            self.store.set(PREFIX + f"result/{self.name}", json.dumps(result))
+                                       self.sealer.seal(PREFIX + "abort", text))
+            self.put_raw(f"result/{self.name}", json.dumps(result))
         except (RuntimeError, OSError) as exc:
             log.error("%s: cannot publish the result: %s", self.name, exc)
 
@@ -341,9 +372,29 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
                                "waited_seconds": round(exc.waited, 3),
                                "timeout": cfg.timeout})
         raise
+    where = f"{m.host}:{m.port}"
+    try:
+        if m.is_reporter:
+            others = [n for n in cfg.worker_names() if n != m.name]
+            sealer = authenticate_reporter(store, PREFIX, m.token, others, where, cfg.timeout)
+        else:
+            sealer = authenticate_member(store, PREFIX, m.token, m.name, where, cfg.timeout)
+    except RendezvousRefused as exc:
+        report.add_check("rendezvous", FAIL, str(exc), worker=m.name,
+                         data={"cause": exc.cause, "host": m.host, "port": m.port,
+                               "token": m.token is not None})
+        raise
+    except (RuntimeError, OSError) as exc:  # the store went away during the check
+        raise RendezvousUnreachable(f"rendezvous at {where}: lost the store during the token "
+                                    f"check: {_first_line(exc)}", "error", 0.0) from None
+    if sealer.active:
+        report.add_check("rendezvous", PASS, f"every member proved the rendezvous token "
+                                             f"(HMAC-SHA256 over fresh nonces) at {where}; store "
+                                             "values are sealed", worker=m.name,
+                         data={"cause": None, "host": m.host, "port": m.port, "token": True})
     try:
         ctl = StoreControl(m.name, cfg, store, lambda: open_store(m, cfg.timeout, master=False),
-                           display)
+                           display, sealer)
     except RendezvousUnreachable as exc:
         report.add_check("rendezvous", FAIL, f"heartbeat connection: {exc}", worker=m.name,
                          data={"cause": exc.cause, "host": m.host, "port": m.port})
@@ -420,7 +471,7 @@ def _gather(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) ->
                                                      f"{result.get('phase')}: {result['error']}",
                              worker=name)
     verdict = {"passed": report.passed and not report.failed_checks, "summary": report.summary()}
-    ctl.store.set(PREFIX + "final", json.dumps(verdict))
+    ctl.put_raw("final", json.dumps(verdict))
     # keep the store (hosted here) up until everyone has read the verdict
     for name in others:
         try:
@@ -439,7 +490,7 @@ def _await_verdict(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Rep
         return
     finally:
         try:
-            ctl.store.set(PREFIX + f"bye/{m.name}", "1")
+            ctl.put_raw(f"bye/{m.name}", "1")
         except (RuntimeError, OSError):
             pass
     report.add_check("run/verdict", PASS if verdict.get("passed") else FAIL,

@@ -129,6 +129,13 @@ class Report:
     #: what the run needs and what the machine has (see :mod:`.resources`), checked before
     #: any worker starts
     resources: dict[str, Any] = field(default_factory=dict)
+    #: ``--inject`` faults: when each fired, what reported it and how fast, or how the run
+    #: recovered (see :mod:`.faultwatch`)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    #: workers replaced after a ``restart-*`` fault: who died where, who took over
+    recovery: list[dict[str, Any]] = field(default_factory=list)
+    #: what the coordinator checked was given back after the run (see :mod:`.cleanup`)
+    cleanup: dict[str, Any] = field(default_factory=dict)
 
     # -- building ----------------------------------------------------------------
     def add_check(self, name: str, status: str, detail: str = "", worker: str = "coordinator",
@@ -223,6 +230,9 @@ class Report:
             "usage_error": self.usage_error,
             "interrupted": self.interrupted,
             "resources": self.resources,
+            "faults": self.faults,
+            "recovery": self.recovery,
+            "cleanup": self.cleanup,
             "wall_seconds": round(self.wall_seconds, 3),
             "config": self.config,
             "environment": self.environment,

@@ -51,11 +51,11 @@ class Owner:
     @classmethod
     def this_process(cls) -> Owner:
         pid = os.getpid()
-        return cls(pid, _start_ticks(pid) or 0, _boot_id())
+        return cls(pid, process_start_ticks(pid) or 0, _boot_id())
 
     def alive(self) -> bool:
         """True while the owner runs (a zombie, a reused pid or another boot: False)."""
-        return self.boot_id == _boot_id() and _start_ticks(self.pid) == self.start_ticks
+        return self.boot_id == _boot_id() and process_start_ticks(self.pid) == self.start_ticks
 
     @classmethod
     def read(cls, directory: str) -> Owner | None:
@@ -179,7 +179,7 @@ def janitor_fds() -> list[int]:
     return sorted(_janitor_fds)
 
 
-def _start_ticks(pid: int) -> int | None:
+def process_start_ticks(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot, or None when it is gone or a
     zombie."""
     try:

@@ -17,7 +17,16 @@ import torch
 
 from kvconnect.connectors.transport import FetchResult
 
-__all__ = ["FetchResult", "reference_copy_gbps"]
+__all__ = ["FetchResult", "notifies_exporter", "reference_copy_gbps"]
+
+#: transports whose every completed fetch notifies the serving side, and how
+_COMPLETION_NOTICES = {"nixl": "a NIXL notification sent with each READ"}
+
+
+def notifies_exporter(transport: str) -> bool:
+    """True when each completed fetch over ``transport`` notifies the serving worker (its
+    prefill counts them: :meth:`~.prefill.PrefillWorker.check_notifications`)."""
+    return transport in _COMPLETION_NOTICES
 
 
 def reference_copy_gbps(nbytes: int, src: str, dst: str, repeats: int = 5) -> float:

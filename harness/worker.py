@@ -16,6 +16,8 @@ import signal
 import sys
 import traceback
 
+from kvconnect.framing import IpcError
+
 from . import environment
 from .config import ROLES
 from .control import Control, PeerFailure
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connect", required=True, help="the coordinator's Unix socket")
     parser.add_argument("--role", required=True, choices=ROLES)
     parser.add_argument("--rank", required=True, type=int)
+    parser.add_argument("--standby", action="store_true",
+                        help="wait, connected, until the coordinator needs a replacement")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     die_with_parent()
@@ -74,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     info = {"hostname": environment.hostname(),
             "boot_id": environment.boot_id(f"{args.role}{args.rank}")}
     try:
-        ctl = SocketControl.connect(args.connect, args.role, args.rank, info, timeout=30.0)
-    except (OSError, PeerFailure, ValueError) as exc:
+        ctl = SocketControl.connect(args.connect, args.role, args.rank, info, timeout=30.0,
+                                    standby=args.standby)
+    except (OSError, PeerFailure, IpcError, ValueError) as exc:
         print(f"worker {args.role}{args.rank}: cannot join the run: {exc}", file=sys.stderr)
         return 70
     try:

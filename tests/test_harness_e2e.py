@@ -216,7 +216,7 @@ def test_corrupt_fails_naming_the_block_and_slow_transfers_miss_the_floor(
 
 def test_a_worker_killed_mid_transfer_is_reported_and_nothing_is_left(tmp_path: Path) -> None:
     run = validate(tmp_path, "--transports", "ipc", "--timeout", "60",
-                   env={"KVCONNECT_TEST_KILL": "decode0:transfer"})
+                   "--inject", "kill-decode@transfer")
     assert run.code == 1
     failed = run.check("coordinator", "worker/decode0")
     assert failed["status"] == "fail"
@@ -232,11 +232,11 @@ def test_a_worker_killed_mid_transfer_is_reported_and_nothing_is_left(tmp_path: 
 
 def test_a_hung_worker_is_reported_within_seconds(tmp_path: Path) -> None:
     run = validate(tmp_path, "--transports", "ipc", "--timeout", "10",  # heartbeat limit 5 s
-                   env={"KVCONNECT_TEST_STOP": "prefill0:serve"})
+                   "--inject", "stop-prefill@transfer")
     assert run.code == 1
     d = run.check("coordinator", "worker/prefill0")["data"]
     assert (d["role"], d["rank"], d["cause"], d["phase"]) == \
-        ("prefill", 0, "unresponsive", "serve:round1")
+        ("prefill", 0, "unresponsive", "transfer:round1")
     assert d["process_state"].startswith("T")  # stopped
     assert run.report["wall_seconds"] < 10 + 15
     assert_clean_exit(run)
@@ -293,9 +293,9 @@ def test_sigterm_stops_the_run_as_sigint_does_reports_written_workers_stopped(
     """What a CI timeout or Kubernetes does: SIGTERM while prefill0 hangs serving round 1."""
     proc, tmpdir, out, junit = _start(
         tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
-        "--timeout", "60", env={"KVCONNECT_TEST_STOP": "prefill0:serve"})
+        "--timeout", "60", "--inject", "stop-prefill@transfer")
     try:
-        _wait_for_line(proc, "prefill0: serve:round1", timeout=PROCESS_TIMEOUT)
+        _wait_for_line(proc, "prefill0: transfer:round1", timeout=PROCESS_TIMEOUT)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
@@ -309,7 +309,7 @@ def test_sigterm_stops_the_run_as_sigint_does_reports_written_workers_stopped(
     assert report["exit_code"] == 143 and report["passed"] is False
     interrupted = report["interrupted"]
     assert (interrupted["signal"], interrupted["stage"]) == ("SIGTERM", "run")
-    assert interrupted["phases"]["prefill0"] == "serve:round1"
+    assert interrupted["phases"]["prefill0"] == "transfer:round1"
     assert set(interrupted["phases"]) == {"prefill0", "decode0"}
     suite = ET.parse(junit).getroot().find("testsuite")
     assert suite is not None and int(suite.get("failures", "0")) >= 1
@@ -335,9 +335,9 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_a_killed_coordinator_leaves_no_worker_and_no_run_directory(tmp_path: Path) -> None:
     proc, tmpdir, out, _ = _start(
         tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
-        "--timeout", "60", env={"KVCONNECT_TEST_STOP": "prefill0:serve"})
+        "--timeout", "60", "--inject", "stop-prefill@transfer")
     try:
-        _wait_for_line(proc, "prefill0: serve:round1", timeout=PROCESS_TIMEOUT)
+        _wait_for_line(proc, "prefill0: transfer:round1", timeout=PROCESS_TIMEOUT)
         assert [p.name for p in tmpdir.iterdir()][0].startswith("kvv-")
         t0 = time.monotonic()
         proc.kill()  # SIGKILL: nothing of the coordinator runs again

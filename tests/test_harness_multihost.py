@@ -80,10 +80,10 @@ def test_a_dead_peer_is_reported_with_its_phase_torchrun_variables(tmp_path: Pat
     short_tmp = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))  # fits socket paths
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "TMPDIR": str(short_tmp)}
-    args = ["--prefill", "1", "--decode", "1", "--transports", "ipc", "--timeout", "10"]
+    args = ["--prefill", "1", "--decode", "1", "--transports", "ipc", "--timeout", "10",
+            "--inject", "kill-decode@transfer"]  # every process is given the same faults
     p = _launch(tmp_path, "prefill", args, {**env, "RANK": "0"})
-    d = _launch(tmp_path, "decode", args, {**env, "RANK": "1",
-                                          "KVCONNECT_TEST_KILL": "decode0:transfer"})
+    d = _launch(tmp_path, "decode", args, {**env, "RANK": "1"})
     pcode, ptext, prep = _finish(*p)
     dcode, _, drep = _finish(*d)
     assert dcode == -9 and not drep  # SIGKILLed by the test hook: no report
@@ -91,7 +91,7 @@ def test_a_dead_peer_is_reported_with_its_phase_torchrun_variables(tmp_path: Pat
     # the reporter's own failure: it saw decode0 stop in its transfer
     [failed] = [c for c in prep["checks"] if c["name"] == "worker/prefill0"]
     assert failed["status"] == "fail" and failed["worker"] == "prefill0"
-    assert failed["data"] == {"phase": "serve:round1", "peer": "decode0",
+    assert failed["data"] == {"phase": "transfer:round1", "peer": "decode0",
                               "peer_phase": "transfer:ipc:prefill0:round1",
                               "cause": "unresponsive"}
     assert prep["wall_seconds"] < 120

@@ -125,7 +125,7 @@ def test_rich_display_escapes_markup_in_details() -> None:
 def test_an_interrupted_run_exits_128_plus_the_signal_and_says_where(
         signum: int, code: int, tmp_path: Path) -> None:
     r = _report()
-    r.interrupt(signum, "run", {"prefill0": "serve:round1", "decode0": "transfer:ipc"})
+    r.interrupt(signum, "run", {"prefill0": "transfer:round1", "decode0": "transfer:ipc"})
     r.interrupt(9, "teardown", {})  # the first signal wins
     assert r.exit_code == code and not r.passed
     path = tmp_path / "r.json"
@@ -133,7 +133,7 @@ def test_an_interrupted_run_exits_128_plus_the_signal_and_says_where(
     d = json.loads(path.read_text())
     assert d["exit_code"] == code
     assert d["interrupted"]["signal"] == ("SIGINT" if signum == 2 else "SIGTERM")
-    assert d["interrupted"]["phases"]["prefill0"] == "serve:round1"
+    assert d["interrupted"]["phases"]["prefill0"] == "transfer:round1"
     run_check = [c for c in d["checks"] if c["name"] == "run"]
     assert run_check[0]["status"] == "fail" and run_check[0]["data"]["stage"] == "run"
 

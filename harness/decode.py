@@ -1,0 +1,365 @@
+"""The decode worker: fetches every prefill's blocks over every transport and checks them.
+
+Per round and prefill its phases are ``wait:<prefill>:roundN`` (the prefill's offers),
+``handshake:<prefill>:roundN`` (each transport loads the offer: IPC maps the chunks, NIXL
+loads the remote agent) and ``transfer:<transport>:<prefill>:roundN`` (one fetch, then the
+digests are compared); at the end of a round ``notification:roundN`` tells the prefills it
+finished (with how many NIXL READs, each of which notified its prefill).
+
+A prefill that dies is not the end when the run restarts it (``--inject restart-prefill``):
+after a failed handshake or fetch the decode asks the run whether the prefill was replaced
+(:meth:`~.control.Control.peer_restarted`); if so it checks its own cache was not touched
+outside the blocks it was fetching (they are never reported as received), drops what it
+held of the dead prefill, waits for the new one's offers and fetches what failed again,
+without restarting. Each recovery is a ``recovery/<pair>/roundN`` check.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import DECODE, PREFILL, pair_name, worker_name
+from .content import (
+    RegionSpec,
+    cache_rows,
+    content_key,
+    digest_blocks,
+    fill,
+    first_difference,
+    generate,
+    owners,
+)
+from .control import Control
+from .faults import restarted_workers
+from .report import Transfer
+from .steps import MAX_QUOTED, WorkerSteps, mib, round_wait
+from .transports import notifies_exporter, reference_copy_gbps
+
+log = logging.getLogger(__name__)
+
+#: fetch attempts from one prefill in one round (a first one and recoveries)
+MAX_ATTEMPTS = 3
+
+
+@dataclass
+class _Failed:
+    """A transport that failed with a peer: in which ``phase``, why, after ``seconds``."""
+
+    phase: str
+    message: str
+    seconds: float
+
+
+class DecodeWorker(WorkerSteps):
+    """Consumes blocks: fetches each prefill's blocks over every transport and checks them."""
+
+    role = DECODE
+
+    def __init__(self, ctl: Control, rank: int, ipc_dir: str) -> None:
+        super().__init__(ctl, rank, ipc_dir)
+        self.lanes: Any = None
+        #: the receiving halves of the transports (kvconnect.connectors.transport), by name
+        self.transports: dict[str, Any] = {}
+        #: per prefill, the incarnation whose offers this decode used last
+        self.incarnations: dict[str, int] = {}
+        #: this round's reads that notify their prefill: prefill -> incarnation and count
+        self.notices: dict[str, dict[str, int]] = {}
+        #: guard the cache around fetches only where a prefill may be restarted (digesting
+        #: every other block costs time on large caches)
+        self.guard_cache = bool(restarted_workers(self.cfg.faults))
+
+    def cleanup(self) -> None:
+        while self.transports:
+            _, transport = self.transports.popitem()
+            try:
+                transport.close()
+            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
+                log.warning("%s: closing a transport failed: %s", self.name, exc)
+        super().cleanup()
+
+    def lane_attribution(self) -> Any:
+        if self.lanes is None:
+            from .ucx_lanes import LaneTracker
+
+            self.lanes = LaneTracker()
+        return self.lanes.lanes_after_read
+
+    def transport(self, name: str) -> Any:
+        """This worker's receiving half of transport ``name``, built on first use."""
+        if name not in self.transports:
+            from kvconnect.connectors.transport import get_transport
+
+            self.transports[name] = get_transport(name).receiver(self.transport_context())
+        return self.transports[name]
+
+    def steps(self) -> None:
+        ctl, cfg = self.ctl, self.cfg
+        self.hello()
+        self.build_cache()
+        self.register()
+        ctl.phase("fill")
+        self.fill_all(self.name)
+        for round_no in (1, 2):
+            if round_no == 2:
+                self.sleep_wake(self.name)
+                for transport in self.transports.values():
+                    transport.invalidate()  # our memory was released and recommitted
+            self.notices = {}
+            for p in range(cfg.num_prefill):
+                self.fetch_from(p, round_no)
+            ctl.phase(f"notification:round{round_no}")
+            ctl.publish(f"round{round_no}/done", {
+                "nixl_agent": self.nixl.agent_name if self.nixl is not None else None,
+                "notices": self.notices})
+
+    # -- one prefill, one round --------------------------------------------------------------
+    def fetch_from(self, p: int, round_no: int) -> None:
+        ctl, cfg = self.ctl, self.cfg
+        prefill = worker_name(PREFILL, p)
+        pair = pair_name(p, self.rank)
+        ctl.phase(f"wait:{prefill}:round{round_no}")
+        info = ctl.wait(prefill, f"round{round_no}", timeout=round_wait(cfg))
+        self.note_incarnation(prefill, pair, round_no, info)
+        remote_specs = [RegionSpec.from_json(s) for s in info["regions"]]
+        diffs = _layout_differences(self.specs, remote_specs)
+        if diffs:
+            ctl.failed(f"compat/{pair}", f"{prefill}'s KV layout differs: "
+                                         + "; ".join(diffs[:MAX_QUOTED]))
+            ctl.publish(f"handshake/{prefill}/round{round_no}", {"opened": []})
+            return
+        remote_ids, local_ids = cfg.block_sets(p, self.rank, round_no)
+        pending = list(cfg.transports)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            guard = self.others_digests(local_ids) if self.guard_cache else None
+            failed = self.attempt(prefill, pair, p, round_no, info, pending, remote_ids,
+                                  local_ids, attempt)
+            if not failed:
+                return
+            old = int(info.get("incarnation", 1))
+            t0 = time.monotonic()
+            ctl.phase(f"peer-check:{prefill}:round{round_no}")  # did it die and come back?
+            new = (ctl.peer_restarted(prefill, old, timeout=cfg.heartbeat_timeout)
+                   if attempt < MAX_ATTEMPTS else None)
+            if new is None:  # the prefill is alive: these are failures of their own
+                for transport, f in failed.items():
+                    ctl.failed(f"transfer/{pair}/{transport}/round{round_no}",
+                               f"{pair} {transport} round {round_no}: {f.message}", f.seconds,
+                               data={"role": DECODE, "rank": self.rank, "phase": f.phase,
+                                     "peer": prefill, "peer_incarnation": old,
+                                     "attempt": attempt, "blocks_not_received": len(local_ids)})
+                return
+            ctl.phase(f"recover:{prefill}:round{round_no}")
+            intact = self.intact(guard, local_ids)
+            for transport in failed:
+                self.transport(transport).invalidate(prefill)  # the dead prefill's mappings
+            info = ctl.wait(prefill, f"round{round_no}", timeout=round_wait(cfg))
+            self.incarnations[prefill] = int(info.get("incarnation", new))
+            self.record_recovery(pair, prefill, round_no, old, info, failed, local_ids,
+                                 intact, time.monotonic() - t0)
+            pending = list(failed)
+
+    def note_incarnation(self, prefill: str, pair: str, round_no: int,
+                         info: dict[str, Any]) -> None:
+        """A prefill replaced since this decode last used it (between rounds): drop what we
+        held of the old one; the handshake loads the new one's offers."""
+        new = int(info.get("incarnation", 1))
+        old = self.incarnations.get(prefill)
+        self.incarnations[prefill] = new
+        if old is None or old == new:
+            return
+        for transport in self.transports.values():
+            transport.invalidate(prefill)
+        self.record_recovery(pair, prefill, round_no, old, info, {}, [], None, 0.0)
+
+    def attempt(self, prefill: str, pair: str, p: int, round_no: int, info: dict[str, Any],
+                transports: list[str], remote_ids: list[int], local_ids: list[int],
+                attempt: int) -> dict[str, _Failed]:
+        """Handshake with ``prefill`` and fetch over ``transports``; every outcome but a
+        failure with the peer (skips, verified or mismatching transfers) is reported now.
+        Returns the transports that failed with the peer."""
+        from kvconnect.connectors.transport import get_transport
+
+        ctl, cfg = self.ctl, self.cfg
+        incarnation = int(info.get("incarnation", 1))
+        failed: dict[str, _Failed] = {}
+        opened: list[str] = []
+        ctl.phase(f"handshake:{prefill}:round{round_no}")
+        for transport in transports:
+            name = f"transfer/{pair}/{transport}/round{round_no}"
+            if get_transport(transport).same_host_only and info.get("boot_id") != self.boot_id:
+                ctl.skipped(name, f"{prefill} runs on another host (boot id "
+                                  f"{info.get('boot_id')} != {self.boot_id}): {transport} "
+                                  "needs one kernel")
+                continue
+            offer = info.get("exports", {}).get(transport)
+            if offer is None:
+                ctl.skipped(name, f"{prefill} offers no {transport} export")
+                continue
+            t0 = time.perf_counter()
+            try:
+                self.transport(transport).open_peer(prefill, offer)
+            except Exception as exc:  # noqa: BLE001 - one failed transport, keep the others
+                failed[transport] = _Failed(ctl.current_phase, f"handshake with {prefill} "
+                                            f"failed after {time.perf_counter() - t0:.2f} s: "
+                                            f"{type(exc).__name__}: {exc}",
+                                            time.perf_counter() - t0)
+                continue
+            opened.append(transport)
+        # the prefill starts its transfer phase once every decode got this far
+        ctl.publish(f"handshake/{prefill}/round{round_no}",
+                    {"incarnation": incarnation, "opened": opened, "failed": sorted(failed)})
+        expected = info["digests"][self.name]
+        remote_specs = [RegionSpec.from_json(s) for s in info["regions"]]
+        reference: dict[int, float] = {}  # bytes -> GB/s of the same-run reference copy
+        for transport in opened:
+            name = f"transfer/{pair}/{transport}/round{round_no}"
+            ctl.phase(f"transfer:{transport}:{prefill}:round{round_no}")
+            self.poison(local_ids)
+            t0 = time.perf_counter()
+            try:
+                result = self.transport(transport).fetch(prefill, remote_ids, local_ids,
+                                                         timeout=cfg.timeout)
+            except Exception as exc:  # noqa: BLE001 - one failed transport, keep the others
+                failed[transport] = _Failed(ctl.current_phase, f"transfer of {len(local_ids)} "
+                                            f"blocks failed after "
+                                            f"{time.perf_counter() - t0:.2f} s: "
+                                            f"{type(exc).__name__}: {exc}",
+                                            time.perf_counter() - t0)
+                continue
+            if notifies_exporter(transport):
+                notice = self.notices.get(prefill)
+                if notice is None or notice["incarnation"] != incarnation:
+                    notice = self.notices[prefill] = {"incarnation": incarnation, "count": 0}
+                notice["count"] += 1
+            mismatches = self.verify(prefill, remote_specs, remote_ids, local_ids, expected)
+            src = self.reference_source(p, info)
+            if result.bytes not in reference:
+                reference[result.bytes] = reference_copy_gbps(result.bytes, src, self.device)
+            t = Transfer.measured(pair, transport, result.bytes, result.seconds,
+                                  verified=not mismatches, backend=result.backend,
+                                  round=round_no, blocks=len(local_ids),
+                                  reference_gbps=reference[result.bytes])
+            ctl.transfer(t)
+            head = (f"{pair} {transport} round {round_no}: {len(local_ids)} blocks "
+                    f"{mib(result.bytes)} in {result.seconds * 1e3:.1f} ms = {t.gbps:.2f} GB/s "
+                    f"via {result.backend} (setup {result.setup_seconds * 1e3:.1f} ms, "
+                    f"{result.note}; reference: one plain torch copy {src}->{self.device} of "
+                    f"the same bytes {t.reference_gbps:.2f} GB/s, same run)")
+            where = {"peer_incarnation": incarnation, "attempt": attempt}
+            if mismatches:
+                ctl.failed(name, f"{head}: {len(mismatches)} block regions differ: "
+                                 + "; ".join(_mismatch_text(m) for m in mismatches[:MAX_QUOTED]),
+                           result.seconds, data={"mismatches": mismatches[:MAX_QUOTED],
+                                                 "num_mismatches": len(mismatches), **where})
+            else:
+                ctl.passed(name, f"{head}: every block byte-exact", result.seconds, data=where)
+        return failed
+
+    # -- recovery ------------------------------------------------------------------------------
+    def others_digests(self, local_ids: list[int]) -> list[list[str]]:
+        """Digests of every block a fetch into ``local_ids`` must not touch."""
+        dest = set(local_ids)
+        others = [b for b in range(self.cfg.num_blocks) if b not in dest]
+        return [digest_blocks(cache_rows(self.cache, s), others) for s in owners(self.specs)]
+
+    def intact(self, guard: list[list[str]] | None,
+               local_ids: list[int]) -> dict[str, Any] | None:
+        """Compare :meth:`others_digests` now with ``guard``: ``checked`` blocks and the
+        ``changed`` ones (None without a guard)."""
+        if guard is None:
+            return None
+        now = self.others_digests(local_ids)
+        dest = set(local_ids)
+        others = [b for b in range(self.cfg.num_blocks) if b not in dest]
+        changed = sorted({others[i] for before, after in zip(guard, now, strict=True)
+                          for i, (x, y) in enumerate(zip(before, after, strict=True))
+                          if x != y})
+        return {"checked": len(others), "changed": changed[:MAX_QUOTED],
+                "num_changed": len(changed)}
+
+    def record_recovery(self, pair: str, prefill: str, round_no: int, old: int,
+                        info: dict[str, Any], failed: dict[str, _Failed],
+                        local_ids: list[int], intact: dict[str, Any] | None,
+                        waited: float) -> None:
+        """The ``recovery/<pair>/roundN`` check: which incarnation replaced which, what had
+        failed, the blocks not received, and whether the rest of our cache stayed intact."""
+        new = int(info.get("incarnation", 1))
+        ok = intact is None or intact["num_changed"] == 0
+        data = {"role": DECODE, "rank": self.rank, "peer": prefill, "round": round_no,
+                "old_incarnation": old, "new_incarnation": new,
+                "failed": {t: {"phase": f.phase, "cause": f.message} for t, f in failed.items()},
+                "blocks_not_received": sorted(local_ids) if failed else [],
+                "cache_intact": ok, "cache_guard": intact,
+                "waited_seconds": round(waited, 3)}
+        if not failed:
+            text = (f"{prefill} was replaced between rounds (incarnation {old} -> {new}): "
+                    f"its round {round_no} offers are loaded afresh")
+        else:
+            text = (f"{prefill} (incarnation {old}) died during "
+                    + ", ".join(f"{t} ({f.phase})" for t, f in failed.items())
+                    + f"; incarnation {new} answered after {waited:.2f} s: handshake and "
+                    f"fetch again; the {len(local_ids)} blocks being fetched were not "
+                    "reported as received")
+            text += ("; the other blocks of our cache are unchanged" if ok else
+                     f"; OUR CACHE CHANGED outside the fetched blocks: {intact}")
+        self.ctl.check(f"recovery/{pair}/round{round_no}", "pass" if ok else "fail", text,
+                       waited, data=data)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def reference_source(self, p: int, info: dict[str, Any]) -> str:
+        """Device of the reference copy's source: the prefill's device on this host, else
+        this worker's own (a peer on another host has no local reference)."""
+        if info.get("boot_id") == self.boot_id:
+            return self.cfg.device_for(PREFILL, p)
+        return self.device
+
+    def poison(self, local_ids: list[int]) -> None:
+        """Overwrite the destination blocks with our own contents (a no-op transfer fails)."""
+        for spec in owners(self.specs):
+            fill(cache_rows(self.cache, spec), content_key(self.cfg.seed, self.name, spec),
+                 local_ids)
+
+    def verify(self, prefill: str, remote_specs: list[RegionSpec], remote_ids: list[int],
+               local_ids: list[int], expected: list[list[str]]) -> list[dict[str, Any]]:
+        """Compare arrived blocks with the prefill's digests; one record per mismatch:
+        ``block`` (prefill's id), ``decode_block``, ``region`` and the first differing byte
+        ``offset`` with its ``expected`` and ``got`` values (None where the bytes equal the
+        expected pattern but not the prefill's digest)."""
+        out = []
+        pairs = zip(owners(self.specs), owners(remote_specs), strict=True)
+        for j, (lspec, rspec) in enumerate(pairs):
+            rows = cache_rows(self.cache, lspec)
+            got = digest_blocks(rows, local_ids)
+            for i, (r, loc) in enumerate(zip(remote_ids, local_ids, strict=True)):
+                if got[i] == expected[i][j]:
+                    continue
+                want = generate(content_key(self.cfg.seed, prefill, rspec),
+                                torch.tensor([r], dtype=torch.int64, device=rows.device),
+                                lspec.block_len)[0]
+                diff = first_difference(rows[loc], want)
+                offset, exp, got_byte = diff if diff else (None, None, None)
+                out.append({"block": r, "decode_block": loc, "region": rspec.label,
+                            "offset": offset, "expected": exp, "got": got_byte})
+        return out
+
+
+def _mismatch_text(m: dict[str, Any]) -> str:
+    """One :meth:`DecodeWorker.verify` record in words."""
+    where = (f"first differing byte at offset {m['offset']} (expected 0x{m['expected']:02x}, "
+             f"got 0x{m['got']:02x})" if m["offset"] is not None else
+             "bytes equal the expected pattern but not the prefill's digest "
+             "(the prefill's memory changed after digesting)")
+    return f"block {m['block']} (decode block {m['decode_block']}) {m['region']}: {where}"
+
+
+def _layout_differences(local: list[RegionSpec], remote: list[RegionSpec]) -> list[str]:
+    if len(local) != len(remote):
+        return [f"{len(remote)} regions != our {len(local)}"]
+    return [f"region {a.index}: {b.signature} != ours {a.signature}"
+            for a, b in zip(local, remote, strict=True) if a.signature != b.signature
+            or a.num_blocks != b.num_blocks or a.covered_by != b.covered_by]

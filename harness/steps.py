@@ -1,0 +1,352 @@
+"""The steps both roles share: build and check the extensible KV cache, register it with
+NIXL, fill and digest blocks, sleep / wake; and what a worker process must give back.
+
+:class:`WorkerSteps` is the base of :class:`~.prefill.PrefillWorker` and
+:class:`~.decode.DecodeWorker` (:mod:`.scenario` picks one). Each step reports checks through
+:class:`~.control.Control` and enters its phase there (where ``--inject`` faults fire).
+
+Units: bytes for sizes, blocks for block ids, seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from . import environment
+from .config import RunConfig, worker_name
+from .content import (
+    RegionSpec,
+    all_zero,
+    cache_rows,
+    content_key,
+    digest_blocks,
+    fill,
+    owners,
+    region_specs,
+)
+from .control import Control
+from .footprint import Footprint
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+#: mismatches quoted in one failed check
+MAX_QUOTED = 5
+
+
+def mib(n: int) -> str:
+    return f"{n / MIB:.1f} MiB"
+
+
+class WorkerSteps:
+    """State and steps shared by both roles. Owns the cache and the NIXL worker (the roles
+    add their transports); :meth:`run` releases all of them on every path and then checks
+    that this process holds no more fds, sockets or KV mappings than before it started."""
+
+    role = ""
+
+    def __init__(self, ctl: Control, rank: int, ipc_dir: str) -> None:
+        self.ctl = ctl
+        self.cfg: RunConfig = ctl.config
+        self.rank = rank
+        self.name = worker_name(self.role, rank)
+        self.device = self.cfg.device_for(self.role, rank)
+        self.ipc_dir = ipc_dir
+        self.cache: Any = None
+        self.nixl: Any = None
+        self.specs: list[RegionSpec] = []
+        self.boot_id = environment.boot_id(self.name)
+
+    def run(self) -> None:
+        before = Footprint.take()
+        try:
+            self.steps()
+        finally:
+            self.cleanup()
+            self.check_released(before)
+
+    def check_released(self, before: Footprint) -> None:
+        """The ``resources/released`` check: after releasing everything this process holds
+        no fd, socket or KV mapping it did not hold before its first step (a peer's death,
+        an abort or a restart included)."""
+        after = Footprint.take()
+        leaks = after.leaks_since(before)
+        data = {"before": before.to_json(), "after": after.to_json(), "leaked": leaks,
+                "incarnation": self.ctl.incarnation}
+        try:
+            if leaks:
+                self.ctl.failed("resources/released",
+                                f"{self.name} still holds what it opened during the run after "
+                                f"releasing everything: {leaks}", data=data)
+            else:
+                self.ctl.passed("resources/released",
+                                f"{self.name} released every fd, socket and KV mapping it "
+                                f"opened ({len(before.fds)} fds and {before.kv_mappings} KV "
+                                "mappings before, none more after)", data=data)
+        except OSError as exc:  # the run is ending under us: nobody to tell
+            log.warning("%s: cannot report released resources: %s", self.name, exc)
+
+    def steps(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        if self.nixl is not None:
+            try:
+                self.nixl.close()
+            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
+                log.warning("%s: closing NIXL failed: %s", self.name, exc)
+            self.nixl = None
+        if self.cache is not None:
+            self.cache.free()
+            self.cache = None
+
+    def hello(self) -> dict[str, Any]:
+        info = {"pid": os.getpid(), "boot_id": self.boot_id,
+                "hostname": environment.hostname(), "device": self.device}
+        if self.device.startswith("cuda"):
+            info["gpu"] = torch.cuda.get_device_name(torch.device(self.device))
+        self.ctl.publish("hello", info)
+        return info
+
+    # -- step 1: the extensible KV cache -------------------------------------------------------
+    def build_cache(self) -> None:
+        from kvconnect.kv_cache import ExtensibleKVCache
+        from kvconnect.layout import preset
+
+        ctl, cfg = self.ctl, self.cfg
+        ctl.phase("allocate")
+        kv_cfg = preset(cfg.layout, num_blocks=cfg.num_blocks, num_layers=cfg.num_layers)
+        rdma = False
+        if self.device.startswith("cuda"):
+            from kvconnect.vmm import get_vmm_driver
+
+            drv = get_vmm_driver(self.device)
+            rdma = bool(drv is not None and drv.capabilities().gpudirect_rdma_with_vmm)
+        t0 = time.perf_counter()
+        self.cache = cache = ExtensibleKVCache(kv_cfg, self.device,
+                                               capacity_blocks=cfg.capacity_blocks,
+                                               shareable=True, rdma_capable=rdma)
+        cache.allocate()
+        tensors = cache.tensors
+        segments = sum(t.num_segments for t in tensors)
+        reserved = sum(t.capacity_bytes for t in tensors)
+        ok = cache.num_blocks == 1 and cache.num_physical_chunks == segments
+        ctl.check("kv_cache/allocate", "pass" if ok else "fail",
+                  f"reserved {mib(reserved)} for {cache.capacity_blocks} blocks in "
+                  f"{len(tensors)} tensors / {segments} segments; committed {cache.num_blocks} "
+                  f"block ({cache.num_physical_chunks} chunks of {cache.granule} bytes)",
+                  time.perf_counter() - t0)
+
+        ctl.phase("warmup")
+        warm = min(cfg.warmup_blocks, cfg.num_blocks)
+        cache.ensure_kv_cache_blocks(warm)
+        for t in tensors:  # warm-up writes garbage into the committed prefix
+            for s in range(t.num_segments):
+                t.segment_view(s).fill_(0xA5)
+        chunks_warm = cache.num_physical_chunks
+        ctl.check("kv_cache/warmup", "pass" if cache.num_blocks == warm else "fail",
+                  f"{cache.num_blocks} blocks committed (asked {warm}); {chunks_warm} physical "
+                  f"chunks for {segments} segments")
+
+        self.nixl_before_final()
+        ctl.phase("final")
+        t0 = time.perf_counter()
+        cache.ensure_kv_cache_blocks(cfg.num_blocks)
+        before = cache.num_physical_chunks
+        cache.extend_kv_cache(cfg.num_blocks, single_handle=True)
+        after = cache.num_physical_chunks
+        final_ok = cache.is_final and cache.num_blocks == cfg.num_blocks
+        ctl.check("kv_cache/final", "pass" if final_ok else "fail",
+                  f"final size {cache.num_blocks} blocks ({mib(cache.committed_bytes)} "
+                  f"committed of {mib(reserved)} reserved), is_final={cache.is_final}",
+                  time.perf_counter() - t0)
+        per_seg = [len([c for c in t.physical_chunks() if c.segment == s])
+                   for t in tensors for s in range(t.num_segments)]
+        note = "" if before > segments else (
+            " (the final size fits the first granule of every segment, so there was nothing "
+            "to recommit; a larger --num-blocks exercises it)")
+        ctl.check("kv_cache/one_chunk_per_segment",
+                  "pass" if all(n == 1 for n in per_seg) else "fail",
+                  f"{before} physical chunks before the single-handle recommit, {after} after, "
+                  f"for {segments} segments (per segment: {sorted(set(per_seg))}){note}",
+                  data={"chunks_before": before, "chunks_after": after, "segments": segments})
+        self.check_view_sizes()
+        self.specs = region_specs(cache)
+
+    def check_view_sizes(self) -> None:
+        """Committed views' storages must be exactly the committed bytes (never capacity)."""
+        cache = self.cache
+        bad = []
+        for ti, t in enumerate(cache.tensors):
+            for s in range(t.num_segments):
+                n = t.segment_view(s).untyped_storage().nbytes()
+                if n != t.committed_bytes[s]:
+                    bad.append(f"tensor {ti} segment {s}: storage {n} != committed "
+                               f"{t.committed_bytes[s]}")
+        regions = cache.committed_regions()
+        for r in regions:
+            n = cache.region_view(r).untyped_storage().nbytes()
+            if n != r.span:
+                bad.append(f"region {r.layer_name}/{r.part}: storage {n} != span {r.span}")
+        full = max(t.full_view().untyped_storage().nbytes() for t in cache.tensors)
+        self.ctl.check("kv_cache/view_sizes", "fail" if bad else "pass",
+                       "; ".join(bad[:MAX_QUOTED]) if bad else
+                       f"{sum(t.num_segments for t in cache.tensors)} segment views and "
+                       f"{len(regions)} region views have storages of exactly their committed "
+                       f"bytes (the full views span {mib(full)} of reservation)")
+
+    # -- step 2: deferred NIXL registration and allocation flags --------------------------------
+    def nixl_before_final(self) -> None:
+        """Create the NIXL agent and check that it refuses the cache before its final commit."""
+        if "nixl" not in self.cfg.transports:
+            return
+        from kvconnect.connectors.errors import KVConnectorError
+        from kvconnect.connectors.nixl import NixlConnectorWorker
+
+        ctl = self.ctl
+        ctl.phase("nixl_agent")
+        # No NIXL progress thread: NIXL 1.5 spins it without pause (a core per agent). Decode
+        # progresses inside read_blocks; prefill runs a paced pump while it serves reads.
+        self.nixl = NixlConnectorWorker(self.name, default_timeout=self.cfg.timeout,
+                                        progress_thread=False)
+        try:
+            self.nixl.register_kv_cache(self.cache)
+        except KVConnectorError as exc:
+            ctl.passed("nixl/deferred_registration",
+                       f"registering before the final commit was refused: {exc}")
+        else:
+            self.nixl.deregister()
+            ctl.failed("nixl/deferred_registration",
+                       "NixlConnectorWorker registered the KV cache before its final commit "
+                       "(it must defer registration until extend_kv_cache)")
+
+    def register(self) -> None:
+        ctl, cache = self.ctl, self.cache
+        ctl.phase("register")
+        tensors = cache.tensors
+        granted = [t.granted for t in tensors]
+        requested = tensors[0].requested
+        shareable = all(g.shareable for g in granted)
+        rdma_flag = all(g.rdma_capable for g in granted)
+        ctl.passed("allocation/flags",
+                   f"requested shareable={requested.shareable} rdma_capable="
+                   f"{requested.rdma_capable}; granted on all {cache.num_physical_chunks} "
+                   f"chunks: shareable(POSIX fd)={shareable} rdma_capable(GPUDirect)="
+                   f"{rdma_flag}")
+        if "nixl" not in self.cfg.transports:
+            ctl.skipped("nixl/register", "nixl is not among --transports")
+            return
+        t0 = time.perf_counter()
+        self.nixl.register_kv_cache(cache)
+        ctl.passed("nixl/register",
+                   f"agent {self.nixl.agent_name}: {self.nixl.num_registrations} registrations "
+                   f"(one per physical chunk) of {len(self.nixl.regions)} committed regions, "
+                   f"memory type {self.nixl.memory_type}, after the final commit",
+                   time.perf_counter() - t0)
+        devices = environment.rdma_devices()
+        if not devices:
+            ctl.skipped("rdma/registration",
+                        "no RDMA device here (/sys/class/infiniband has no entries): "
+                        "registration for GPUDirect RDMA cannot be tried")
+        elif self.device.startswith("cuda") and not rdma_flag:
+            ctl.failed("rdma/registration",
+                       f"RDMA devices {devices} present but the allocations lack "
+                       "gpuDirectRDMACapable: ibv_reg_mr would fail (vllm #29569)")
+        else:
+            ctl.passed("rdma/registration",
+                       f"memory registered with NIXL/UCX while RDMA devices {devices} are "
+                       f"present (GPUDirect flag granted: {rdma_flag})")
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def transport_context(self) -> Any:
+        """What this worker's transports are built from (kvconnect.connectors.transport)."""
+        from kvconnect.connectors.transport import TransportContext
+
+        pids: set[int] = getattr(self, "decode_pids", set())
+        # a replacement must not reuse its predecessor's socket names (the dead process
+        # cannot remove them)
+        name = self.name if self.ctl.incarnation == 1 else f"{self.name}.{self.ctl.incarnation}"
+        return TransportContext(cache=self.cache, timeout=self.cfg.timeout, name=name,
+                                directory=self.ipc_dir, allowed_pids=lambda: set(pids),
+                                nixl=self.nixl, attribution=self.lane_attribution())
+
+    def lane_attribution(self) -> Any:
+        """None here; the decode names the UCX lanes NIXL used (see DecodeWorker)."""
+        return None
+
+    def fill_all(self, source: str) -> int:
+        """Fill every committed block of every owner region with ``source``'s contents."""
+        total = 0
+        for spec in owners(self.specs):
+            rows = cache_rows(self.cache, spec)
+            fill(rows, content_key(self.cfg.seed, source, spec))
+            total += rows.shape[0] * rows.shape[1]
+        return total
+
+    def digests(self, block_ids: list[int]) -> list[list[str]]:
+        """``[block][owner region]`` digests of ``block_ids``."""
+        per_region = [digest_blocks(cache_rows(self.cache, s), block_ids)
+                      for s in owners(self.specs)]
+        if not per_region:
+            return []
+        return [list(x) for x in zip(*per_region, strict=True)]
+
+    def sleep_wake(self, refill_source: str) -> None:
+        """Release physical memory, recommit (zeroed, same addresses), refill, re-register."""
+        ctl, cache = self.ctl, self.cache
+        ctl.phase("sleep")
+        if self.nixl is not None:
+            self.nixl.deregister()
+        bases = [t.base_ptr for t in cache.tensors]
+        t0 = time.perf_counter()
+        cache.release_physical()
+        released = all(t.is_released and t.num_physical_chunks == 0 for t in cache.tensors)
+        ctl.check("sleep_wake/release", "pass" if released else "fail",
+                  f"all {len(cache.tensors)} tensors released their physical memory "
+                  f"(chunks left: {cache.num_physical_chunks})", time.perf_counter() - t0)
+        ctl.phase("wake")
+        t0 = time.perf_counter()
+        cache.recommit()
+        wake_s = time.perf_counter() - t0
+        nonzero = [f"tensor {ti} segment {s}" for ti, t in enumerate(cache.tensors)
+                   for s in range(t.num_segments) if not all_zero(t.segment_view(s))]
+        ctl.check("sleep_wake/zeroed", "fail" if nonzero else "pass",
+                  f"non-zero after recommit: {', '.join(nonzero[:MAX_QUOTED])}" if nonzero
+                  else f"recommitted {mib(cache.committed_bytes)} zero-filled in {wake_s:.3f} s",
+                  wake_s)
+        same = [t.base_ptr for t in cache.tensors] == bases
+        segs = sum(t.num_segments for t in cache.tensors)
+        ctl.check("sleep_wake/same_addresses",
+                  "pass" if same and cache.num_physical_chunks == segs else "fail",
+                  f"addresses unchanged: {same}; {cache.num_physical_chunks} chunks for "
+                  f"{segs} segments; {cache.num_blocks} blocks")
+        self.specs = region_specs(cache)
+        self.fill_all(refill_source)
+        if self.nixl is not None:
+            t0 = time.perf_counter()
+            self.nixl.reregister()
+            ctl.passed("nixl/reregister",
+                       f"deregistered before sleep, registered again after wake: generation "
+                       f"{self.nixl.generation}, {self.nixl.num_registrations} registrations",
+                       time.perf_counter() - t0)
+
+
+def round_wait(cfg: RunConfig) -> float:
+    """Deadline (seconds) for a peer's whole round: each of its steps has its own deadline of
+    ``--timeout``, so a stuck step is reported by the peer itself first."""
+    return cfg.timeout * (len(cfg.transports) * max(cfg.num_prefill, cfg.num_decode) + 3)
+
+
+def same_blocks(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[int]:
+    """Positions whose block bytes are equal in every region of two snapshots."""
+    if not a:
+        return []
+    equal = torch.ones(a[0].shape[0], dtype=torch.bool, device=a[0].device)
+    for x, y in zip(a, b, strict=True):
+        equal &= (x == y).all(dim=1)
+    return [int(i) for i in torch.nonzero(equal).flatten().tolist()]

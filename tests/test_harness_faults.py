@@ -1,0 +1,298 @@
+"""``--inject FAULT@PHASE`` in-process: parsing and refusal (exit 2), the one hook that fires
+a fault at a worker's phase boundary, the coordinator's account of time-to-report, what a
+process holds (fds, sockets, KV mappings), the after-run leak checks, and the fault-matrix
+script's table writer. Fast: no worker processes (tests/test_harness_fault_runs.py runs them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvconnect.harness import cli
+from kvconnect.harness.cleanup import Baseline, _new_temp_entries, children, take_baseline
+from kvconnect.harness.faults import (
+    FAULT_KINDS,
+    PHASES,
+    FaultEffects,
+    FaultPlan,
+    FaultSpec,
+    FaultSpecError,
+    parse_fault,
+    phase_kind,
+    restarted_workers,
+)
+from kvconnect.harness.faultwatch import REPORT_GRACE_S, FaultWatch
+from kvconnect.harness.footprint import Footprint
+from kvconnect.harness.report import FAIL, PASS, Check, Report
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+# -- parsing and refusal ------------------------------------------------------------------------
+def test_specs_parse_to_kind_rank_and_phase() -> None:
+    assert parse_fault("kill-decode@transfer") == FaultSpec("kill-decode", 0, "transfer")
+    assert parse_fault("kill-decode1@transfer") == FaultSpec("kill-decode", 1, "transfer")
+    assert parse_fault(" Restart-Prefill@TRANSFER ") == FaultSpec("restart-prefill", 0,
+                                                                  "transfer")
+    spec = parse_fault("drop-notification@notification")
+    assert (spec.role, spec.worker, spec.text) == ("prefill", "prefill0",
+                                                   "drop-notification@notification")
+    assert FaultSpec.from_json(spec.to_json()) == spec
+    assert parse_fault("stop-prefill2@wake").text == "stop-prefill2@wake"
+    with pytest.raises(FaultSpecError, match="does not apply to wake"):
+        parse_fault("drop-notification@wake")
+
+
+def test_the_registry_holds_every_fault_the_issue_names() -> None:
+    assert {"kill-prefill", "kill-decode", "stop-prefill", "stop-decode", "slow-prefill",
+            "drop-notification", "restart-prefill"} <= set(FAULT_KINDS)
+    assert {"handshake", "register", "transfer", "notification", "sleep", "wake"} <= set(PHASES)
+    assert restarted_workers([{"kind": "restart-prefill", "rank": 1, "phase": "wake"},
+                              {"kind": "kill-decode", "rank": 0, "phase": "wake"}]) \
+        == {"prefill1"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--inject", "kill-decode"], "expected FAULT@PHASE"),
+    (["--inject", "explode-decode@transfer"], "unknown fault 'explode-decode'"),
+    (["--inject", "kill-decode@lunch"], "unknown phase 'lunch'"),
+    (["--inject", "drop-notification@sleep"], "does not apply to sleep"),
+    (["--inject", "kill-decode1@transfer"], "there is no decode1"),
+    (["--inject", "kill-decode@wake", "--inject", "kill-decode@wake"], "given twice"),
+    (["--inject", "drop-notification@transfer", "--transports", "ipc"],
+     "needs the nixl transport"),
+    (["--inject", "restart-prefill@transfer", "--rendezvous", "h:1234", "--role", "decode",
+      "--rank", "0"], "needs a local run"),
+])
+def test_bad_inject_specs_exit_2_with_a_message(argv: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = _run(argv, capsys)
+    assert code == 2, text
+    assert message in text
+
+
+def test_the_help_lists_the_faults_and_phases(capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = _run(["--help"], capsys)
+    assert code == 0
+    flat = " ".join(text.split())
+    for name in FAULT_KINDS:
+        assert name in flat
+    assert "--inject FAULT@PHASE" in flat
+
+
+# -- the hook -----------------------------------------------------------------------------------
+class _Target:
+    """What a fault acts on, without a process to kill: records what fired."""
+
+    def __init__(self) -> None:
+        self.effects = FaultEffects()
+        self.fired: list[tuple[str, str]] = []
+
+    @property
+    def stall_seconds(self) -> float:
+        return 0.0
+
+    def fault_fired(self, spec: FaultSpec, phase: str) -> None:
+        self.fired.append((spec.text, phase))
+
+
+def test_a_fault_fires_once_at_the_first_phase_of_its_kind_in_its_worker_only() -> None:
+    specs = [parse_fault("drop-notification@transfer")]
+    target = _Target()
+    plan = FaultPlan(specs, "prefill0")
+    for phase in ("register", "handshake:round1", "transferx", "transfer:round1",
+                  "notification:round1", "transfer:round2"):
+        plan.at_phase(phase, target)
+    assert target.fired == [("drop-notification@transfer", "transfer:round1")]
+    assert target.effects.drop_notifications
+    other = _Target()
+    FaultPlan(specs, "prefill1").at_phase("transfer:round1", other)
+    FaultPlan(specs, "prefill0", incarnation=2).at_phase("transfer:round1", other)
+    assert other.fired == [] and not other.effects.drop_notifications
+    assert phase_kind("transfer:ipc:prefill0:round1") == "transfer"
+
+
+# -- time to report -----------------------------------------------------------------------------
+def _check(name: str, by: str, **data: Any) -> Check:
+    return Check(name, FAIL, "x", by, data=data)
+
+
+def test_the_watch_pairs_a_fired_fault_with_the_first_check_naming_its_worker() -> None:
+    specs = [parse_fault("kill-decode@transfer"), parse_fault("stop-prefill@register"),
+             parse_fault("slow-prefill@sleep"), parse_fault("drop-notification@notification")]
+    watch = FaultWatch(specs, timeout=10.0, started=100.0)
+    watch.fired("decode0", {"fault": "kill-decode@transfer", "at": 101.0,
+                            "in_phase": "transfer:ipc:prefill0:round1"})
+    watch.fired("prefill0", {"fault": "stop-prefill@register", "at": 102.0,
+                             "in_phase": "register"})
+    # a check naming another worker, or without role/rank/phase, is not the report
+    watch.observe(_check("transfer/x", "decode0", peer="prefill0"), 101.1)
+    watch.observe(_check("worker/prefill0", "coordinator", worker="prefill0", role="prefill",
+                         rank=0, phase="wake", cause="died"), 101.2)  # wrong phase
+    watch.observe(_check("worker/decode0", "coordinator", worker="decode0", role="decode",
+                         rank=0, phase="transfer:ipc:prefill0:round1", cause="died"), 101.25)
+    watch.fired("prefill0", {"fault": "drop-notification@notification", "at": 103.0,
+                             "in_phase": "notification:round1"})  # after those checks
+    report = Report()
+    watch.finish(report)
+    by = {f["fault"]: f for f in report.faults}
+    assert by["kill-decode@transfer"]["outcome"] == "reported"
+    assert by["kill-decode@transfer"]["time_to_report_seconds"] == pytest.approx(0.25)
+    assert by["kill-decode@transfer"]["reported_by"]["phase"] == "transfer:ipc:prefill0:round1"
+    assert by["stop-prefill@register"]["outcome"] == "misreported"  # named phase wake
+    assert by["slow-prefill@sleep"]["outcome"] == "not_fired"
+    assert by["drop-notification@notification"]["outcome"] == "not_reported"
+    status = {c.name: c.status for c in report.checks}
+    assert status == {"fault/kill-decode@transfer": PASS, "fault/stop-prefill@register": FAIL,
+                      "fault/slow-prefill@sleep": FAIL,
+                      "fault/drop-notification@notification": FAIL}
+
+
+def test_a_report_after_the_deadline_fails_and_a_detected_in_phase_counts() -> None:
+    specs = [parse_fault("stop-decode@wake"), parse_fault("drop-notification@transfer")]
+    watch = FaultWatch(specs, timeout=4.0, started=0.0)
+    watch.fired("decode0", {"fault": "stop-decode@wake", "at": 1.0, "in_phase": "wake"})
+    watch.fired("prefill0", {"fault": "drop-notification@transfer", "at": 1.0,
+                             "in_phase": "transfer:round1"})
+    watch.observe(_check("worker/decode0", "coordinator", worker="decode0", role="decode",
+                         rank=0, phase="wake"), 1.0 + 4.0 + REPORT_GRACE_S + 0.5)
+    watch.observe(_check("nixl/notifications/round1", "prefill0", role="prefill", rank=0,
+                         phase="notification:round1"), 3.0)
+    report = Report()
+    watch.finish(report)
+    by = {f["fault"]: f for f in report.faults}
+    assert by["stop-decode@wake"]["outcome"] == "misreported"
+    assert by["drop-notification@transfer"]["outcome"] == "reported"  # seen where it shows
+
+
+def test_a_restart_fault_recovers_only_when_the_run_passed() -> None:
+    spec = parse_fault("restart-prefill@transfer")
+    for other_failure, outcome in ((False, "recovered"), (True, "recovery_failed")):
+        watch = FaultWatch([spec], timeout=10.0, started=0.0)
+        watch.fired("prefill0", {"fault": spec.text, "at": 1.0, "in_phase": "transfer:round1"})
+        watch.restarted("prefill0", {"incarnation": 2, "phase": "transfer:round1"}, 1.5)
+        report = Report()
+        if other_failure:
+            report.add_check("transfer/x", FAIL, "x")
+        watch.finish(report)
+        assert report.faults[0]["outcome"] == outcome
+        assert report.faults[0]["time_to_report_seconds"] == pytest.approx(0.5)
+
+
+# -- what a process holds -----------------------------------------------------------------------
+def test_a_footprint_names_the_socket_and_mapping_opened_since() -> None:
+    from kvconnect.vmm import get_vmm_driver
+
+    before = Footprint.take()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    drv = get_vmm_driver("cpu")
+    assert drv is not None
+    g = drv.granularity()
+    va = drv.reserve(g)
+    handle = drv.create(g)
+    drv.map(va, g, handle)
+    try:
+        leaks = Footprint.take().leaks_since(before)
+        assert leaks["sockets"] == 1 and leaks["kv_mappings"] == 1
+        assert any(t.startswith("socket:") for t in leaks["fds"])
+    finally:
+        drv.unmap(va, g)
+        drv.release(handle)
+        drv.free_reserved(va, g)
+        sock.close()
+    assert Footprint.take().leaks_since(before) == {}
+
+
+def test_the_leak_check_sees_a_left_child_and_a_left_run_directory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+    import subprocess
+    import tempfile
+
+    short = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))  # short: run_dir_base keeps it
+    monkeypatch.setenv("TMPDIR", str(short))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    child = None
+    try:
+        before = take_baseline()
+        assert before.temp_base == str(short)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        assert child.pid in children()
+        left = short / "kvv-leftover"
+        left.mkdir()
+        (left / "owner.json").write_text(json.dumps(
+            {"pid": os.getpid(), "start_ticks": 1, "boot_id": "x"}))  # ours, stale
+        (short / "someone-else").mkdir()
+        assert _new_temp_entries(before) == [str(left)]
+        assert _new_temp_entries(Baseline(set(), {}, {"kvv-leftover", "someone-else"}, 0,
+                                          str(short))) == []
+    finally:
+        if child is not None:
+            child.kill()
+            child.wait()
+        shutil.rmtree(short, ignore_errors=True)
+    assert child.pid not in children()
+
+
+# -- the fault-matrix script --------------------------------------------------------------------
+def _fault_matrix() -> Any:
+    spec = importlib.util.spec_from_file_location("fault_matrix",
+                                                  REPO / "scripts" / "fault_matrix.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_matrix_covers_every_combination_and_lists_n_a_with_why() -> None:
+    fm = _fault_matrix()
+    combos = fm.matrix()
+    assert len(combos) == len(FAULT_KINDS) * len(PHASES)
+    na = {(f, p): why for f, p, why in combos if why}
+    assert ("drop-notification", "sleep") in na and "notification" in na[
+        ("drop-notification", "sleep")]
+    assert ("kill-decode", "transfer") not in na
+
+
+def test_the_table_goes_between_the_markers_and_nothing_else_changes(tmp_path: Path) -> None:
+    fm = _fault_matrix()
+    rows = [
+        {"fault": "kill-decode", "phase": "transfer", "spec": "kill-decode@transfer",
+         "exit_code": 1, "ok": True, "problems": [], "wall_seconds": 2.5,
+         "time_to_report_seconds": 0.02,
+         "reported_by": {"role": "decode", "rank": 0, "phase": "transfer:ipc:prefill0:round1",
+                         "cause": "died", "check": "worker/decode0"}},
+        {"fault": "drop-notification", "phase": "sleep", "na": True, "why": "none in flight"},
+    ]
+    meta = {"date": "2030-01-01", "machine": "m", "versions": "v", "command": "c"}
+    section = fm.render(rows, meta)
+    assert "| kill-decode | transfer | 1 | decode 0 in `transfer:ipc:prefill0:round1` (died) " \
+           "| 0.02 s | 2.5 s | ok |" in section
+    assert "| drop-notification | sleep | n/a | none in flight |" in section
+    assert "**1 of 1 combinations behaved**" in section
+    doc = tmp_path / "reliability.md"
+    fm.write_doc(section, doc)  # created with a title and the section
+    text = doc.read_text()
+    assert text.startswith("# Reliability\n") and text.count(fm.BEGIN) == 1
+    doc.write_text("# Reliability\n\nintro\n\n" + text[text.index(fm.BEGIN):] + "\nlater\n")
+    fm.write_doc(fm.render(rows[1:], meta), doc)
+    again = doc.read_text()
+    assert again.startswith("# Reliability\n\nintro\n\n") and again.endswith("\nlater\n")
+    assert "kill-decode" not in again and again.count(fm.END) == 1
