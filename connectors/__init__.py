@@ -37,7 +37,6 @@ from .nixl import (
     transfer_regions,
 )
 from .nixl_transport import NixlTransport
-from .offload_layout import merge_shared_pages
 from .slot_allocator import LruSlots
 from .transport import (
     Exporter,
@@ -66,7 +65,6 @@ __all__ = [
     "TransportSpec",
     "block_runs",
     "get_transport",
-    "merge_shared_pages",
     "register_transport",
     "transport_names",
     "HandshakeMetadata",

@@ -307,7 +307,10 @@ class NixlConnectorWorker:
             raise KVConnectorError(f"{self.engine_id}: a region has no committed blocks")
         # Every block descriptor must lie inside one chunk (checked here, before registering).
         extents = registration_extents(regions, chunks)
-        xfer_regions = transfer_regions(regions)
+        try:
+            xfer_regions = transfer_regions(regions)
+        except ValueError as exc:
+            raise KVConnectorError(f"{self.engine_id}: {exc}") from None
         local_descs = region_descriptors(xfer_regions)
         self._ensure_agent()
         reg_dlists = []

@@ -77,7 +77,11 @@ def peer_descriptors(md: HandshakeMetadata, local_xfer_regions: list[Any]
                       a.num_blocks,
                       "cpu" if md.memory_type == "DRAM" else f"cuda:{a.device_id}")
         for fp, a in zip(md.fingerprint.regions, md.regions, strict=True)]
-    theirs = [f"{r.layer_name}/{r.part}" for r in transfer_regions(remote_regions)]
+    try:
+        theirs = [f"{r.layer_name}/{r.part}" for r in transfer_regions(remote_regions)]
+    except ValueError as exc:
+        raise IncompatiblePeerError([f"the peer's regions cannot be read: {exc}"],
+                                    peer=md.engine_id) from None
     ours = [f"{r.layer_name}/{r.part}" for r in local_xfer_regions]
     if sorted(theirs) != sorted(ours):
         raise IncompatiblePeerError(

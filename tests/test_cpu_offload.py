@@ -143,7 +143,7 @@ def _region(name: str, part: str, base: int, blen: int, stride: int, n: int,
     return CommittedRegion(name, part, base, blen, stride, n, "cpu", tensor, segment)
 
 
-def test_row_layout_merges_shared_pages_and_rejects_bad_regions() -> None:
+def test_row_layout_stores_shared_pages_once_and_rejects_bad_regions() -> None:
     regions = [
         _region("attn", "kv", 0x10000, 4096, 4096, 8),
         _region("mamba", "state", 0x10000, 3000, 4096, 8),  # aliases attn's pages
@@ -155,7 +155,7 @@ def test_row_layout_merges_shared_pages_and_rejects_bad_regions() -> None:
     assert kept[0].block_len == 4096
     with pytest.raises(ValueError, match="not a multiple"):
         offload_row_layout([_region("x", "kv", 0, 64, 64, 9)], 8)
-    with pytest.raises(ValueError, match="overlap but differ"):
+    with pytest.raises(ValueError, match="share bytes"):
         offload_row_layout([_region("x", "kv", 0, 64, 64, 8),
                             _region("y", "kv", 32, 64, 128, 8)], 8)
     with pytest.raises(ValueError, match="no committed regions"):
