@@ -313,7 +313,7 @@ class CPUOffloadConnector:
         out = []
         n = self._num_blocks
         for sl, r in zip(self._slices, regions, strict=True):
-            span = (n * sl.sub_blocks - 1) * r.block_stride + r.block_len
+            span = r.span  # n * sl.sub_blocks == r.num_blocks (offload_row_layout)
             try:
                 flat = self._src.flat_view(r, span)
             except ValueError as exc:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from kvconnect.views import block_span
+
 __all__ = ["PROBES", "ConnectorProbe", "HostCopyBackendStandIn", "HostStreamStandIn",
            "NixlProbe", "OffloadingProbe", "Region", "SimpleCPUOffloadProbe", "probe_for"]
 
@@ -40,7 +42,7 @@ class Region:
 
     @property
     def end(self) -> int:
-        return self.base + (self.num_blocks - 1) * self.block_stride + self.block_len
+        return self.base + block_span(self.num_blocks, self.block_stride, self.block_len)
 
 
 class ConnectorProbe:
