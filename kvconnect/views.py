@@ -23,13 +23,13 @@ to ``narrow``. Units: bytes unless a name says blocks.
 from __future__ import annotations
 
 import bisect
-import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import torch
 
+from ._pointer_view import bytes_tensor
 from .layout import KVCacheConfig, LayerPlan, LayoutError, LayoutPlan, plan_layout
 from .layout.build import typed_view
 from .layout.foreign import config_from_vllm, is_vllm_like_config
@@ -211,30 +211,14 @@ def page_holders(regions: Sequence[RegionT]) -> list[tuple[RegionT, tuple[str, .
 
 
 # -- bounded storages ---------------------------------------------------------------------
-class _CudaArray:
-    """``__cuda_array_interface__`` holder; torch keeps it (and ``_keep``) alive."""
-
-    def __init__(self, ptr: int, nbytes: int, keep: object) -> None:
-        self._keep = keep
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (ptr, False), "version": 3, "strides": None,
-                                         "stream": None}
-
-
 def _bounded_storage(ptr: int, nbytes: int, like: torch.Tensor) -> torch.UntypedStorage:
     """An untyped storage of exactly ``nbytes`` at ``ptr`` on ``like``'s device, keeping
     ``like``'s storage alive. Nothing is read: the range may include unmapped bytes."""
     if nbytes <= 0:
         raise ValueError(f"a bounded storage needs a positive byte count, got {nbytes}")
-    keep = like.untyped_storage()
-    if like.device.type == "cpu":
-        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        buf._kvconnect_keep = keep  # type: ignore[attr-defined]
-        return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-    if like.device.type == "cuda":
-        return torch.as_tensor(_CudaArray(ptr, nbytes, keep),
-                               device=like.device).untyped_storage()
-    raise LayoutError(f"cannot bound a storage on device type {like.device.type!r}")
+    if like.device.type not in ("cpu", "cuda"):
+        raise LayoutError(f"cannot bound a storage on device type {like.device.type!r}")
+    return bytes_tensor(ptr, nbytes, like.device, like.untyped_storage()).untyped_storage()
 
 
 # -- matching kv_caches against the plan ---------------------------------------------------

@@ -567,19 +567,14 @@ def test_bench_commit_host_smoke(tmp_path: Path) -> None:
 # GPU tests (real driver, real memory). Run on the GPU machine with:
 #   python -m pytest tests/test_vmm_gpu_backends.py -m gpu -v
 # ---------------------------------------------------------------------------------------------
-class _CudaArray:
-    """``__cuda_array_interface__`` over raw device bytes (the test's own view helper)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (ptr, False), "version": 3, "strides": None,
-                                         "stream": None}
-
-
 def _view(ptr: int, nbytes: int) -> Any:
+    """A uint8 tensor over raw device bytes (kvconnect's one ``__cuda_array_interface__``
+    holder; it reads nothing)."""
     import torch
 
-    return torch.as_tensor(_CudaArray(ptr, nbytes), device="cuda:0")
+    from kvconnect._pointer_view import bytes_tensor
+
+    return bytes_tensor(ptr, nbytes, torch.device("cuda:0"), None)
 
 
 @pytest.fixture
@@ -727,12 +722,8 @@ def test_gpu_rdma_fallback_warns_once(cuda_driver: CudaVmmDriver,
 _CHILD = r"""
 import json, os, socket, sys
 import torch
+from kvconnect._pointer_view import bytes_tensor
 from kvconnect.vmm.cuda import CudaVmmDriver
-
-class A:
-    def __init__(self, p, n):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (p, False),
-                                         "version": 3, "strides": None, "stream": None}
 
 sock = socket.socket(fileno=int(sys.argv[1]))
 msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
@@ -743,7 +734,7 @@ os.close(fds[0])
 va = drv.reserve(size)
 drv.map(va, size, h)
 drv.set_access(va, size)
-t = torch.as_tensor(A(va, size), device="cuda:0")
+t = bytes_tensor(va, size, torch.device("cuda:0"), None)
 want = (torch.arange(size, device="cuda:0") % 251).to(torch.uint8)
 ok = bool(torch.equal(t, want))
 t[size // 2:] = 0x5A
