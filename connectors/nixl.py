@@ -49,7 +49,7 @@ from .handshake import (
     RegionAddress,
     layout_fingerprint,
 )
-from .nixl_agent import NixlUnavailableError, drain_agent, import_nixl, nixl_available
+from .nixl_agent import NixlUnavailableError, drain_agent, import_nixl, nixl_importable
 from .nixl_descriptors import (
     as_block_ids,
     check_descriptors_in_chunks,
@@ -72,7 +72,7 @@ __all__ = [
     "check_descriptors_in_chunks",
     "layout_info_from_config",
     "memory_type_for_device",
-    "nixl_available",
+    "nixl_importable",
     "region_descriptors",
     "registration_extents",
     "transfer_regions",

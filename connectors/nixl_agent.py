@@ -17,7 +17,7 @@ from .errors import KVConnectorError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NixlUnavailableError", "drain_agent", "import_nixl", "nixl_available"]
+__all__ = ["NixlUnavailableError", "drain_agent", "import_nixl", "nixl_importable"]
 
 
 class NixlUnavailableError(KVConnectorError, ImportError):
@@ -38,8 +38,9 @@ def import_nixl() -> tuple[Any, Any]:
         "(nixl-cu13==1.5.1). Tried " + "; ".join(errors))
 
 
-def nixl_available() -> bool:
-    """True when the NIXL Python bindings can be imported."""
+def nixl_importable() -> bool:
+    """True when the NIXL Python bindings import (this imports them; the harness's
+    environment report only looks for the modules)."""
     try:
         import_nixl()
     except NixlUnavailableError:

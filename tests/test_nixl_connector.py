@@ -39,7 +39,7 @@ from kvconnect.connectors.nixl import (
     NixlConnectorWorker,
     check_descriptors_in_chunks,
     memory_type_for_device,
-    nixl_available,
+    nixl_importable,
     region_descriptors,
     registration_extents,
     transfer_regions,
@@ -49,7 +49,7 @@ _spec = importlib.util.spec_from_file_location("_nixl_peer", Path(__file__).with
 peerlib = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(peerlib)
 
-needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL Python bindings not installed")
+needs_nixl = pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed")
 # The two-process tests share one child process; keep them on one xdist worker. Workers come
 # only from fixtures (`pair`, `nixl_worker`), which close them.
 pytestmark = [pytest.mark.xdist_group("nixl_two_process"), pytest.mark.nixl]

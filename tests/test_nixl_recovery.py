@@ -22,7 +22,7 @@ import pytest
 
 from kvconnect.connectors.errors import KVConnectorError, KVTransferError
 from kvconnect.connectors.handshake import HandshakeMetadata
-from kvconnect.connectors.nixl import nixl_available, transfer_regions
+from kvconnect.connectors.nixl import nixl_importable, transfer_regions
 
 _here = Path(__file__).parent
 
@@ -38,7 +38,7 @@ peerlib = _load("_nixl_peer")
 service = _load("_nixl_service_peer")
 reliability = _load("_reliability")
 pytestmark = [pytest.mark.nixl,
-              pytest.mark.skipif(not nixl_available(), reason="NIXL Python bindings missing")]
+              pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings missing")]
 
 SPEC = {"preset": "llama3-8b-like", "overrides": {"num_layers": 2}, "num_blocks": 16,
         "capacity_blocks": 1024}

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from kvconnect import ExtensibleKVCache, ExtensibleTensor
-from kvconnect.connectors.nixl import nixl_available, transfer_regions
+from kvconnect.connectors.nixl import nixl_importable, transfer_regions
 from kvconnect.layout import preset
 from kvconnect.vmm import get_vmm_driver
 
@@ -46,7 +46,7 @@ def _load(name: str) -> Any:
 peerlib = _load("_nixl_peer")
 service = _load("_nixl_service_peer")
 reliability = _load("_reliability")
-needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL Python bindings not installed")
+needs_nixl = pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed")
 
 G = 2 * 1024 * 1024
 #: resident memory a soak may gain between its start and end snapshots (KiB). RSS moves in

@@ -11,6 +11,8 @@ process over SCM_RIGHTS, granted flags, GPUDirect-RDMA flag per attribute, fresh
 Expected numbers below were read from the headers by compiling them with gcc:
 - cuda.h of CUDA 12.6.3 (``#define CUDA_VERSION 12060``); VMM types unchanged in CUDA 13.
 - include/hip/hip_runtime_api.h (ROCm/HIP); HIP 7.13 device attributes.
+They guard machines without headers; tests/test_driver_headers.py compiles a probe against
+the headers found on the machine (layouts, constants, the bytes of a filled struct).
 """
 
 from __future__ import annotations
@@ -91,23 +93,6 @@ def test_hip_structs_equal_cuda(cuda: type[ctypes.Structure],
     assert ctypes.alignment(cuda) == ctypes.alignment(hip)
     for name, *_ in hip._fields_:
         assert getattr(hip, name).offset == getattr(cuda, name).offset, name
-
-
-def test_alloc_prop_bytes_land_where_the_driver_reads_them() -> None:
-    """Write the fields through ctypes, read the raw bytes as C would."""
-    for struct in (api.CUmemAllocationProp, api.HipMemAllocationProp):
-        prop = struct()
-        prop.type = api.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.requestedHandleTypes = api.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        prop.location.type = api.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = 3
-        prop.allocFlags.gpuDirectRDMACapable = 1
-        raw = bytes(prop)
-        assert raw[0:4] == (1).to_bytes(4, "little")
-        assert raw[4:8] == (1).to_bytes(4, "little")
-        assert raw[8:16] == (1).to_bytes(4, "little") + (3).to_bytes(4, "little")
-        assert raw[16:24] == bytes(8)
-        assert raw[24] == 0 and raw[25] == 1
 
 
 def test_constants_match_headers() -> None:
