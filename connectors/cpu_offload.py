@@ -44,14 +44,16 @@ back at the same addresses, so the plans stay valid. While the cache is asleep, 
 :meth:`CPUOffloadConnector.wait` before ``release_physical()``. The layout (layers, parts,
 block lengths) is fixed for a connector's life: ``rebind`` raises if it changes.
 
-``close()`` (alias ``free()``) waits, then drops the pool: a pinned pool returns to torch's
-pinned-memory cache, which belongs to the process; the connector never empties it.
+``close()`` waits, then drops the pool (``free()`` is its deprecated alias): a pinned pool
+returns to torch's pinned-memory cache, which belongs to the process; the connector never
+empties it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -551,7 +553,7 @@ class CPUOffloadConnector:
     # -- lifetime --------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._freed:
-            raise KVConnectorError("CPUOffloadConnector used after free()")
+            raise KVConnectorError("CPUOffloadConnector used after close()")
 
     def close(self) -> None:
         """Wait for outstanding copies, then drop the pool, the staging buffers and the
@@ -571,7 +573,11 @@ class CPUOffloadConnector:
             self._copy_stream = None
             self._stream = None
 
-    free = close
+    def free(self) -> None:
+        """Deprecated alias of :meth:`close`."""
+        warnings.warn("CPUOffloadConnector.free() is deprecated: use close()",
+                      DeprecationWarning, stacklevel=2)
+        self.close()
 
     def __enter__(self) -> CPUOffloadConnector:
         return self

@@ -73,7 +73,7 @@ _CHILD = textwrap.dedent("""
             print("OFFERS " + json.dumps(server.describe()), flush=True)
     server.close()
     shutil.rmtree(directory, ignore_errors=True)
-    cache.free()
+    cache.close()
 """)
 
 
