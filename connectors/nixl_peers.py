@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect.views import PagedRegion
+
 from .errors import IncompatiblePeerError, KVConnectorError
 from .handshake import HandshakeMetadata
 from .nixl_descriptors import check_descriptors_in_chunks, region_descriptors, transfer_regions
@@ -39,20 +41,6 @@ class LoadedPeer:
     num_blocks: np.ndarray
 
 
-@dataclass(frozen=True)
-class _RemoteRegion:
-    """A peer's region as its handshake describes it (the fields descriptors need)."""
-
-    layer_name: str
-    part: str
-    base_ptr: int
-    block_len: int
-    block_stride: int
-    num_blocks: int
-    #: a device string memory_type_for_device understands ("cpu" for DRAM, "cuda:N" for VRAM)
-    device: str
-
-
 def _first_diff(ours: list[str], theirs: list[str]) -> str:
     only_ours = sorted(set(ours) - set(theirs))
     only_theirs = sorted(set(theirs) - set(ours))
@@ -73,9 +61,8 @@ def peer_descriptors(md: HandshakeMetadata, local_xfer_regions: list[Any]
     # Pair remote regions with ours by layer/part, in local transfer-region order.
     index = {r.key: i for i, r in enumerate(md.fingerprint.regions)}
     remote_regions = [
-        _RemoteRegion(fp.layer_name, fp.part, a.base_ptr, fp.block_len, fp.block_stride,
-                      a.num_blocks,
-                      "cpu" if md.memory_type == "DRAM" else f"cuda:{a.device_id}")
+        PagedRegion(fp.layer_name, fp.part, a.base_ptr, fp.block_len, fp.block_stride,
+                    a.num_blocks, "cpu" if md.memory_type == "DRAM" else f"cuda:{a.device_id}")
         for fp, a in zip(md.fingerprint.regions, md.regions, strict=True)]
     try:
         theirs = [f"{r.layer_name}/{r.part}" for r in transfer_regions(remote_regions)]

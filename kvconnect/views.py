@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -44,12 +44,21 @@ __all__ = [
 KVCaches = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
 
 
-@dataclass(frozen=True)
-class CommittedRegion:
-    """One registration region of one layer, inside committed memory.
+def block_span(num_blocks: int, block_stride: int, block_len: int) -> int:
+    """Bytes from the first block's start to the last block's end, for ``num_blocks`` blocks
+    of ``block_len`` bytes ``block_stride`` bytes apart (0 for no blocks)."""
+    if num_blocks <= 0:
+        return 0
+    return (num_blocks - 1) * block_stride + block_len
 
-    Units: bytes unless named ``*_blocks``. Block ``b`` of this region starts at
-    ``base_ptr + b * block_stride`` and is ``block_len`` bytes long.
+
+@dataclass(frozen=True)
+class PagedRegion:
+    """Blocks of one region: block ``b`` starts at ``base_ptr + b * block_stride`` and is
+    ``block_len`` bytes long. What descriptors and the page-sharing rule read: a
+    :class:`CommittedRegion` is one; a reader rebuilds a peer's regions as such from its
+    handshake (which names no tensor or segment). Units: bytes unless named ``*_blocks``;
+    ``device`` is a torch device string (``"cpu"``, ``"cuda:N"``).
     """
 
     layer_name: str
@@ -61,13 +70,6 @@ class CommittedRegion:
     block_stride: int
     num_blocks: int
     device: str
-    #: index into the cache's ExtensibleTensor list, and the segment inside it
-    tensor_index: int = 0
-    segment: int = 0
-    #: the layers whose pages this region holds (one, or every layer for "packed")
-    layers: tuple[str, ...] = ()
-    #: bytes from the start of segment ``segment`` of KV tensor ``tensor_index`` to base_ptr
-    segment_offset: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -89,36 +91,21 @@ class CommittedRegion:
         return self.base_ptr + block_id * self.block_stride
 
 
-def block_span(num_blocks: int, block_stride: int, block_len: int) -> int:
-    """Bytes from the first block's start to the last block's end, for ``num_blocks`` blocks
-    of ``block_len`` bytes ``block_stride`` bytes apart (0 for no blocks)."""
-    if num_blocks <= 0:
-        return 0
-    return (num_blocks - 1) * block_stride + block_len
+@dataclass(frozen=True)
+class CommittedRegion(PagedRegion):
+    """One registration region of one layer, inside committed memory (a :class:`PagedRegion`
+    placed in the cache: which KV tensor, which segment, which layers)."""
+
+    #: index into the cache's ExtensibleTensor list, and the segment inside it
+    tensor_index: int = 0
+    segment: int = 0
+    #: the layers whose pages this region holds (one, or every layer for "packed")
+    layers: tuple[str, ...] = ()
+    #: bytes from the start of segment ``segment`` of KV tensor ``tensor_index`` to base_ptr
+    segment_offset: int = 0
 
 
 # -- shared pages ----------------------------------------------------------------------------
-class PagedRegion(Protocol):
-    """What the page-sharing rule reads of a region: a :class:`CommittedRegion`, or a peer's
-    region rebuilt from its handshake (no tensor index or segment there). Bytes; ``device``
-    is a torch device string (``"cpu"``, ``"cuda:N"``)."""
-
-    @property
-    def layer_name(self) -> str: ...
-    @property
-    def part(self) -> str: ...
-    @property
-    def base_ptr(self) -> int: ...
-    @property
-    def block_len(self) -> int: ...
-    @property
-    def block_stride(self) -> int: ...
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def device(self) -> str: ...
-
-
 RegionT = TypeVar("RegionT", bound=PagedRegion)
 
 

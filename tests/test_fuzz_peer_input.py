@@ -17,9 +17,10 @@ import importlib.util
 import json
 import os
 import re
-from pathlib import Path
 from typing import Any
 
+import _nixl_peer as peerlib
+import _reliability as fuzz
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -28,17 +29,6 @@ from kvconnect import ExtensibleTensor
 from kvconnect.ipc import IpcError, PeerMapping, import_message
 from kvconnect.vmm.host import HostVmmDriver
 
-_here = Path(__file__).parent
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, _here / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-fuzz = _load("_reliability")
 G = 2 * 1024 * 1024
 
 # -- chunk records and export messages -------------------------------------------------------
@@ -218,7 +208,6 @@ needs_nixl = pytest.mark.skipif(
 def registered_pair(nixl_worker):
     """Two registered NIXL workers in this process (real agents, host-backend caches):
     ``(decode, prefill metadata JSON)``."""
-    peerlib = _load("_nixl_peer")
     spec = {"preset": "llama3-8b-like", "overrides": {"num_layers": 2}, "num_blocks": 8,
             "capacity_blocks": 64}
     caches = [peerlib.make_cache(spec), peerlib.make_cache(spec)]

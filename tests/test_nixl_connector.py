@@ -1,6 +1,7 @@
 """NIXL connector worker on committed extents: real NIXL (DRAM over UCX) between two processes.
 
-The prefill side runs in a child process (tests/_nixl_peer.py) holding host-backend
+The prefill side runs in a child process (tests/_nixl_peer.py, driven through
+tests/_json_peer.py) holding host-backend
 ExtensibleKVCaches whose reservations are far above the committed blocks; this process is the
 decode side and READs blocks from it. Metadata crosses the process boundary as JSON lines.
 NIXL agent start-up costs ~1 s each, so one child process serves every layout.
@@ -10,22 +11,17 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.util
 import json
-import os
 import pickle
-import selectors
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
+import _nixl_peer as peerlib
 import numpy as np
 import pytest
+from _json_peer import JsonLinePeer
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from kvconnect.connectors.handshake import (
@@ -44,10 +40,6 @@ from kvconnect.connectors.nixl import (
     registration_extents,
     transfer_regions,
 )
-
-_spec = importlib.util.spec_from_file_location("_nixl_peer", Path(__file__).with_name("_nixl_peer.py"))
-peerlib = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peerlib)
 
 needs_nixl = pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed")
 # The two-process tests share one child process; keep them on one xdist worker. Workers come
@@ -106,66 +98,9 @@ def _check_blocks(cache: Any, local_ids: list[int], remote_ids: list[int], seed:
             f"{key}: untouched local block {untouched} was written")
 
 
-class PeerProcess:
-    """The prefill child: JSON commands in, ``KVC``-prefixed JSON replies out, with deadlines."""
-
-    def __init__(self) -> None:
-        self.stderr = tempfile.TemporaryFile()
-        script = Path(__file__).with_name("_nixl_peer.py")
-        self.proc = subprocess.Popen([sys.executable, "-u", str(script)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
-        self._buf = b""
-
-    def send(self, **cmd: Any) -> None:
-        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def recv(self, timeout: float = 60.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                if line.startswith(peerlib.PREFIX.encode()):
-                    reply = json.loads(line[len(peerlib.PREFIX):])
-                    assert reply.get("ok"), f"peer failed: {reply.get('error')}\n{self.log()}"
-                    return reply
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no reply from the peer within {timeout} s\n{self.log()}")
-            if self._sel.select(left):
-                chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
-                if not chunk:
-                    raise RuntimeError(f"peer exited with {self.proc.poll()}\n{self.log()}")
-                self._buf += chunk
-
-    def call(self, timeout: float = 60.0, **cmd: Any) -> dict[str, Any]:
-        self.send(**cmd)
-        return self.recv(timeout)
-
-    def log(self) -> str:
-        self.stderr.seek(0)
-        return "peer stderr (tail):\n" + self.stderr.read().decode(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call(op="exit", timeout=20)
-                self.proc.wait(timeout=20)
-            except Exception:  # noqa: BLE001 - fall back to killing it
-                self.proc.kill()
-                self.proc.wait(timeout=20)
-        self._sel.close()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
-        self.stderr.close()
-
-
 class Pair:
     def __init__(self) -> None:
-        self.peer: PeerProcess | None = None
+        self.peer: JsonLinePeer | None = None
         self.caches: dict[str, Any] = {}
         self.workers: dict[str, NixlConnectorWorker] = {}
         self.metadata: dict[str, str] = {}
@@ -176,8 +111,7 @@ def open_pair(prefill_device: str = "cpu", decode_device: str = "cpu") -> Iterat
     """Prefill child + decode workers for every layout, registered; peers not yet loaded."""
     p = Pair()
     try:
-        p.peer = PeerProcess()
-        p.peer.recv(timeout=120)  # ready (the child imports torch and NIXL)
+        p.peer = JsonLinePeer.script("_nixl_peer.py")  # ready: it imported torch and NIXL
         p.peer.send(op="setup", layouts=[_spec(n, PREFILL_BLOCKS, device=prefill_device)
                                          for n in LAYOUTS])
         for name in LAYOUTS:  # meanwhile build the decode side
@@ -193,7 +127,7 @@ def open_pair(prefill_device: str = "cpu", decode_device: str = "cpu") -> Iterat
         for c in p.caches.values():
             c.close()
         if p.peer is not None:
-            p.peer.stop()
+            p.peer.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ of the order of aliasing layers and works on a peer's regions rebuilt from its h
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -34,7 +34,13 @@ from kvconnect.layout import (
     mla_config,
     preset,
 )
-from kvconnect.views import CommittedRegion, committed_regions, page_holders, page_owners
+from kvconnect.views import (
+    CommittedRegion,
+    PagedRegion,
+    committed_regions,
+    page_holders,
+    page_owners,
+)
 
 
 # -- the three rules this replaced ----------------------------------------------------------
@@ -199,19 +205,8 @@ def test_the_rule_on_an_extensible_cache_and_on_a_peers_handshake(name: str) -> 
 
 
 # -- the edge cases where the old rules differed ----------------------------------------------
-@dataclass(frozen=True)
-class Region:
-    layer_name: str
-    part: str
-    base_ptr: int
-    block_len: int
-    block_stride: int
-    num_blocks: int
-    device: str = "cpu"
-
-
-ATTN = Region("attn", "kv", 4096, 1024, 1024, 8)
-STATE = Region("mamba", "state", 4096, 560, 1024, 8)
+ATTN = PagedRegion("attn", "kv", 4096, 1024, 1024, 8, "cpu")
+STATE = PagedRegion("mamba", "state", 4096, 560, 1024, 8, "cpu")
 
 
 def test_the_holder_does_not_depend_on_the_order_of_aliasing_layers() -> None:
@@ -240,7 +235,7 @@ def test_identical_regions_are_held_by_the_first() -> None:
     replace(STATE, num_blocks=9),                                 # one block more
     replace(STATE, block_stride=2048, num_blocks=2),              # another stride, same span
 ], ids=["partial", "shifted-block", "more-blocks", "other-stride"])
-def test_bytes_shared_without_holding_raise(other: Region) -> None:
+def test_bytes_shared_without_holding_raise(other: PagedRegion) -> None:
     with pytest.raises(ValueError, match="share bytes"):
         page_owners([ATTN, other])
     with pytest.raises(ValueError, match="share bytes"):
@@ -253,6 +248,6 @@ def test_bytes_shared_without_holding_raise(other: Region) -> None:
     replace(ATTN, base_ptr=ATTN.base_ptr + 512, block_len=512, block_stride=1024,
             layer_name="half"),                                # interleaved halves of rows
 ], ids=["adjacent", "other-device", "interleaved"])
-def test_disjoint_regions_own_their_pages(other: Region) -> None:
+def test_disjoint_regions_own_their_pages(other: PagedRegion) -> None:
     first = replace(ATTN, block_len=512) if other.layer_name == "half" else ATTN
     assert page_owners([first, other]) == [0, 1]

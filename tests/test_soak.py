@@ -20,32 +20,21 @@ With ``KVC_RELIABILITY_RECORD=path`` each soak appends its figures as one JSON l
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 from typing import Any
 
+import _nixl_peer as peerlib
+import _nixl_service_peer as service
+import _reliability as reliability
 import numpy as np
 import pytest
+from _json_peer import JsonLinePeer
 
 from kvconnect import ExtensibleKVCache, ExtensibleTensor
 from kvconnect.connectors.nixl import nixl_importable, transfer_regions
 from kvconnect.layout import preset
 from kvconnect.vmm import get_vmm_driver
 
-_here = Path(__file__).parent
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, _here / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-peerlib = _load("_nixl_peer")
-service = _load("_nixl_service_peer")
-reliability = _load("_reliability")
 needs_nixl = pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed")
 
 G = 2 * 1024 * 1024
@@ -226,7 +215,7 @@ def test_consecutive_transfers_against_one_peer_stay_flat(nixl_worker: Any) -> N
     """200 consecutive 1P1D NIXL READs against one peer process, each checked byte for
     byte: fds, maps, registrations and peers flat on both sides, RSS within the bound,
     one notification per READ."""
-    peer = service.ServicePeer()
+    peer = JsonLinePeer.script("_nixl_service_peer.py")
     cache = peerlib.make_cache(SPEC)
     try:
         md = peer.call(op="setup", spec=SPEC, engine_id="soak-prefill", seed=1)["metadata"]
