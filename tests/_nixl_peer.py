@@ -72,6 +72,25 @@ def fill_cache(cache: Any, seed: int) -> None:
         torch.cuda.synchronize(cache.device)
 
 
+def sample_metadata() -> Any:
+    """A valid handshake document of a two-region (K, V) peer, built by hand (no NIXL)."""
+    from kvconnect.connectors.handshake import (
+        HandshakeMetadata,
+        LayoutFingerprint,
+        RegionAddress,
+        RegionFingerprint,
+    )
+
+    fp = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 4096, 4096),
+                                    RegionFingerprint("layer0", "v", 4096, 4096)),
+                           block_size=16, dtype="bfloat16", layout="kv_split_nhd")
+    return HandshakeMetadata(engine_id="p", agent_name="p-1", agent_metadata=b"\x00\x01md",
+                             memory_type="DRAM", fingerprint=fp,
+                             regions=(RegionAddress(1 << 40, 8), RegionAddress(1 << 41, 8)),
+                             registrations=((1 << 40, 32768, 0), (1 << 41, 32768, 0)),
+                             generation=3)
+
+
 def make_cache(spec: dict[str, Any]) -> Any:
     """An ExtensibleKVCache taken through the seeds' commit protocol.
 

@@ -134,24 +134,6 @@ def test_export_messages_from_a_peer(exported) -> None:
 
 # -- handshake documents --------------------------------------------------------------------
 
-def _valid_metadata() -> bytes:
-    from kvconnect.connectors.handshake import (
-        HandshakeMetadata,
-        LayoutFingerprint,
-        RegionAddress,
-        RegionFingerprint,
-    )
-
-    fp = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 4096, 4096),
-                                    RegionFingerprint("layer0", "v", 4096, 4096)),
-                           block_size=16, dtype="bfloat16", layout="kv_split_nhd")
-    return HandshakeMetadata(engine_id="p", agent_name="p-1", agent_metadata=b"\x00\x01md",
-                             memory_type="DRAM", fingerprint=fp,
-                             regions=(RegionAddress(1 << 40, 8), RegionAddress(1 << 41, 8)),
-                             registrations=((1 << 40, 32768, 0), (1 << 41, 32768, 0)),
-                             generation=3).to_json()
-
-
 @st.composite
 def raw_documents(draw: st.DrawFn, base_json: bytes) -> bytes:
     """A mutated document, then perhaps damaged as text: cut, wrapped in deep nesting, a
@@ -183,7 +165,7 @@ def test_handshake_documents_parse_or_raise_metadata_error() -> None:
     metadata that round-trips, or MetadataError."""
     from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
 
-    base = _valid_metadata()
+    base = peerlib.sample_metadata().to_json()
     n = fuzz.examples(1200)
     tally = fuzz.Tally("handshake documents: HandshakeMetadata.from_json", "MetadataError", n)
 

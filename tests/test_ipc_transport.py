@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from _json_peer import JsonLinePeer
+from _nixl_peer import fill_cache
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError
 from kvconnect.connectors.ipc_transport import IpcTransport
@@ -33,23 +34,13 @@ NUM_BLOCKS = 24
 
 _CHILD = textwrap.dedent("""
     import os, shutil, sys, tempfile
-    import torch
     from _json_peer import reply, serve
+    from _nixl_peer import fill_cache as fill
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
     from kvconnect.connectors.ipc_transport import IpcExportServer
 
     layers, seed, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-
-    def fill(cache, seed):
-        for ti, t in enumerate(cache.tensors):
-            for s in range(t.num_segments):
-                w = t.segment_view(s).view(torch.int64)
-                h = torch.arange(w.numel(), dtype=torch.int64)
-                h += (seed << 48) + (ti << 36) + (s << 32)
-                h *= -7046029254386353131
-                h ^= h >> 29
-                w.copy_(h)
 
     cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=n, num_layers=layers),
                               "cpu", capacity_blocks=n * 4, shareable=True)
@@ -93,17 +84,6 @@ def _cache(layers: int = 2) -> ExtensibleKVCache:
     return cache
 
 
-def _fill(cache: ExtensibleKVCache, seed: int) -> None:
-    for ti, t in enumerate(cache.tensors):
-        for s in range(t.num_segments):
-            w = t.segment_view(s).view(torch.int64)
-            h = torch.arange(w.numel(), dtype=torch.int64)
-            h += (seed << 48) + (ti << 36) + (s << 32)
-            h *= -7046029254386353131
-            h ^= h >> 29
-            w.copy_(h)
-
-
 def _block(cache: ExtensibleKVCache, b: int) -> list[torch.Tensor]:
     out = []
     for r in cache.committed_regions():
@@ -126,8 +106,8 @@ def child() -> Iterator[JsonLinePeer]:
 def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: JsonLinePeer) -> None:
     with _cache() as dst, _cache() as want, IpcTransport(dst, timeout=30) as ipc:
         assert isinstance(ipc, Transport)
-        _fill(dst, seed=99)
-        _fill(want, seed=1)  # what the child holds, computed here independently
+        fill_cache(dst, seed=99)
+        fill_cache(want, seed=1)  # what the child holds, computed here independently
         before = {b: _block(dst, b) for b in range(NUM_BLOCKS)}
         first = ipc.open_peer("child", child.hello["offer"])
         assert first > 0
@@ -144,7 +124,7 @@ def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: JsonLi
         # the peer sleeps and wakes with new contents: a new generation, so a new mapping
         offer = child.call(op="sleep_wake")["offer"]
         assert offer["generation"] > child.hello["offer"]["generation"]
-        _fill(want, seed=2)
+        fill_cache(want, seed=2)
         assert ipc.open_peer("child", offer) > 0
         ipc.fetch("child", [6, 7], [2, 3])
         assert _same(_block(dst, 2), _block(want, 6)) and _same(_block(dst, 3), _block(want, 7))

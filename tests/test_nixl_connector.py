@@ -28,7 +28,6 @@ from kvconnect.connectors.handshake import (
     HandshakeMetadata,
     LayoutFingerprint,
     MetadataError,
-    RegionAddress,
     RegionFingerprint,
 )
 from kvconnect.connectors.nixl import (
@@ -392,19 +391,8 @@ def test_memory_type_for_device() -> None:
         memory_type_for_device("xpu:0")
 
 
-def _metadata() -> HandshakeMetadata:
-    fp = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 4096, 4096),
-                                    RegionFingerprint("layer0", "v", 4096, 4096)),
-                           block_size=16, dtype="bfloat16", layout="kv_split_nhd")
-    return HandshakeMetadata(engine_id="p", agent_name="p-1", agent_metadata=b"\x00\x01md",
-                             memory_type="DRAM", fingerprint=fp,
-                             regions=(RegionAddress(1 << 40, 8), RegionAddress(1 << 41, 8)),
-                             registrations=((1 << 40, 32768, 0), (1 << 41, 32768, 0)),
-                             generation=3)
-
-
 def test_metadata_roundtrip_and_validation() -> None:
-    md = _metadata()
+    md = peerlib.sample_metadata()
     assert HandshakeMetadata.from_json(md.to_json()) == md
     doc = json.loads(md.to_json())
 
@@ -437,7 +425,7 @@ def test_metadata_roundtrip_and_validation() -> None:
 
 
 def test_fingerprint_differences_are_readable() -> None:
-    a = _metadata().fingerprint
+    a = peerlib.sample_metadata().fingerprint
     b = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 8192, 8192),
                                    RegionFingerprint("layer1", "v", 4096, 4096)),
                           block_size=32, dtype="float16", layout="kv_split_hnd",
