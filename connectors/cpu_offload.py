@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from kvconnect.checks import checked_int
 from kvconnect.views import CommittedRegion
 
 from .block_copy import BlockCopyPlan, BlockRegion, as_block_ids, block_runs
@@ -131,10 +132,8 @@ class CPUOffloadConnector:
         path: str = "auto",
     ) -> None:
         self._slots = LruSlots(num_cpu_blocks)
-        if max_staging_bytes <= 0:
-            raise ValueError(f"max_staging_bytes must be positive, got {max_staging_bytes}")
-        if max_copy_runs < 1:
-            raise ValueError(f"max_copy_runs must be >= 1, got {max_copy_runs}")
+        checked_int("max_staging_bytes", max_staging_bytes)
+        checked_int("max_copy_runs", max_copy_runs)
         if path not in OFFLOAD_PATHS:
             raise ValueError(f"path must be one of {OFFLOAD_PATHS}, got {path!r}")
         self._src: CacheSource | TensorsSource = block_source(cache)

@@ -40,17 +40,16 @@ from typing import Any
 
 import torch
 
-from kvconnect.ipc import (
+from kvconnect.framing import (
     IpcError,
-    PeerMapping,
-    export_message,
-    import_message,
     peer_credentials,
     recv_json,
     recv_message,
     send_error,
     send_message,
 )
+from kvconnect.ipc import PeerMapping, export_message, import_message
+from kvconnect.polling import poll_until
 from kvconnect.views import block_span, page_holders
 
 from .block_copy import BlockCopyPlan, BlockRegion
@@ -425,15 +424,16 @@ def _wait(devices: set[torch.device], timeout: float) -> None:
             ev.record(torch.cuda.current_stream(d))
             events.append(ev)
     start = time.monotonic()
-    pause = 1e-4
-    for ev in events:
-        while not ev.query():
-            waited = time.monotonic() - start
-            if waited > timeout:
-                raise TimeoutError(f"copy not done after {timeout:.3g} s")
-            if waited > 0.1:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-2)
+
+    def done() -> bool:
+        return all(ev.query() for ev in events)
+
+    while not done():
+        if time.monotonic() - start > 0.1:
+            poll_until(done, max(0.0, timeout - (time.monotonic() - start)), max_pause=1e-2,
+                       on_timeout=lambda _s: TimeoutError(
+                           f"copy not done after {timeout:.3g} s"))
+            return
 
 
 def _receiver(ctx: TransportContext) -> IpcTransport:

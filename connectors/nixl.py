@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect.polling import poll_until
+
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .handshake import (
     HandshakeMetadata,
@@ -81,6 +83,12 @@ __all__ = [
 #: default deadline of one transfer, in seconds
 DEFAULT_TIMEOUT_S = 30.0
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
+
+
+def _settled(state: str) -> str | None:
+    """A NIXL transfer state once it is final (``"DONE"``, ``"ERR"``, ...), None while
+    ``"PROC"``."""
+    return None if state == "PROC" else state
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -520,14 +528,12 @@ class NixlConnectorWorker:
             backend = self._query_backend(handle)
             t0 = time.perf_counter()
             state = self._agent.transfer(handle)
-            pause = 2e-5
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise KVTransferError(peer, block_list,
-                                          f"timed out after {timeout:.3g} s (state PROC)")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-                state = self._agent.check_xfer_state(handle)
+            if state == "PROC":
+                state = poll_until(
+                    lambda: _settled(self._agent.check_xfer_state(handle)),
+                    max(0.0, deadline - time.monotonic()), first_pause=2e-5, max_pause=1e-3,
+                    on_timeout=lambda _s: KVTransferError(
+                        peer, block_list, f"timed out after {timeout:.3g} s (state PROC)"))
             seconds = time.perf_counter() - t0
             if state != "DONE":
                 raise KVTransferError(peer, block_list, f"NIXL transfer state {state!r}")
@@ -597,19 +603,19 @@ class NixlConnectorWorker:
         """
         self._check_open()
         timeout = self.default_timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + timeout
-        pause = 1e-4
-        while True:
+        who = f" from {from_agent!r}" if from_agent else ""
+
+        def next_one() -> tuple[str, bytes] | None:
             self._poll_notifs()
             for agent, msgs in self._notifs.items():
                 if msgs and (from_agent is None or agent == from_agent):
                     return agent, msgs.pop(0)
-            if time.monotonic() > deadline:
-                who = f" from {from_agent!r}" if from_agent else ""
-                raise TimeoutError(f"{self.engine_id}: no NIXL notification{who} within "
-                                   f"{timeout:.3g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            return None
+
+        return poll_until(next_one, max(0.0, timeout), first_pause=1e-4, max_pause=1e-3,
+                          on_timeout=lambda _s: TimeoutError(
+                              f"{self.engine_id}: no NIXL notification{who} within "
+                              f"{timeout:.3g} s"))
 
     # -- shutdown ------------------------------------------------------------
     def _release_local_prep(self) -> None:

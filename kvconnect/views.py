@@ -30,6 +30,7 @@ from typing import TypeVar
 import torch
 
 from ._pointer_view import bytes_tensor
+from .checks import checked_int
 from .layout import KVCacheConfig, LayerPlan, LayoutError, LayoutPlan, plan_layout
 from .layout.build import typed_view
 from .layout.foreign import config_from_vllm, is_vllm_like_config
@@ -327,8 +328,7 @@ def _match_buffer(plan: LayoutPlan, index: int, layers: dict[str, _LayerMatch]) 
 
 def _match_all(kv_caches: KVCaches, num_blocks: int, plan: LayoutPlan
                ) -> tuple[dict[str, _LayerMatch], dict[int, _BufferMatch]]:
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    checked_int("num_blocks", num_blocks)
     missing = [n for n in plan.layers if n not in kv_caches]
     extra = [n for n in kv_caches if n not in plan.layers]
     if missing or extra:

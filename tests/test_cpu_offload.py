@@ -181,7 +181,7 @@ def test_lru_slots_reserve_commit_abandon() -> None:
         slots.reserve(list("vwxyz"))
     with pytest.raises(ValueError, match="positive"):
         LruSlots(0)
-    with pytest.raises(TypeError, match="int"):
+    with pytest.raises(ValueError, match="must be an int"):
         LruSlots(True)
 
 
