@@ -320,6 +320,14 @@ def test_register_before_final_commit_raises(nixl_worker: Any) -> None:
 
 
 @needs_nixl
+def test_a_missing_backend_plugin_is_refused(nixl_worker: Any) -> None:
+    worker = nixl_worker("no-plugin", backends=("NO_SUCH_BACKEND",), progress_thread=False)
+    with pytest.raises(KVConnectorError, match="NO_SUCH_BACKEND"):
+        worker.start()
+    assert not worker.is_started
+
+
+@needs_nixl
 def test_register_regions_of_a_plain_allocation(nixl_worker: Any) -> None:
     """Memory that is no ExtensibleKVCache (an ordinary allocation, the benchmarks' NIXL
     control) registers exactly its committed regions, one extent per allocation."""
