@@ -23,7 +23,7 @@ from .cpu_offload import (
 )
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .handshake import HandshakeMetadata, LayoutFingerprint, MetadataError
-from .ipc_transport import IpcExportServer, IpcTransport
+from .ipc_transport import IpcExportServer, IpcTransport  # registers "ipc" (transport.py)
 from .nixl import (
     NixlConnectorWorker,
     NixlUnavailableError,
@@ -36,7 +36,7 @@ from .nixl import (
     registration_extents,
     transfer_regions,
 )
-from .nixl_transport import NixlTransport
+from .nixl_transport import NixlTransport  # registers "nixl"
 from .slot_allocator import LruSlots
 from .transport import (
     Exporter,

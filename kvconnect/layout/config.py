@@ -25,13 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..checks import checked_int
+from .geometry import LayoutPlan
+from .plan import plan_layout
 from .specs import KVCacheSpec, LayoutError, dict_list, dict_str, layout_int
-
-if TYPE_CHECKING:
-    from .plan import LayoutPlan
 
 __all__ = ["KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor"]
 
@@ -145,8 +144,6 @@ class KVCacheConfig:
 
     def plan(self) -> LayoutPlan:
         """:func:`kvconnect.layout.plan_layout` of this config."""
-        from .plan import plan_layout
-
         return plan_layout(self)
 
     @property

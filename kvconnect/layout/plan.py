@@ -15,11 +15,14 @@ Units: bytes unless a name says blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .config import KVCacheConfig, KVCacheTensor
 from .formats import LayerSlot, PageFormat, page_format
 from .geometry import LayerPlan, LayoutPlan, TensorPlan
 from .specs import AttentionSpec, KVCacheSpec, LayoutError, MambaSpec, layout_int
+
+if TYPE_CHECKING:  # the config calls the planner (KVCacheConfig.plan); types only here
+    from .config import KVCacheConfig, KVCacheTensor
 
 __all__ = ["ConfigFacts", "plan_layout", "validate_config"]
 
