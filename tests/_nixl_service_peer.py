@@ -31,6 +31,18 @@ def resource_snapshot() -> dict[str, int]:
     return {"fds": len(os.listdir("/proc/self/fd")), "maps": maps, "rss_kib": rss}
 
 
+def fd_targets() -> list[str]:
+    """What each open fd of this process points at (``/proc/self/fd`` links), sorted: says
+    which fd a soak gained when its count moved."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own fd)
+            pass
+    return sorted(out)
+
+
 def main() -> int:
     import _nixl_peer as peerlib
     from _json_peer import reply, serve

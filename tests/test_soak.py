@@ -21,6 +21,7 @@ With ``KVC_RELIABILITY_RECORD=path`` each soak appends its figures as one JSON l
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 import _nixl_peer as peerlib
@@ -57,9 +58,16 @@ def _report(name: str, start: dict, end: dict, **extra: Any) -> None:
                        rss_slack_kib=RSS_SLACK_KIB, **extra)
 
 
-def _assert_flat(start: dict, end: dict, exact: tuple[str, ...]) -> None:
+def _assert_flat(start: dict, end: dict, exact: tuple[str, ...],
+                 fds: tuple[list[str], list[str]] = ([], [])) -> None:
+    """``exact`` keys equal at both ends, RSS within the bound; ``fds``: the fd targets at the
+    start and the end, named in the message when the fd count moved."""
+    gained = Counter(fds[1]) - Counter(fds[0])
+    lost = Counter(fds[0]) - Counter(fds[1])
     for key in exact:
-        assert end[key] == start[key], f"{key}: {start[key]} at the start, {end[key]} at the end"
+        assert end[key] == start[key], (
+            f"{key}: {start[key]} at the start, {end[key]} at the end"
+            + (f" (fds gained {sorted(gained)}, lost {sorted(lost)})" if key == "fds" else ""))
     grown = end["rss_kib"] - start["rss_kib"]
     assert grown <= RSS_SLACK_KIB, f"resident memory grew by {grown} KiB (bound {RSS_SLACK_KIB})"
 
@@ -108,19 +116,21 @@ def test_sleep_wake_with_reregistration_stays_flat(vmm_device: str, nixl_worker:
             cycle(i)
         start = {**service.resource_snapshot(), **_nixl_state(worker),
                  "device_free_bytes": device_free()}
+        fds_start = service.fd_targets()
         t0 = time.perf_counter()
         for i in range(cycles):
             cycle(i)
         seconds = time.perf_counter() - t0
         end = {**service.resource_snapshot(), **_nixl_state(worker),
                "device_free_bytes": device_free()}
+        fds_end = service.fd_targets()
         where = "host" if vmm_device == "cpu" else vmm_device
         _report(f"sleep/wake + NIXL re-registration ({where})", start, end,
                 cycles=cycles, seconds=round(seconds, 3),
                 per_second=round(cycles / seconds, 1))
         assert end["generation"] == start["generation"] + cycles
         _assert_flat(start, end, ("fds", "maps", "registrations", "agent_metadata_bytes",
-                                  "device_free_bytes"))
+                                  "device_free_bytes"), (fds_start, fds_end))
         # NIXL knows exactly the current extents: all of them while registered, none after
         # deregistration (nothing of the 1,000 earlier registrations lingers).
         agent, extents = worker._agent, worker.registered_extents
