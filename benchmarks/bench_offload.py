@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "results": results,
         }
     finally:
-        cache.free()
+        cache.close(force=True)  # cleanup: never mask the error that got us here
 
 
 def _markdown(report: dict[str, Any]) -> str:

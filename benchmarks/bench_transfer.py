@@ -133,7 +133,7 @@ def serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.close()
         keep.clear()
-        cache.free()
+        cache.close(force=True)  # cleanup: never mask the error that got us here
 
 
 class _Server:
@@ -333,7 +333,7 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
         for w in nixl_workers:
             w.close()
         plain_keep.clear()
-        cache.free()
+        cache.close(force=True)  # cleanup: never mask the error that got us here
         server.close()
     return out
 

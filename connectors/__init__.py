@@ -23,7 +23,7 @@ from .cpu_offload import (
 )
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .handshake import HandshakeMetadata, LayoutFingerprint, MetadataError
-from .ipc_transport import IpcExportServer, IpcTransport
+from .ipc_transport import IpcExportServer, IpcTransport  # registers "ipc" (transport.py)
 from .nixl import (
     NixlConnectorWorker,
     NixlUnavailableError,
@@ -31,13 +31,12 @@ from .nixl import (
     check_descriptors_in_chunks,
     layout_info_from_config,
     memory_type_for_device,
-    nixl_available,
+    nixl_importable,
     region_descriptors,
     registration_extents,
     transfer_regions,
 )
-from .nixl_transport import NixlTransport
-from .offload_layout import merge_shared_pages
+from .nixl_transport import NixlTransport  # registers "nixl"
 from .slot_allocator import LruSlots
 from .transport import (
     Exporter,
@@ -66,7 +65,6 @@ __all__ = [
     "TransportSpec",
     "block_runs",
     "get_transport",
-    "merge_shared_pages",
     "register_transport",
     "transport_names",
     "HandshakeMetadata",
@@ -84,7 +82,7 @@ __all__ = [
     "check_descriptors_in_chunks",
     "layout_info_from_config",
     "memory_type_for_device",
-    "nixl_available",
+    "nixl_importable",
     "offload_row_layout",
     "region_descriptors",
     "registration_extents",

@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.views import block_span
+
 from .copy_ops import WORD_DTYPES, word_size
 
 logger = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ class BlockRegion:
     @property
     def span(self) -> int:
         """Bytes from block 0's first byte to the last block's last byte."""
-        return (self.num_blocks * self.sub_blocks - 1) * self.block_stride + self.block_len
+        return block_span(self.num_blocks * self.sub_blocks, self.block_stride, self.block_len)
 
     def pieces(self) -> list[tuple[int, int]]:
         """``(offset, length)`` of each contiguous piece of block 0 (adjacent pieces joined)."""

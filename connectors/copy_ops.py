@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvconnect.views import block_span
+
 __all__ = [
     "WORD_DTYPES",
     "block_row_view",
@@ -73,7 +75,7 @@ def block_row_view(
         )
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    span = (num_blocks * sub_blocks - 1) * block_stride + block_len
+    span = block_span(num_blocks * sub_blocks, block_stride, block_len)
     if offset + span > flat.numel():
         raise ValueError(
             f"{num_blocks} blocks x {sub_blocks} of {block_len} bytes at stride {block_stride} "

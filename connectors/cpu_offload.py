@@ -44,20 +44,23 @@ back at the same addresses, so the plans stay valid. While the cache is asleep, 
 :meth:`CPUOffloadConnector.wait` before ``release_physical()``. The layout (layers, parts,
 block lengths) is fixed for a connector's life: ``rebind`` raises if it changes.
 
-``close()`` (alias ``free()``) waits, then drops the pool: a pinned pool returns to torch's
-pinned-memory cache, which belongs to the process; the connector never empties it.
+``close()`` waits, then drops the pool (``free()`` is its deprecated alias): a pinned pool
+returns to torch's pinned-memory cache, which belongs to the process; the connector never
+empties it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvconnect.checks import checked_int
 from kvconnect.views import CommittedRegion
 
 from .block_copy import BlockCopyPlan, BlockRegion, as_block_ids, block_runs
@@ -129,10 +132,8 @@ class CPUOffloadConnector:
         path: str = "auto",
     ) -> None:
         self._slots = LruSlots(num_cpu_blocks)
-        if max_staging_bytes <= 0:
-            raise ValueError(f"max_staging_bytes must be positive, got {max_staging_bytes}")
-        if max_copy_runs < 1:
-            raise ValueError(f"max_copy_runs must be >= 1, got {max_copy_runs}")
+        checked_int("max_staging_bytes", max_staging_bytes)
+        checked_int("max_copy_runs", max_copy_runs)
         if path not in OFFLOAD_PATHS:
             raise ValueError(f"path must be one of {OFFLOAD_PATHS}, got {path!r}")
         self._src: CacheSource | TensorsSource = block_source(cache)
@@ -313,7 +314,7 @@ class CPUOffloadConnector:
         out = []
         n = self._num_blocks
         for sl, r in zip(self._slices, regions, strict=True):
-            span = (n * sl.sub_blocks - 1) * r.block_stride + r.block_len
+            span = r.span  # n * sl.sub_blocks == r.num_blocks (offload_row_layout)
             try:
                 flat = self._src.flat_view(r, span)
             except ValueError as exc:
@@ -551,7 +552,7 @@ class CPUOffloadConnector:
     # -- lifetime --------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._freed:
-            raise KVConnectorError("CPUOffloadConnector used after free()")
+            raise KVConnectorError("CPUOffloadConnector used after close()")
 
     def close(self) -> None:
         """Wait for outstanding copies, then drop the pool, the staging buffers and the
@@ -571,7 +572,11 @@ class CPUOffloadConnector:
             self._copy_stream = None
             self._stream = None
 
-    free = close
+    def free(self) -> None:
+        """Deprecated alias of :meth:`close`."""
+        warnings.warn("CPUOffloadConnector.free() is deprecated: use close()",
+                      DeprecationWarning, stacklevel=2)
+        self.close()
 
     def __enter__(self) -> CPUOffloadConnector:
         return self

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvconnect.bounded_json import BoundedJSONError
 from kvconnect.bounded_json import loads as bounded_loads
+from kvconnect.checks import checked_int
 
 from .errors import KVConnectorError
 
@@ -76,11 +77,10 @@ def _req(doc: dict, key: str, where: str) -> Any:
 
 
 def _int(value: Any, what: str, lo: int = 0, hi: int = _U64) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MetadataError(f"{what} must be an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise MetadataError(f"{what} = {value} is outside [{lo}, {hi}]")
-    return value
+    try:
+        return checked_int(what, value, minimum=lo, maximum=hi)
+    except ValueError as exc:
+        raise MetadataError(str(exc)) from None
 
 
 def _opt_int(value: Any, what: str) -> int | None:

@@ -3,8 +3,8 @@
 Serving side: an :class:`IpcExportServer` answers on a Unix socket in a private 0700
 directory. A connecting process is checked with SO_PEERCRED (our uid, and a pid the owner
 allows) and receives the KV tensors' chunk fds (``ExtensibleTensor.export_handles()``) with a
-JSON description: tensor geometry, chunk records, the committed regions (merged where layers
-share pages, :func:`~.offload_layout.merge_shared_pages`), the logical block count, the
+JSON description: tensor geometry, chunk records, the committed regions (one per set of layers
+sharing pages, :func:`kvconnect.views.page_holders`), the logical block count, the
 device's UUID and a *generation* that grows on every :meth:`~IpcExportServer.resume` (after
 the cache slept and woke: new physical memory at the same addresses).
 
@@ -40,21 +40,20 @@ from typing import Any
 
 import torch
 
-from kvconnect.ipc import (
+from kvconnect.framing import (
     IpcError,
-    PeerMapping,
-    export_message,
-    import_message,
     peer_credentials,
     recv_json,
     recv_message,
     send_error,
     send_message,
 )
+from kvconnect.ipc import PeerMapping, export_message, import_message
+from kvconnect.polling import poll_until
+from kvconnect.views import block_span, page_holders
 
 from .block_copy import BlockCopyPlan, BlockRegion
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from .offload_layout import merge_shared_pages
 from .transport import FetchResult, TransportContext, TransportSpec, register_transport
 
 log = logging.getLogger(__name__)
@@ -86,11 +85,11 @@ def _local_ordinal(uuid: str) -> int | None:
 
 
 def _region_records(cache: Any) -> list[dict[str, Any]]:
-    """The cache's committed regions (shared pages merged) as JSON records; ``offset`` is
+    """The cache's committed regions (one per set sharing pages) as JSON records; ``offset`` is
     bytes from the start of KV tensor ``tensor_index``'s reservation."""
     tensors = cache.tensors
     out = []
-    for r, members in merge_shared_pages(cache.committed_regions()):
+    for r, members in page_holders(cache.committed_regions()):
         out.append({"members": list(members), "tensor_index": int(r.tensor_index),
                     "offset": int(r.base_ptr - tensors[r.tensor_index].base_ptr),
                     "block_len": int(r.block_len), "block_stride": int(r.block_stride),
@@ -317,7 +316,7 @@ class IpcTransport:
         if remote_n <= 0:
             raise IpcError(f"{peer} reported {remote_n} committed blocks")
         remote = {tuple(r["members"]): r for r in reply.get("regions", [])}
-        local = {tuple(m): r for r, m in merge_shared_pages(cache.committed_regions())}
+        local = {tuple(m): r for r, m in page_holders(cache.committed_regions())}
         diffs = [f"regions only here: {sorted(set(local) - set(remote))[:4]}"] \
             if set(local) - set(remote) else []
         if set(remote) - set(local):
@@ -333,7 +332,8 @@ class IpcTransport:
                 diffs.append(f"{'+'.join(members)}: {int(rr['block_len']) * r_sub} bytes per "
                              f"block on {peer} != {lr.block_len * l_sub} here")
                 continue
-            r_span = (int(rr["num_blocks"]) - 1) * int(rr["block_stride"]) + int(rr["block_len"])
+            r_span = block_span(int(rr["num_blocks"]), int(rr["block_stride"]),
+                                int(rr["block_len"]))
             ti = int(rr["tensor_index"])
             if not 0 <= ti < len(mappings):
                 raise IpcError(f"{peer}: region {members} names tensor {ti} of {len(mappings)}")
@@ -424,15 +424,16 @@ def _wait(devices: set[torch.device], timeout: float) -> None:
             ev.record(torch.cuda.current_stream(d))
             events.append(ev)
     start = time.monotonic()
-    pause = 1e-4
-    for ev in events:
-        while not ev.query():
-            waited = time.monotonic() - start
-            if waited > timeout:
-                raise TimeoutError(f"copy not done after {timeout:.3g} s")
-            if waited > 0.1:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-2)
+
+    def done() -> bool:
+        return all(ev.query() for ev in events)
+
+    while not done():
+        if time.monotonic() - start > 0.1:
+            poll_until(done, max(0.0, timeout - (time.monotonic() - start)), max_pause=1e-2,
+                       on_timeout=lambda _s: TimeoutError(
+                           f"copy not done after {timeout:.3g} s"))
+            return
 
 
 def _receiver(ctx: TransportContext) -> IpcTransport:

@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect.polling import poll_until
+
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .handshake import (
     HandshakeMetadata,
@@ -49,7 +51,13 @@ from .handshake import (
     RegionAddress,
     layout_fingerprint,
 )
-from .nixl_agent import NixlUnavailableError, drain_agent, import_nixl, nixl_available
+from .nixl_agent import (
+    NixlUnavailableError,
+    NotificationInbox,
+    create_agent,
+    drain_agent,
+    nixl_importable,
+)
 from .nixl_descriptors import (
     as_block_ids,
     check_descriptors_in_chunks,
@@ -59,7 +67,21 @@ from .nixl_descriptors import (
     registration_extents,
     transfer_regions,
 )
-from .nixl_peers import MAX_PEER_DESCRIPTORS, LoadedPeer, drop_peer, load_peer, peer_descriptors
+from .nixl_peers import (
+    MAX_PEER_DESCRIPTORS,
+    LoadedPeer,
+    drop_peer,
+    load_peer,
+    peer_descriptors,
+    read_indices,
+)
+from .nixl_registration import (
+    GivenRegions,
+    RegistrationPlan,
+    plan_registration,
+    register_plan,
+    source_regions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +94,7 @@ __all__ = [
     "check_descriptors_in_chunks",
     "layout_info_from_config",
     "memory_type_for_device",
-    "nixl_available",
+    "nixl_importable",
     "region_descriptors",
     "registration_extents",
     "transfer_regions",
@@ -80,7 +102,12 @@ __all__ = [
 
 #: default deadline of one transfer, in seconds
 DEFAULT_TIMEOUT_S = 30.0
-_LOCAL_AGENT = "NIXL_INIT_AGENT"
+
+
+def _settled(state: str) -> str | None:
+    """A NIXL transfer state once it is final (``"DONE"``, ``"ERR"``, ...), None while
+    ``"PROC"``."""
+    return None if state == "PROC" else state
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -108,14 +135,6 @@ class TransferResult:
     def gbps(self) -> float:
         """Throughput in GB/s (10^9 bytes per second)."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
-@dataclass(frozen=True)
-class _GivenRegions:
-    """Regions and the physical chunks holding them, given by hand (no cache object)."""
-
-    regions: list[Any]
-    chunks: list[Any]
 
 
 class NixlConnectorWorker:
@@ -150,14 +169,12 @@ class NixlConnectorWorker:
         self._closed = False
         self._layout_info: dict[str, Any] = {}
         self._source: Any = None
-        self._regions: list[Any] = []
-        #: the regions transfers move (aliases collapsed, see transfer_regions), local order
-        self._xfer_regions: list[Any] = []
+        #: the last registration's regions, extents and transfer regions (kept while the
+        #: memory sleeps, so peers can still be loaded; dropped at close)
+        self._plan: RegistrationPlan | None = None
         self._reg_dlists: list[Any] = []
         self._extents: list[tuple[int, int, int]] = []
-        self._memory_type = ""
         self._local_prep: Any = None
-        self._local_offsets = np.zeros(0, dtype=np.int64)
         self._fingerprint: LayoutFingerprint | None = None
         self._metadata: HandshakeMetadata | None = None
         self._generation = 0
@@ -165,7 +182,7 @@ class NixlConnectorWorker:
         self.incarnation = uuid.uuid4().hex
         self._peers: dict[str, LoadedPeer] = {}
         self._stuck_xfers: list[Any] = []
-        self._notifs: dict[str, list[bytes]] = {}
+        self._inbox = NotificationInbox()
 
     # -- properties ----------------------------------------------------------
     @property
@@ -186,12 +203,12 @@ class NixlConnectorWorker:
     @property
     def regions(self) -> list[Any]:
         """The committed regions currently registered (local region order)."""
-        return list(self._regions)
+        return list(self._plan.regions) if self._plan is not None else []
 
     @property
     def memory_type(self) -> str:
         """``"DRAM"`` or ``"VRAM"`` once registered, ``""`` before."""
-        return self._memory_type
+        return self._plan.memory_type if self._plan is not None else ""
 
     @property
     def generation(self) -> int:
@@ -247,7 +264,7 @@ class NixlConnectorWorker:
         info = layout_info_from_config(config)
         info.update({k: v for k, v in layout_info.items() if v is not None})
         self._layout_info = info
-        self._source = _GivenRegions(list(regions), list(chunks))
+        self._source = GivenRegions(list(regions), list(chunks))
         return self._register()
 
     def reregister(self) -> HandshakeMetadata:
@@ -280,59 +297,12 @@ class NixlConnectorWorker:
             raise KVConnectorError(f"{self.engine_id}: deregistration failed: {errors[0]}")
 
     def _register(self) -> HandshakeMetadata:
-        src = self._source
-        if isinstance(src, _GivenRegions):
-            regions, chunks = list(src.regions), list(src.chunks)
-        else:
-            if not getattr(src, "is_final", False):
-                raise KVConnectorError(f"{self.engine_id}: the KV cache is no longer final")
-            if getattr(src, "is_released", False) or any(
-                    getattr(t, "is_released", False) for t in getattr(src, "tensors", ())):
-                raise KVConnectorError(
-                    f"{self.engine_id}: the KV cache's physical memory is released (asleep); "
-                    "call cache.recommit() before registering")
-            regions = list(src.committed_regions())
-            chunks = [c for t in src.tensors for c in t.physical_chunks()]
-        if not regions:
-            raise KVConnectorError(f"{self.engine_id}: no committed regions to register")
-        keys = [f"{r.layer_name}/{r.part}" for r in regions]
-        if len(set(keys)) != len(keys):
-            dup = sorted({k for k in keys if keys.count(k) > 1})
-            raise KVConnectorError(f"{self.engine_id}: duplicate regions {dup[:4]}")
-        kinds = {memory_type_for_device(r.device) for r in regions}
-        if len(kinds) != 1:
-            raise KVConnectorError(f"{self.engine_id}: regions span several devices: {sorted(kinds)}")
-        mem_type, _dev = kinds.pop()
-        if any(int(r.num_blocks) <= 0 for r in regions):
-            raise KVConnectorError(f"{self.engine_id}: a region has no committed blocks")
-        # Every block descriptor must lie inside one chunk (checked here, before registering).
-        extents = registration_extents(regions, chunks)
-        xfer_regions = transfer_regions(regions)
-        local_descs = region_descriptors(xfer_regions)
+        regions, chunks = source_regions(self._source, self.engine_id)
+        plan = plan_registration(regions, chunks, self.engine_id)
         self._ensure_agent()
-        reg_dlists = []
-        try:
-            for addr, length, dev in extents:
-                reg_dlists.append(
-                    self._agent.register_memory([(addr, length, dev, "")], mem_type))
-            prep = self._agent.prep_xfer_dlist(_LOCAL_AGENT, local_descs, mem_type)
-        except Exception as exc:
-            for dl in reversed(reg_dlists):
-                try:
-                    self._agent.deregister_memory(dl)
-                except Exception:  # noqa: BLE001
-                    logger.warning("%s: deregistration after a failed registration failed",
-                                   self.engine_id, exc_info=True)
-            raise KVConnectorError(f"{self.engine_id}: NIXL registration failed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-        self._reg_dlists = reg_dlists
-        self._extents = extents
-        self._regions = regions
-        self._xfer_regions = xfer_regions
-        self._memory_type = mem_type
-        self._local_prep = prep
-        counts = np.array([int(r.num_blocks) for r in xfer_regions], dtype=np.int64)
-        self._local_offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self._reg_dlists, self._local_prep = register_plan(self._agent, plan, self.engine_id)
+        self._extents = plan.extents
+        self._plan = plan
         fingerprint = layout_fingerprint(regions, **self._layout_info)
         if self._fingerprint is not None and fingerprint != self._fingerprint and self._peers:
             logger.warning("%s: the layout changed on re-registration; dropping peers %s "
@@ -346,11 +316,11 @@ class NixlConnectorWorker:
             engine_id=self.engine_id,
             agent_name=self.agent_name,
             agent_metadata=bytes(self._agent.get_agent_metadata()),
-            memory_type=mem_type,
+            memory_type=plan.memory_type,
             fingerprint=self._fingerprint,
             regions=tuple(RegionAddress(int(r.base_ptr), int(r.num_blocks),
                                         memory_type_for_device(r.device)[1]) for r in regions),
-            registrations=tuple(extents),
+            registrations=tuple(plan.extents),
             generation=self._generation,
             incarnation=self.incarnation,
         )
@@ -369,23 +339,12 @@ class NixlConnectorWorker:
 
     def _ensure_agent(self) -> None:
         if self._agent is None:
-            nixl_agent, nixl_agent_config = import_nixl()
-            try:
-                agent = nixl_agent(self.agent_name,
-                                   nixl_agent_config(backends=list(self.backends),
-                                                     enable_prog_thread=self.progress_thread))
-            except Exception as exc:
-                raise KVConnectorError(f"{self.engine_id}: creating NIXL agent "
-                                       f"{self.agent_name!r} failed: {exc}") from exc
+            agent = create_agent(self.agent_name, self.backends, self.progress_thread,
+                                 self.engine_id)
             self._agent = agent
             # The finalizer owns the teardown order: drain UCX, then drop the last reference.
             self._retire_agent = weakref.finalize(self, drain_agent, agent, self.engine_id)
             del agent
-            missing = [b for b in self.backends if b not in self._agent.backends]
-            if missing:
-                self._drop_agent()
-                raise KVConnectorError(f"{self.engine_id}: NIXL backends {missing} are not "
-                                       "available (plugin missing)")
 
     def _check_unregistered(self) -> None:
         if self.is_registered:
@@ -459,7 +418,8 @@ class NixlConnectorWorker:
             drop_peer(self._agent, self.engine_id, entry)
 
     def _load_peer(self, md: HandshakeMetadata, replace: LoadedPeer | None = None) -> None:
-        remote_descs, offsets, counts = peer_descriptors(md, self._xfer_regions)
+        local = self._plan.xfer_regions if self._plan is not None else []
+        remote_descs, offsets, counts = peer_descriptors(md, local)
         if replace is not None:
             self._peers.pop(replace.metadata.engine_id, None)
             drop_peer(self._agent, self.engine_id, replace)
@@ -483,7 +443,8 @@ class NixlConnectorWorker:
         if entry is None:
             raise KVConnectorError(f"{self.engine_id}: unknown peer {peer!r}; loaded: "
                                    f"{sorted(self._peers)}")
-        if self._local_prep is None:
+        plan = self._plan
+        if self._local_prep is None or plan is None:
             raise KVConnectorError(f"{self.engine_id}: not registered")
         remote = as_block_ids(remote_block_ids, "remote_block_ids")
         local = as_block_ids(local_block_ids, "local_block_ids")
@@ -491,17 +452,8 @@ class NixlConnectorWorker:
             raise ValueError(f"{remote.size} remote block ids but {local.size} local ones")
         if remote.size == 0:
             raise ValueError("read_blocks needs at least one block")
-        local_counts = np.array([int(r.num_blocks) for r in self._xfer_regions], dtype=np.int64)
-        if local.min() < 0 or local.max() >= local_counts.min():
-            raise IndexError(f"local block ids must lie in [0, {int(local_counts.min())}), got "
-                             f"{int(local.min())}..{int(local.max())}")
-        if remote.min() < 0 or remote.max() >= entry.num_blocks.min():
-            raise IndexError(f"remote block ids of {peer!r} must lie in "
-                             f"[0, {int(entry.num_blocks.min())}), got "
-                             f"{int(remote.min())}..{int(remote.max())}")
-        local_idx = (self._local_offsets[:, None] + local[None, :]).reshape(-1)
-        remote_idx = (entry.offsets[:, None] + remote[None, :]).reshape(-1)
-        nbytes = int(sum(int(r.block_len) for r in self._xfer_regions)) * int(local.size)
+        local_idx, remote_idx = read_indices(plan, entry, local, remote)
+        nbytes = int(sum(int(r.block_len) for r in plan.xfer_regions)) * int(local.size)
         if notif is None:
             notif = json.dumps({"kvconnect": "read", "engine_id": self.engine_id[:200],
                                 "num_blocks": int(local.size)}).encode()
@@ -517,14 +469,12 @@ class NixlConnectorWorker:
             backend = self._query_backend(handle)
             t0 = time.perf_counter()
             state = self._agent.transfer(handle)
-            pause = 2e-5
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise KVTransferError(peer, block_list,
-                                          f"timed out after {timeout:.3g} s (state PROC)")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-                state = self._agent.check_xfer_state(handle)
+            if state == "PROC":
+                state = poll_until(
+                    lambda: _settled(self._agent.check_xfer_state(handle)),
+                    max(0.0, deadline - time.monotonic()), first_pause=2e-5, max_pause=1e-3,
+                    on_timeout=lambda _s: KVTransferError(
+                        peer, block_list, f"timed out after {timeout:.3g} s (state PROC)"))
             seconds = time.perf_counter() - t0
             if state != "DONE":
                 raise KVTransferError(peer, block_list, f"NIXL transfer state {state!r}")
@@ -535,7 +485,7 @@ class NixlConnectorWorker:
             raise KVTransferError(peer, block_list, exc) from exc
         finally:
             if failed:  # operations of the failed request may still be queued in UCX
-                drain_agent(self._agent, self.engine_id, self._keep_notifs)
+                drain_agent(self._agent, self.engine_id, self._inbox.keep)
             if handle is not None:
                 self._release_xfer(handle)
         return TransferResult(peer=peer, num_blocks=int(local.size), bytes=nbytes,
@@ -563,8 +513,7 @@ class NixlConnectorWorker:
         """Notifications received since the last call, by remote agent name."""
         self._check_open()
         self._poll_notifs()
-        out, self._notifs = self._notifs, {}
-        return out
+        return self._inbox.take_all()
 
     def progress(self) -> int:
         """Drive NIXL/UCX progress once (serves peers' reads when ``progress_thread=False``)
@@ -575,16 +524,7 @@ class NixlConnectorWorker:
     def _poll_notifs(self) -> int:
         if self._agent is None:
             return 0
-        return self._keep_notifs(self._agent.get_new_notifs() or {})
-
-    def _keep_notifs(self, new: dict[Any, list[Any]]) -> int:
-        """Buffer notifications as NIXL returns them (by agent name); returns how many."""
-        count = 0
-        for agent, msgs in new.items():
-            key = agent.decode() if isinstance(agent, bytes) else str(agent)
-            self._notifs.setdefault(key, []).extend(bytes(m) for m in msgs)
-            count += len(msgs)
-        return count
+        return self._inbox.keep(self._agent.get_new_notifs() or {})
 
     def wait_for_notification(self, timeout: float | None = None,
                               from_agent: str | None = None) -> tuple[str, bytes]:
@@ -594,19 +534,16 @@ class NixlConnectorWorker:
         """
         self._check_open()
         timeout = self.default_timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + timeout
-        pause = 1e-4
-        while True:
+        who = f" from {from_agent!r}" if from_agent else ""
+
+        def next_one() -> tuple[str, bytes] | None:
             self._poll_notifs()
-            for agent, msgs in self._notifs.items():
-                if msgs and (from_agent is None or agent == from_agent):
-                    return agent, msgs.pop(0)
-            if time.monotonic() > deadline:
-                who = f" from {from_agent!r}" if from_agent else ""
-                raise TimeoutError(f"{self.engine_id}: no NIXL notification{who} within "
-                                   f"{timeout:.3g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            return self._inbox.take_one(from_agent)
+
+        return poll_until(next_one, max(0.0, timeout), first_pause=1e-4, max_pause=1e-3,
+                          on_timeout=lambda _s: TimeoutError(
+                              f"{self.engine_id}: no NIXL notification{who} within "
+                              f"{timeout:.3g} s"))
 
     # -- shutdown ------------------------------------------------------------
     def _release_local_prep(self) -> None:
@@ -651,8 +588,7 @@ class NixlConnectorWorker:
             self.deregister()
         finally:
             self._source = None
-            self._regions = []
-            self._xfer_regions = []
+            self._plan = None
             self._drop_agent()
 
     def _check_open(self) -> None:

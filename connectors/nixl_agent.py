@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import KVConnectorError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NixlUnavailableError", "drain_agent", "import_nixl", "nixl_available"]
+__all__ = ["NixlUnavailableError", "NotificationInbox", "create_agent", "drain_agent",
+           "import_nixl", "nixl_importable"]
 
 
 class NixlUnavailableError(KVConnectorError, ImportError):
@@ -38,13 +39,68 @@ def import_nixl() -> tuple[Any, Any]:
         "(nixl-cu13==1.5.1). Tried " + "; ".join(errors))
 
 
-def nixl_available() -> bool:
-    """True when the NIXL Python bindings can be imported."""
+def nixl_importable() -> bool:
+    """True when the NIXL Python bindings import (this imports them; the harness's
+    environment report only looks for the modules)."""
     try:
         import_nixl()
     except NixlUnavailableError:
         return False
     return True
+
+
+def create_agent(agent_name: str, backends: Sequence[str], progress_thread: bool,
+                 who: str) -> Any:
+    """A NIXL agent named ``agent_name`` with ``backends`` (its own progress thread or not).
+
+    Raises :class:`NixlUnavailableError` without NIXL and :class:`KVConnectorError` (prefixed
+    with ``who``) when NIXL fails to create it or a backend's plugin is missing (the agent is
+    drained and dropped first). Retire the agent with :func:`drain_agent` before its last
+    reference goes.
+    """
+    nixl_agent, nixl_agent_config = import_nixl()
+    try:
+        agent = nixl_agent(agent_name, nixl_agent_config(backends=list(backends),
+                                                         enable_prog_thread=progress_thread))
+    except Exception as exc:
+        raise KVConnectorError(f"{who}: creating NIXL agent {agent_name!r} failed: "
+                               f"{exc}") from exc
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:
+        drain_agent(agent, who)
+        del agent  # destroyed here, not kept alive by the traceback
+        raise KVConnectorError(f"{who}: NIXL backends {missing} are not available (plugin "
+                               "missing)")
+    return agent
+
+
+class NotificationInbox:
+    """Notifications an agent received and nobody took yet, by remote agent name."""
+
+    def __init__(self) -> None:
+        self._by_agent: dict[str, list[bytes]] = {}
+
+    def keep(self, new: dict[Any, list[Any]]) -> int:
+        """Add notifications as NIXL returns them (``get_new_notifs``); returns how many."""
+        count = 0
+        for agent, msgs in new.items():
+            key = agent.decode() if isinstance(agent, bytes) else str(agent)
+            self._by_agent.setdefault(key, []).extend(bytes(m) for m in msgs)
+            count += len(msgs)
+        return count
+
+    def take_all(self) -> dict[str, list[bytes]]:
+        """Every notification held, by agent name (the inbox is then empty)."""
+        out, self._by_agent = self._by_agent, {}
+        return out
+
+    def take_one(self, from_agent: str | None = None) -> tuple[str, bytes] | None:
+        """The oldest notification (from ``from_agent`` if given) as ``(agent, message)``,
+        or None."""
+        for agent, msgs in self._by_agent.items():
+            if msgs and (from_agent is None or agent == from_agent):
+                return agent, msgs.pop(0)
+        return None
 
 
 #: progress passes that :func:`drain_agent` makes (each runs UCX progress until it is idle)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect.views import page_holders
 from kvconnect.vmm import parse_device
 
 from .errors import KVConnectorError
@@ -89,21 +90,12 @@ def region_descriptors(regions: Sequence[Any], block_ids: Iterable[int] | None =
 
 
 def transfer_regions(regions: Sequence[Any]) -> list[Any]:
-    """The regions whose blocks a transfer must move: regions that alias the same pages
-    (same ``base_ptr``, ``block_stride`` and device, as the layers sharing one KV tensor in a
-    hybrid model do) collapse into the first one with the largest ``block_len``, whose blocks
-    contain the others'. Order follows the first appearance of each page set.
-    """
-    best: dict[tuple[int, int, str], Any] = {}
-    order: list[tuple[int, int, str]] = []
-    for r in regions:
-        key = (int(r.base_ptr), int(r.block_stride), str(r.device))
-        if key not in best:
-            best[key] = r
-            order.append(key)
-        elif int(r.block_len) > int(best[key].block_len):
-            best[key] = r
-    return [best[k] for k in order]
+    """The regions whose blocks a transfer moves: the regions that hold their own pages
+    (:func:`kvconnect.views.page_holders`; a region whose blocks lie inside another's, as a
+    Mamba layer's inside the attention page of the same KV tensor in a hybrid model, is moved
+    with it), in order of first appearance. Raises ``ValueError`` as
+    :func:`kvconnect.views.page_owners`."""
+    return [r for r, _ in page_holders(regions)]
 
 
 def _chunk_bounds(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -13,13 +13,17 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect.views import PagedRegion
+
 from .errors import IncompatiblePeerError, KVConnectorError
 from .handshake import HandshakeMetadata
 from .nixl_descriptors import check_descriptors_in_chunks, region_descriptors, transfer_regions
+from .nixl_registration import RegistrationPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_PEER_DESCRIPTORS", "LoadedPeer", "drop_peer", "load_peer", "peer_descriptors"]
+__all__ = ["MAX_PEER_DESCRIPTORS", "LoadedPeer", "drop_peer", "load_peer", "peer_descriptors",
+           "read_indices"]
 
 #: most block descriptors (blocks x regions) accepted from one peer's metadata
 MAX_PEER_DESCRIPTORS = 1 << 25
@@ -37,20 +41,6 @@ class LoadedPeer:
     offsets: np.ndarray
     #: for each local region (local order): remote committed block count
     num_blocks: np.ndarray
-
-
-@dataclass(frozen=True)
-class _RemoteRegion:
-    """A peer's region as its handshake describes it (the fields descriptors need)."""
-
-    layer_name: str
-    part: str
-    base_ptr: int
-    block_len: int
-    block_stride: int
-    num_blocks: int
-    #: a device string memory_type_for_device understands ("cpu" for DRAM, "cuda:N" for VRAM)
-    device: str
 
 
 def _first_diff(ours: list[str], theirs: list[str]) -> str:
@@ -73,11 +63,14 @@ def peer_descriptors(md: HandshakeMetadata, local_xfer_regions: list[Any]
     # Pair remote regions with ours by layer/part, in local transfer-region order.
     index = {r.key: i for i, r in enumerate(md.fingerprint.regions)}
     remote_regions = [
-        _RemoteRegion(fp.layer_name, fp.part, a.base_ptr, fp.block_len, fp.block_stride,
-                      a.num_blocks,
-                      "cpu" if md.memory_type == "DRAM" else f"cuda:{a.device_id}")
+        PagedRegion(fp.layer_name, fp.part, a.base_ptr, fp.block_len, fp.block_stride,
+                    a.num_blocks, "cpu" if md.memory_type == "DRAM" else f"cuda:{a.device_id}")
         for fp, a in zip(md.fingerprint.regions, md.regions, strict=True)]
-    theirs = [f"{r.layer_name}/{r.part}" for r in transfer_regions(remote_regions)]
+    try:
+        theirs = [f"{r.layer_name}/{r.part}" for r in transfer_regions(remote_regions)]
+    except ValueError as exc:
+        raise IncompatiblePeerError([f"the peer's regions cannot be read: {exc}"],
+                                    peer=md.engine_id) from None
     ours = [f"{r.layer_name}/{r.part}" for r in local_xfer_regions]
     if sorted(theirs) != sorted(ours):
         raise IncompatiblePeerError(
@@ -97,6 +90,23 @@ def peer_descriptors(md: HandshakeMetadata, local_xfer_regions: list[Any]
                                 what=f"remote descriptor of {md.engine_id!r}")
     offsets = np.concatenate([[0], np.cumsum(remote_counts)[:-1]]).astype(np.int64)
     return remote_descs, offsets, remote_counts
+
+
+def read_indices(plan: RegistrationPlan, entry: LoadedPeer, local: np.ndarray,
+                 remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of the local and the peer's prepared descriptor lists for a READ of remote
+    blocks ``remote`` into local blocks ``local`` (pairwise), region-major. Raises
+    ``IndexError`` for a block id outside either side's committed blocks."""
+    local_counts = np.array([int(r.num_blocks) for r in plan.xfer_regions], dtype=np.int64)
+    if local.min() < 0 or local.max() >= local_counts.min():
+        raise IndexError(f"local block ids must lie in [0, {int(local_counts.min())}), got "
+                         f"{int(local.min())}..{int(local.max())}")
+    if remote.min() < 0 or remote.max() >= entry.num_blocks.min():
+        raise IndexError(f"remote block ids of {entry.metadata.engine_id!r} must lie in "
+                         f"[0, {int(entry.num_blocks.min())}), got "
+                         f"{int(remote.min())}..{int(remote.max())}")
+    return ((plan.local_offsets[:, None] + local[None, :]).reshape(-1),
+            (entry.offsets[:, None] + remote[None, :]).reshape(-1))
 
 
 def load_peer(agent: Any, engine_id: str, md: HandshakeMetadata, remote_descs: np.ndarray,

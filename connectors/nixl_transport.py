@@ -115,9 +115,9 @@ def _exporter(ctx: TransportContext) -> NixlMetadataExporter:
 
 
 def _requires() -> str | None:
-    from .nixl import nixl_available
+    from .nixl import nixl_importable
 
-    return None if nixl_available() else "NIXL is not installed (pip install kvconnect[nixl])"
+    return None if nixl_importable() else "NIXL is not installed (pip install kvconnect[nixl])"
 
 
 register_transport(TransportSpec(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from kvconnect.polling import poll_until
 
 from .errors import KVConnectorError, KVTransferError
 
@@ -69,16 +70,11 @@ class OffloadHandle:
                 raise KVTransferError(PEER_NAME, self.block_ids, exc) from exc
             self._release()
             return
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-4
-        while not self.done():
-            if time.monotonic() >= deadline:
-                raise KVTransferError(
-                    PEER_NAME, self.block_ids,
-                    f"{self.op} of {len(self.block_ids)} blocks not done after {timeout_s} s",
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-2)
+        poll_until(self.done, max(0.0, timeout_s), max_pause=1e-2,
+                   on_timeout=lambda _s: KVTransferError(
+                       PEER_NAME, self.block_ids,
+                       f"{self.op} of {len(self.block_ids)} blocks not done after "
+                       f"{timeout_s} s"))
 
     def wait_on_stream(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the current CUDA stream) wait for this handle without

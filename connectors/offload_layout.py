@@ -1,9 +1,9 @@
 """Where each committed region's page of a logical block sits, in a CPU row or a transfer.
 
-:func:`merge_shared_pages` is the rule for layers that share pages (hybrid attention + Mamba
-layers on one KV tensor): overlapping regions become one region covering their union, so
-shared bytes are stored and moved once. :func:`offload_row_layout` lays the merged regions
-side by side in one CPU row (the CPU offload pool's row).
+Layers that share pages (hybrid attention + Mamba layers on one KV tensor) are stored once:
+:func:`kvconnect.views.page_holders` (the one page-sharing rule) says which region holds each
+region's bytes, and :func:`offload_row_layout` lays the holders side by side in one CPU row
+(the CPU offload pool's row).
 
 Units: bytes, logical blocks for ``num_blocks``.
 """
@@ -11,11 +11,11 @@ Units: bytes, logical blocks for ``num_blocks``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from kvconnect.views import CommittedRegion
+from kvconnect.views import CommittedRegion, page_holders
 
-__all__ = ["RowSlice", "merge_shared_pages", "offload_row_layout"]
+__all__ = ["RowSlice", "offload_row_layout"]
 
 
 @dataclass(frozen=True)
@@ -49,50 +49,14 @@ class RowSlice:
         return (self.members, self.block_len, self.sub_blocks)
 
 
-def merge_shared_pages(regions: Sequence[CommittedRegion]
-                       ) -> list[tuple[CommittedRegion, tuple[str, ...]]]:
-    """Regions whose blocks overlap merged into their union, in first-appearance order.
-
-    Returns ``(region, members)`` pairs; ``members`` are the ``layer/part`` names merged.
-    Overlapping regions must share tensor, segment, block stride and block count, and the
-    union must fit one block stride; else ``ValueError``.
-    """
-    merged: list[tuple[CommittedRegion, list[str]]] = []
-    for r in regions:
-        name = f"{r.layer_name}/{r.part}"
-        lo, hi = r.base_ptr, r.base_ptr + r.block_len
-        hit = None
-        for j, (m, members) in enumerate(merged):
-            if m.base_ptr < hi and lo < m.base_ptr + m.block_len:
-                if (m.tensor_index, m.segment, m.block_stride, m.num_blocks) != (
-                        r.tensor_index, r.segment, r.block_stride, r.num_blocks):
-                    raise ValueError(
-                        f"regions {members[0]} and {name} overlap but differ in tensor, "
-                        "segment, block stride or block count; cannot treat them as one")
-                hit = j
-                break
-        if hit is None:
-            merged.append((r, [name]))
-            continue
-        m, members = merged[hit]
-        start = min(m.base_ptr, lo)
-        end = max(m.base_ptr + m.block_len, hi)
-        if end - start > m.block_stride:
-            raise ValueError(f"regions {members[0]} and {name} span more than one block stride")
-        union = replace(m, base_ptr=start, block_len=end - start,
-                        layers=tuple(dict.fromkeys(m.layers + r.layers)),
-                        segment_offset=m.segment_offset - (m.base_ptr - start))
-        merged[hit] = (union, [*members, name])
-    return [(r, tuple(members)) for r, members in merged]
-
-
 def offload_row_layout(
     regions: Sequence[CommittedRegion], num_blocks: int
 ) -> tuple[list[RowSlice], list[CommittedRegion]]:
     """The CPU row layout for ``regions`` of a cache with ``num_blocks`` logical blocks.
 
-    Returns the row slices and the region each one reads (same order), after
-    :func:`merge_shared_pages`. The row size (``bytes_per_block``) is the sum of the slices'
+    Returns the row slices and the region each one reads (same order): one per region that
+    holds its own pages (:func:`kvconnect.views.page_holders`), whose ``members`` name every
+    region whose bytes it holds. The row size (``bytes_per_block``) is the sum of the slices'
     widths. A region with ``k * num_blocks`` blocks (kernel block = logical block / k) gives
     ``sub_blocks = k``. Raises ``ValueError`` for an empty region list, blocks that overlap,
     or a block count that is not a multiple of ``num_blocks``.
@@ -115,7 +79,7 @@ def offload_row_layout(
     slices: list[RowSlice] = []
     kept: list[CommittedRegion] = []
     column = 0
-    for r, members in merge_shared_pages(regions):
+    for r, members in page_holders(regions):
         sub = r.num_blocks // num_blocks
         slices.append(RowSlice(r.layer_name, r.part, r.tensor_index, r.segment, r.block_len,
                                r.block_stride, sub, column, members))

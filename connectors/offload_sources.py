@@ -82,7 +82,7 @@ class CacheSource:
         if not tensors:
             raise KVConnectorError("the KV cache is not allocated: call cache.allocate() first")
         if any(t.is_freed for t in tensors):
-            raise KVConnectorError("the KV cache was freed; free() this CPU offload connector")
+            raise KVConnectorError("the KV cache was closed; close() this CPU offload connector")
         if self.cache.is_released or any(t.is_released for t in tensors):
             raise KVConnectorError(
                 "the KV cache is asleep (physical memory released): call cache.recommit() "

@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvconnect.checks import checked_int
+
 __all__ = ["LruSlots", "SlotReservation"]
 
 
@@ -33,11 +35,7 @@ class LruSlots:
     """Slot bookkeeping for ``num_slots`` slots (see the module docstring)."""
 
     def __init__(self, num_slots: int) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int):
-            raise TypeError(f"num_slots must be an int, got {type(num_slots).__name__}")
-        if num_slots <= 0:
-            raise ValueError(f"num_slots must be positive, got {num_slots}")
-        self.num_slots = num_slots
+        self.num_slots = checked_int("num_slots", num_slots)
         self._lru: OrderedDict[Hashable, int] = OrderedDict()
         self._free: list[int] = list(range(num_slots))  # a heap (sorted = valid)
 

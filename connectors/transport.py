@@ -18,7 +18,9 @@ publishes for decodes, ``pause()`` / ``resume()`` bracket its sleep / wake, ``cl
 Transports are chosen by name through :func:`get_transport`; each registered
 :class:`TransportSpec` says how to build both halves from a :class:`TransportContext` and
 whether the transport only works between processes of one host. Adding a transport means
-registering one spec, nowhere else.
+registering one spec, nowhere else. The library's own (``ipc``, ``nixl``) register when
+their modules load, which ``kvconnect.connectors`` does on import: this module imports none
+of them (imports point from the transports to the registry, never back).
 
 Units: bytes, seconds, logical blocks for block ids.
 """
@@ -151,7 +153,6 @@ def register_transport(spec: TransportSpec, *, replace: bool = False) -> None:
 
 def get_transport(name: str) -> TransportSpec:
     """The spec registered under ``name`` (:class:`UnknownTransportError` otherwise)."""
-    _load_builtin()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -160,10 +161,4 @@ def get_transport(name: str) -> TransportSpec:
 
 def transport_names() -> tuple[str, ...]:
     """Registered transport names, in registration order."""
-    _load_builtin()
     return tuple(_REGISTRY)
-
-
-def _load_builtin() -> None:
-    """Register the library's own transports (their modules register on import)."""
-    from . import ipc_transport, nixl_transport  # noqa: F401

@@ -38,8 +38,8 @@ _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     "undo": ("UndoStack",),
     "polling": ("poll_until",),
     "views": (
-        "CommittedRegion", "bound_packed_storage", "committed_regions",
-        "narrow_kv_caches_to_num_blocks",
+        "CommittedRegion", "PagedRegion", "block_span", "bound_packed_storage",
+        "committed_regions", "narrow_kv_caches_to_num_blocks", "page_holders", "page_owners",
     ),
     "vmm": (
         "AllocationOptions", "DeviceCapabilities", "GrantedFlags", "VmmDriver", "VmmError",

@@ -28,10 +28,11 @@ class ViewAnchor:
 
 
 class _CudaArrayInterface:
-    """Minimal ``__cuda_array_interface__`` (v3) holder; torch keeps it alive with the tensor."""
+    """Minimal ``__cuda_array_interface__`` (v3) holder; torch keeps it alive with the tensor
+    (and it keeps ``keep`` alive). The one such holder in kvconnect."""
 
-    def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
-        self._owner = owner
+    def __init__(self, ptr: int, nbytes: int, keep: object) -> None:
+        self._keep = keep
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -40,6 +41,19 @@ class _CudaArrayInterface:
             "strides": None,
             "stream": None,
         }
+
+
+def bytes_tensor(ptr: int, nbytes: int, device: torch.device, keep: object) -> torch.Tensor:
+    """A 1-D uint8 tensor over ``nbytes`` bytes at ``ptr`` on ``device`` (``cpu`` or
+    ``cuda``), whose storage is exactly those bytes and references ``keep``. Nothing is read
+    or checked: the caller vouches for the range (and, on CUDA, for the current context)."""
+    if device.type == "cpu":
+        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        buf._kvconnect_keep = keep  # type: ignore[attr-defined]
+        return torch.frombuffer(buf, dtype=torch.uint8)
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaArrayInterface(ptr, nbytes, keep), device=device)
+    raise ValueError(f"cannot view raw bytes on device type {device.type!r}")
 
 
 def pointer_view(ptr: int, nbytes: int, driver: VmmDriver, owner: object,
@@ -55,13 +69,10 @@ def pointer_view(ptr: int, nbytes: int, driver: VmmDriver, owner: object,
     checked_int("view address", ptr, maximum=(1 << 64) - 1)
     anchor = ViewAnchor(owner)
     if driver.dlpack_device_type == DLPACK_CPU:
-        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        buf._kvconnect_anchor = anchor  # type: ignore[attr-defined]
-        view = torch.frombuffer(buf, dtype=torch.uint8)
+        view = bytes_tensor(ptr, nbytes, torch.device("cpu"), anchor)
     else:
         driver.ensure_context()
-        view = torch.as_tensor(_CudaArrayInterface(ptr, nbytes, anchor),
-                               device=driver.torch_device)
+        view = bytes_tensor(ptr, nbytes, torch.device(driver.torch_device), anchor)
     if views is not None:
         views.add(anchor)
     return view

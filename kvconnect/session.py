@@ -49,6 +49,7 @@ from .framing import (
     PeerError,
     PeerRefusedError,
     check_peer,
+    recv_json,
     recv_message,
     send_error,
     send_message,
@@ -117,7 +118,7 @@ def _left(deadline: float) -> float:
 def _recv_from_acceptor(sock: socket.socket, deadline: float) -> dict[str, Any]:
     """A handshake message from the acceptor; its refusal becomes PeerRefusedError here."""
     try:
-        msg, _ = recv_message(sock, _left(deadline), max_fds=0)
+        msg = recv_json(sock, _left(deadline))
     except PeerError as exc:
         if exc.remote_type == PeerRefusedError.__name__:
             raise PeerRefusedError(f"the acceptor refused us: {exc.remote_message}") from None
@@ -159,9 +160,8 @@ class PeerSession:
         return recv_message(self.sock, timeout, max_fds, seal=self._seal)
 
     def recv_json(self, timeout: float | None = None) -> dict:
-        """One message that carries no fds."""
-        payload, _ = self.recv(timeout, max_fds=0)
-        return payload
+        """One message that carries no fds (:func:`~kvconnect.framing.recv_json`, sealed)."""
+        return recv_json(self.sock, timeout, seal=self._seal)
 
     def send_error(self, error: BaseException | str) -> bool:
         """Tell the peer this side failed (sealed); best effort, never raises."""
@@ -198,7 +198,7 @@ def accept_session(sock: socket.socket, *,
             creds = check_peer(sock, allowed_pids=pids, uid=uid)
             nonce = secrets.token_bytes(_NONCE_BYTES)
             send_message(sock, {"op": "challenge", "protocol": PROTOCOL, "nonce": nonce.hex()})
-            hello, _ = recv_message(sock, _left(deadline), max_fds=0)
+            hello = recv_json(sock, _left(deadline))
             _expect(hello, "hello")
             peer_nonce = bytes.fromhex(_field(hello, "hello", "nonce"))
             key = _key(token, nonce, peer_nonce)

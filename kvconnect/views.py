@@ -11,7 +11,10 @@ committed extent. ``kv_cache_config`` is kvconnect's ``KVCacheConfig`` (or its
   dimension (kernel blocks: ``num_blocks * k``) whose *storage* is bounded too;
 - :func:`bound_packed_storage`: a block-outer layout's one storage (the seed's packed,
   vLLM's ``BL*``/``BH*``), ``num_blocks * block_stride`` bytes;
-- :func:`committed_regions`: the registration regions (:class:`CommittedRegion`) per layer.
+- :func:`committed_regions`: the registration regions (:class:`CommittedRegion`) per layer;
+- :func:`page_owners` / :func:`page_holders`: the one rule for regions that share pages
+  (hybrid attention + Mamba layers on one KV tensor, vLLM's overlaid cache groups): which
+  region holds each region's bytes, so that shared bytes are stored and moved once.
 
 They work the same on ordinary (``torch.empty``) allocations, where they are byte-identical
 to ``narrow``. Units: bytes unless a name says blocks.
@@ -19,31 +22,44 @@ to ``narrow``. Units: bytes unless a name says blocks.
 
 from __future__ import annotations
 
-import ctypes
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
+from ._pointer_view import bytes_tensor
+from .checks import checked_int
 from .layout import KVCacheConfig, LayerPlan, LayoutError, LayoutPlan, plan_layout
 from .layout.build import typed_view
 from .layout.foreign import config_from_vllm, is_vllm_like_config
 
 __all__ = [
-    "CommittedRegion", "KVCaches", "bound_packed_storage", "committed_extents",
-    "committed_regions", "narrow_kv_caches_to_num_blocks",
+    "CommittedRegion", "KVCaches", "PagedRegion", "block_span", "bound_packed_storage",
+    "committed_extents", "committed_regions", "narrow_kv_caches_to_num_blocks", "page_holders",
+    "page_owners",
 ]
 
 #: a layer's entry: one tensor, or a list of tensors (Mamba states)
 KVCaches = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
 
 
-@dataclass(frozen=True)
-class CommittedRegion:
-    """One registration region of one layer, inside committed memory.
+def block_span(num_blocks: int, block_stride: int, block_len: int) -> int:
+    """Bytes from the first block's start to the last block's end, for ``num_blocks`` blocks
+    of ``block_len`` bytes ``block_stride`` bytes apart (0 for no blocks)."""
+    if num_blocks <= 0:
+        return 0
+    return (num_blocks - 1) * block_stride + block_len
 
-    Units: bytes unless named ``*_blocks``. Block ``b`` of this region starts at
-    ``base_ptr + b * block_stride`` and is ``block_len`` bytes long.
+
+@dataclass(frozen=True)
+class PagedRegion:
+    """Blocks of one region: block ``b`` starts at ``base_ptr + b * block_stride`` and is
+    ``block_len`` bytes long. What descriptors and the page-sharing rule read: a
+    :class:`CommittedRegion` is one; a reader rebuilds a peer's regions as such from its
+    handshake (which names no tensor or segment). Units: bytes unless named ``*_blocks``;
+    ``device`` is a torch device string (``"cpu"``, ``"cuda:N"``).
     """
 
     layer_name: str
@@ -55,13 +71,6 @@ class CommittedRegion:
     block_stride: int
     num_blocks: int
     device: str
-    #: index into the cache's ExtensibleTensor list, and the segment inside it
-    tensor_index: int = 0
-    segment: int = 0
-    #: the layers whose pages this region holds (one, or every layer for "packed")
-    layers: tuple[str, ...] = ()
-    #: bytes from the start of segment ``segment`` of KV tensor ``tensor_index`` to base_ptr
-    segment_offset: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -71,9 +80,7 @@ class CommittedRegion:
     @property
     def span(self) -> int:
         """Bytes from the first block's start to the last block's end."""
-        if self.num_blocks == 0:
-            return 0
-        return (self.num_blocks - 1) * self.block_stride + self.block_len
+        return block_span(self.num_blocks, self.block_stride, self.block_len)
 
     def block_address(self, block_id: int) -> int:
         """Address of block ``block_id`` (must be below ``num_blocks``)."""
@@ -85,31 +92,121 @@ class CommittedRegion:
         return self.base_ptr + block_id * self.block_stride
 
 
+@dataclass(frozen=True)
+class CommittedRegion(PagedRegion):
+    """One registration region of one layer, inside committed memory (a :class:`PagedRegion`
+    placed in the cache: which KV tensor, which segment, which layers)."""
+
+    #: index into the cache's ExtensibleTensor list, and the segment inside it
+    tensor_index: int = 0
+    segment: int = 0
+    #: the layers whose pages this region holds (one, or every layer for "packed")
+    layers: tuple[str, ...] = ()
+    #: bytes from the start of segment ``segment`` of KV tensor ``tensor_index`` to base_ptr
+    segment_offset: int = 0
+
+
+# -- shared pages ----------------------------------------------------------------------------
+RegionT = TypeVar("RegionT", bound=PagedRegion)
+
+
+def _holds(owner: PagedRegion, r: PagedRegion) -> bool:
+    """Block ``b`` of ``r`` lies inside block ``b`` of ``owner``, for every block of ``r``."""
+    return (owner.device == r.device and owner.block_stride == r.block_stride
+            and r.num_blocks <= owner.num_blocks and owner.base_ptr <= r.base_ptr
+            and r.base_ptr + r.block_len <= owner.base_ptr + owner.block_len)
+
+
+def _may_share_bytes(a: PagedRegion, b: PagedRegion) -> bool:
+    """Whether blocks of ``a`` and ``b`` may share a byte: exact for equal strides; at
+    different strides, whether their spans overlap (no layout we build interleaves regions of
+    different strides, and the answer stays O(1) for a peer's regions)."""
+    if a.num_blocks <= 0 or b.num_blocks <= 0 or a.device != b.device:
+        return False
+    a_end = a.base_ptr + block_span(a.num_blocks, a.block_stride, a.block_len)
+    b_end = b.base_ptr + block_span(b.num_blocks, b.block_stride, b.block_len)
+    if a_end <= b.base_ptr or b_end <= a.base_ptr:
+        return False
+    if a.block_stride != b.block_stride or a.block_stride <= 0:
+        return True
+    # block i of a meets block j of b iff d + k*s lies in (-a.block_len, b.block_len), where
+    # k = i - j takes the values 1 - b.num_blocks .. a.num_blocks - 1
+    s, d = a.block_stride, a.base_ptr - b.base_ptr
+    k_lo = max((-a.block_len - d) // s + 1, 1 - b.num_blocks)
+    k_hi = min(-((d - b.block_len) // s) - 1, a.num_blocks - 1)
+    return k_lo <= k_hi
+
+
+def page_owners(regions: Sequence[PagedRegion]) -> list[int]:
+    """For each region, the index of the region that holds its bytes (its own index when it
+    holds them itself). The one page-sharing rule of kvconnect.
+
+    Region ``o`` holds region ``r`` when block ``b`` of ``r`` lies inside block ``b`` of
+    ``o`` for every block of ``r``: same device and block stride, ``o.base_ptr <=
+    r.base_ptr``, ``r.base_ptr + r.block_len <= o.base_ptr + o.block_len`` and ``r.num_blocks
+    <= o.num_blocks`` (hybrid models: a Mamba layer's states inside the attention page of the
+    same KV tensor; vLLM's overlaid cache groups: identical regions). A holder is chosen
+    among the largest ``block_len`` first, the earliest in ``regions`` among equals, so the
+    answer does not depend on the order of aliasing layers. Moving (or storing) the holders'
+    blocks moves every region's bytes exactly once.
+
+    Raises ``ValueError`` naming both regions when blocks of two regions share bytes and
+    neither holds the other (a partial overlap, block ``b`` of one landing in another block
+    of the other, or regions of different block strides whose spans overlap): such regions
+    cannot be moved block by block. O(n log n) for regions in disjoint spans, O(n^2) pair
+    checks of O(1) each at worst (block-outer layouts, all regions in the same rows).
+    """
+    order = sorted(range(len(regions)), key=lambda i: (-regions[i].block_len, i))
+    owner = list(range(len(regions)))
+    #: per device: the holders so far as (first byte, index), sorted, and their longest span
+    holders: dict[str, list[tuple[int, int]]] = {}
+    longest: dict[str, int] = {}
+    for i in order:
+        r = regions[i]
+        dev, start = str(r.device), r.base_ptr
+        span = block_span(r.num_blocks, r.block_stride, r.block_len)
+        row = holders.setdefault(dev, [])
+        # only holders starting in [start - longest span, start + span) can meet r
+        lo = bisect.bisect_left(row, (start - longest.get(dev, 0), -1))
+        hi = bisect.bisect_left(row, (start + span, -1))
+        for _, h in row[lo:hi]:
+            o = regions[h]
+            if _holds(o, r):
+                owner[i] = h
+                break
+            if _may_share_bytes(o, r):
+                raise ValueError(
+                    f"regions {o.layer_name}/{o.part} and {r.layer_name}/{r.part} share bytes "
+                    "but neither holds the other block for block (a partial overlap, another "
+                    "block id, or another block stride): the layout cannot be moved region by "
+                    "region")
+        else:
+            bisect.insort(row, (start, i))
+            longest[dev] = max(longest.get(dev, 0), span)
+    return owner
+
+
+def page_holders(regions: Sequence[RegionT]) -> list[tuple[RegionT, tuple[str, ...]]]:
+    """The regions that hold their own bytes (:func:`page_owners`), each with the
+    ``layer/part`` names of every region whose bytes it holds (its own included), names and
+    holders in order of first appearance in ``regions``. Moving the holders' blocks moves
+    each region's bytes once. Raises ``ValueError`` as :func:`page_owners`."""
+    owner = page_owners(regions)
+    members: dict[int, list[str]] = {}
+    for i, r in enumerate(regions):
+        members.setdefault(owner[i], []).append(f"{r.layer_name}/{r.part}")
+    return [(regions[h], tuple(names)) for h, names in members.items()]
+
+
 # -- bounded storages ---------------------------------------------------------------------
-class _CudaArray:
-    """``__cuda_array_interface__`` holder; torch keeps it (and ``_keep``) alive."""
-
-    def __init__(self, ptr: int, nbytes: int, keep: object) -> None:
-        self._keep = keep
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (ptr, False), "version": 3, "strides": None,
-                                         "stream": None}
-
-
 def _bounded_storage(ptr: int, nbytes: int, like: torch.Tensor) -> torch.UntypedStorage:
     """An untyped storage of exactly ``nbytes`` at ``ptr`` on ``like``'s device, keeping
     ``like``'s storage alive. Nothing is read: the range may include unmapped bytes."""
     if nbytes <= 0:
         raise ValueError(f"a bounded storage needs a positive byte count, got {nbytes}")
-    keep = like.untyped_storage()
-    if like.device.type == "cpu":
-        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        buf._kvconnect_keep = keep  # type: ignore[attr-defined]
-        return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-    if like.device.type == "cuda":
-        return torch.as_tensor(_CudaArray(ptr, nbytes, keep),
-                               device=like.device).untyped_storage()
-    raise LayoutError(f"cannot bound a storage on device type {like.device.type!r}")
+    if like.device.type not in ("cpu", "cuda"):
+        raise LayoutError(f"cannot bound a storage on device type {like.device.type!r}")
+    return bytes_tensor(ptr, nbytes, like.device, like.untyped_storage()).untyped_storage()
 
 
 # -- matching kv_caches against the plan ---------------------------------------------------
@@ -231,8 +328,7 @@ def _match_buffer(plan: LayoutPlan, index: int, layers: dict[str, _LayerMatch]) 
 
 def _match_all(kv_caches: KVCaches, num_blocks: int, plan: LayoutPlan
                ) -> tuple[dict[str, _LayerMatch], dict[int, _BufferMatch]]:
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    checked_int("num_blocks", num_blocks)
     missing = [n for n in plan.layers if n not in kv_caches]
     extra = [n for n in kv_caches if n not in plan.layers]
     if missing or extra:

@@ -1,31 +1,24 @@
 """Helper for tests/test_nixl_connector.py: the prefill side of a two-process NIXL test.
 
 Run as a script, it holds host-backend ExtensibleKVCaches filled with position-dependent
-content and one NixlConnectorWorker per cache, and answers JSON-line commands on stdin with
-JSON lines on stdout (prefixed with ``KVC `` so stray library output cannot be mistaken for a
-reply). Imported, it provides the fill / check helpers both processes share.
+content and one NixlConnectorWorker per cache, and answers JSON-line commands
+(tests/_json_peer.py). Imported, it provides the fill / check helpers both processes share.
 
 Commands: ``setup`` (layouts -> metadata), ``notifs`` (wait for notifications), ``stall``
 (stop serving NIXL for a while: reply, sleep, reply again), ``sleep_wake``
 (release_physical + recommit + refill + reregister -> new metadata), ``close`` (close workers
-and report whether NIXL still knows their memory), ``exit``.
+and report whether NIXL still knows their memory), ``exit``. Its hello: ``ready``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
-import os
-import selectors
 import sys
 import time
 import zlib
 from typing import Any
 
 import numpy as np
-
-PREFIX = "KVC "
-
 
 # -- shared helpers ---------------------------------------------------------------------------
 
@@ -79,6 +72,25 @@ def fill_cache(cache: Any, seed: int) -> None:
         torch.cuda.synchronize(cache.device)
 
 
+def sample_metadata() -> Any:
+    """A valid handshake document of a two-region (K, V) peer, built by hand (no NIXL)."""
+    from kvconnect.connectors.handshake import (
+        HandshakeMetadata,
+        LayoutFingerprint,
+        RegionAddress,
+        RegionFingerprint,
+    )
+
+    fp = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 4096, 4096),
+                                    RegionFingerprint("layer0", "v", 4096, 4096)),
+                           block_size=16, dtype="bfloat16", layout="kv_split_nhd")
+    return HandshakeMetadata(engine_id="p", agent_name="p-1", agent_metadata=b"\x00\x01md",
+                             memory_type="DRAM", fingerprint=fp,
+                             regions=(RegionAddress(1 << 40, 8), RegionAddress(1 << 41, 8)),
+                             registrations=((1 << 40, 32768, 0), (1 << 41, 32768, 0)),
+                             generation=3)
+
+
 def make_cache(spec: dict[str, Any]) -> Any:
     """An ExtensibleKVCache taken through the seeds' commit protocol.
 
@@ -105,11 +117,6 @@ def make_cache(spec: dict[str, Any]) -> Any:
 
 # -- the prefill process ----------------------------------------------------------------------
 
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def _nixl_knows(agent: Any, extents: list[tuple[int, int, int]], mem_type: str) -> list[bool]:
     """Whether NIXL still accepts local descriptors over each extent (i.e. it is registered)."""
     out = []
@@ -125,85 +132,70 @@ def _nixl_knows(agent: Any, extents: list[tuple[int, int, int]], mem_type: str) 
 
 
 def main() -> int:
+    from _json_peer import reply, serve
+
     from kvconnect.connectors.nixl import NixlConnectorWorker
 
     caches: dict[str, Any] = {}
     workers: dict[str, NixlConnectorWorker] = {}
-    sel = selectors.DefaultSelector()
-    sel.register(sys.stdin.fileno(), selectors.EVENT_READ)
-    buf = b""
+
+    def serve_reads() -> None:  # no NIXL progress thread: serve peers' reads meanwhile
+        for worker in workers.values():
+            if worker.is_registered:
+                worker.progress()
+
+    def handle(cmd: dict[str, Any]) -> None:
+        op = cmd.get("op")
+        if op == "setup":
+            metadata = {}
+            for spec in cmd["layouts"]:
+                name = spec["name"]
+                caches[name] = make_cache(spec)
+                fill_cache(caches[name], spec["seed"])
+                workers[name] = NixlConnectorWorker(f"prefill-{name}", progress_thread=False)
+                workers[name].register_kv_cache(caches[name])
+                metadata[name] = workers[name].metadata_json().decode()
+            reply({"metadata": metadata})
+        elif op == "notifs":
+            got = []
+            for _ in range(cmd["count"]):
+                agent, msg = workers[cmd["name"]].wait_for_notification(cmd["wait_s"])
+                got.append([agent, msg.decode()])
+            reply({"notifs": got})
+        elif op == "sleep_wake":
+            name = cmd["name"]
+            workers[name].deregister()
+            caches[name].release_physical()
+            caches[name].recommit()
+            fill_cache(caches[name], cmd["seed"])
+            md = workers[name].reregister()
+            reply({"metadata": md.to_json().decode(), "generation": md.generation})
+        elif op == "close":
+            report = {}
+            for name, worker in workers.items():
+                agent, extents = worker._agent, worker.registered_extents
+                mem_type = worker.memory_type
+                worker.close()
+                worker.close()  # idempotent
+                report[name] = {"still_registered": _nixl_knows(agent, extents, mem_type),
+                                "num_registrations": worker.num_registrations}
+                del agent
+            reply({"report": report})
+        elif op == "stall":  # stop serving peers for a while (no NIXL progress)
+            reply({})
+            time.sleep(cmd["seconds"])
+            reply({"stalled": cmd["seconds"]})
+        else:
+            reply({"ok": False, "error": f"unknown op {op!r}"})
+
     try:
-        _reply({"ok": True, "ready": True})
-        while True:
-            # Serve peers' reads (no NIXL progress thread) while waiting for a command.
-            while b"\n" not in buf:
-                if sel.select(0.001):
-                    chunk = os.read(sys.stdin.fileno(), 1 << 16)
-                    if not chunk:
-                        return 0
-                    buf += chunk
-                else:
-                    for worker in workers.values():
-                        if worker.is_registered:
-                            worker.progress()
-            line, buf = buf.split(b"\n", 1)
-            cmd = json.loads(line)
-            op = cmd.get("op")
-            try:
-                if op == "setup":
-                    metadata = {}
-                    for spec in cmd["layouts"]:
-                        name = spec["name"]
-                        caches[name] = make_cache(spec)
-                        fill_cache(caches[name], spec["seed"])
-                        workers[name] = NixlConnectorWorker(f"prefill-{name}",
-                                                            progress_thread=False)
-                        workers[name].register_kv_cache(caches[name])
-                        metadata[name] = workers[name].metadata_json().decode()
-                    _reply({"ok": True, "metadata": metadata})
-                elif op == "notifs":
-                    got = []
-                    for _ in range(cmd["count"]):
-                        agent, msg = workers[cmd["name"]].wait_for_notification(cmd["wait_s"])
-                        got.append([agent, msg.decode()])
-                    _reply({"ok": True, "notifs": got})
-                elif op == "sleep_wake":
-                    name = cmd["name"]
-                    workers[name].deregister()
-                    caches[name].release_physical()
-                    caches[name].recommit()
-                    fill_cache(caches[name], cmd["seed"])
-                    md = workers[name].reregister()
-                    _reply({"ok": True, "metadata": md.to_json().decode(),
-                            "generation": md.generation})
-                elif op == "close":
-                    report = {}
-                    for name, worker in workers.items():
-                        agent, extents = worker._agent, worker.registered_extents
-                        mem_type = worker.memory_type
-                        worker.close()
-                        worker.close()  # idempotent
-                        report[name] = {"still_registered": _nixl_knows(agent, extents, mem_type),
-                                        "num_registrations": worker.num_registrations}
-                        del agent
-                    _reply({"ok": True, "report": report})
-                elif op == "stall":  # stop serving peers for a while (no NIXL progress)
-                    _reply({"ok": True})
-                    time.sleep(cmd["seconds"])
-                    _reply({"ok": True, "stalled": cmd["seconds"]})
-                elif op == "exit":
-                    _reply({"ok": True})
-                    return 0
-                else:
-                    _reply({"ok": False, "error": f"unknown op {op!r}"})
-            except Exception as exc:  # noqa: BLE001 - reported to the test
-                _reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        reply({"ready": True})
+        return serve(handle, idle=serve_reads)
     finally:
         for worker in workers.values():
             worker.close()
         for cache in caches.values():
             cache.close()
-    return 0
 
 
 if __name__ == "__main__":

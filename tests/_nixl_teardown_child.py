@@ -26,18 +26,16 @@ Scenarios:
 from __future__ import annotations
 
 import gc
-import json
 import os
-import selectors
-import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-PREFIX = "KVC "
+import _nixl_peer as peerlib
+from _json_peer import JsonLinePeer, reply, serve
+
 #: many small blocks: a READ posts thousands of descriptors, which widens the window in which
 #: UCX learns of the disconnect while NIXL is still posting
 SPEC = {"preset": "qwen-small-like",
@@ -50,91 +48,46 @@ KILL_DELAYS = (0.0, 0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004)
 DEADLINE_S = 30.0
 
 
-def _peerlib() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "_nixl_peer", Path(__file__).with_name("_nixl_peer.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _say(obj: dict[str, Any]) -> None:
-    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 # -- the prefill side -----------------------------------------------------------------------------
 
 def prefill(engine_id: str, progress_thread: bool) -> int:
-    """Register a cache, print metadata, then obey ``close`` / ``stall`` / ``exit`` on stdin."""
+    """Register a cache, publish its metadata (the hello), then obey ``close`` / ``stall``."""
     from kvconnect.connectors.nixl import NixlConnectorWorker
 
-    peerlib = _peerlib()
     cache = peerlib.make_cache(SPEC)
     worker = NixlConnectorWorker(engine_id, progress_thread=progress_thread)
+
+    def handle(cmd: dict[str, Any]) -> None:
+        if cmd["op"] == "close":
+            worker.close()
+            reply({"closed": True})
+        elif cmd["op"] == "stall":  # no progress thread and no progress calls: peers stall
+            reply({"stalling": True})
+            time.sleep(DEADLINE_S)
+        else:
+            reply({"ok": False, "error": f"unknown op {cmd['op']!r}"})
+
     try:
         worker.register_kv_cache(cache)
-        _say({"metadata": worker.metadata_json().decode()})
-        for line in sys.stdin:
-            cmd = line.strip()
-            if cmd == "close":
-                worker.close()
-                _say({"closed": True})
-            elif cmd == "stall":  # no progress thread and no progress calls: peers stall
-                _say({"stalling": True})
-                time.sleep(DEADLINE_S)
-            elif cmd == "exit":
-                return 0
-        return 0
+        reply({"metadata": worker.metadata_json().decode()})
+        return serve(handle)
     finally:
         worker.close()
         cache.close()
 
 
-class Peer:
-    """A prefill child process speaking ``KVC`` JSON lines, every read under a deadline."""
+def _peer(engine_id: str, progress_thread: bool = True) -> JsonLinePeer:
+    """A prefill child (or the bare-agent one, ``engine_id="raw"``); its hello is what it
+    publishes. Its stderr is not captured: only this process's outcome is under test."""
+    args = ["raw"] if engine_id == "raw" else [
+        "prefill", engine_id, "1" if progress_thread else "0"]
+    return JsonLinePeer.script(Path(__file__).name, *args, startup_timeout=DEADLINE_S,
+                               capture_stderr=False)
 
-    def __init__(self, engine_id: str, progress_thread: bool = True) -> None:
-        args = ["raw"] if engine_id == "raw" else [
-            "prefill", engine_id, "1" if progress_thread else "0"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-u", __file__, *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
-        self._buf = b""
 
-    def recv(self, timeout: float = DEADLINE_S) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                if line.startswith(PREFIX.encode()):
-                    return json.loads(line[len(PREFIX):])
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sel.select(left):
-                raise TimeoutError(f"no reply from the prefill child within {timeout} s")
-            chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
-            if not chunk:
-                raise RuntimeError(f"prefill child exited with {self.proc.poll()}")
-            self._buf += chunk
-
-    def send(self, cmd: str) -> None:
-        self.proc.stdin.write(cmd.encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-
-    def stop(self) -> None:
-        self.kill()
-        self.proc.wait(timeout=DEADLINE_S)
-        self._sel.close()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
+def _stop(peer: JsonLinePeer) -> None:
+    peer.kill()
+    peer.close()
 
 
 def raw_prefill() -> int:
@@ -148,7 +101,7 @@ def raw_prefill() -> int:
     agent = nixl_agent(f"raw-prefill-{os.getpid()}",
                        nixl_agent_config(backends=["UCX"], enable_prog_thread=True))
     agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-    _say({"agent_metadata": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data})
+    reply({"agent_metadata": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data})
     sys.stdin.read()  # until the parent closes stdin (or kills us)
     os._exit(0)  # never run this agent's destructor: only the decode side is under test
 
@@ -176,9 +129,9 @@ def raw_read_posted_after_kill() -> list[str]:
     ids = list(range(RAW_DESCS))
     outcomes = []
     for delay in RAW_DELAYS:
-        peer = Peer("raw")
+        peer = _peer("raw")
         try:
-            info = peer.recv()
+            info = peer.hello
             name = agent.add_remote_agent(bytes.fromhex(info["agent_metadata"]))
             remote = agent.prep_xfer_dlist(name, [
                 (info["addr"] + i * RAW_DESC_BYTES, RAW_DESC_BYTES, 0) for i in range(RAW_DESCS)],
@@ -198,7 +151,7 @@ def raw_read_posted_after_kill() -> list[str]:
             except Exception as exc:  # noqa: BLE001 - nixlRemoteDisconnectError expected
                 outcomes.append(type(exc).__name__)
         finally:
-            peer.stop()
+            _stop(peer)
     if not os.environ.get("KVC_TEARDOWN_SKIP_DRAIN"):
         drain_agent(agent, "raw-decode")
     # Retired as a forgotten agent is: handles, registration and peers left to its destructor.
@@ -224,19 +177,18 @@ def decode(scenario: str) -> int:
 
     if scenario == "raw_read_posted_after_kill":
         outcomes = raw_read_posted_after_kill()
-        _say({"scenario": scenario, "outcomes": outcomes, "teardown": "done"})
+        reply({"scenario": scenario, "outcomes": outcomes, "teardown": "done"})
         return 0
-    peerlib = _peerlib()
     cache = peerlib.make_cache(SPEC)
     worker = NixlConnectorWorker("decode", progress_thread=False)
     worker.register_kv_cache(cache)
     outcomes: list[str] = []
-    peers: list[Peer] = []
+    peers: list[JsonLinePeer] = []
 
-    def connect(progress_thread: bool = True) -> tuple[Peer, str]:
-        peer = Peer(f"prefill{len(peers)}", progress_thread)
+    def connect(progress_thread: bool = True) -> tuple[JsonLinePeer, str]:
+        peer = _peer(f"prefill{len(peers)}", progress_thread)
         peers.append(peer)
-        name = worker.add_peer(peer.recv()["metadata"])
+        name = worker.add_peer(peer.hello["metadata"])
         return peer, name
 
     try:
@@ -255,13 +207,11 @@ def decode(scenario: str) -> int:
         elif scenario == "peer_closed_agent":
             peer, name = connect()
             outcomes.append(_read(worker, name))
-            peer.send("close")
-            peer.recv()
+            peer.call(op="close")
             outcomes.append(_read(worker, name))
         elif scenario == "read_timeout":
             peer, name = connect(progress_thread=False)
-            peer.send("stall")
-            peer.recv()
+            peer.call(op="stall")
             outcomes.append(_read(worker, name, timeout=0.5))
             peer.kill()
         elif scenario == "notification_lost":
@@ -279,10 +229,10 @@ def decode(scenario: str) -> int:
         else:
             worker.close()
         gc.collect()
-        _say({"scenario": scenario, "outcomes": outcomes, "teardown": "done"})
+        reply({"scenario": scenario, "outcomes": outcomes, "teardown": "done"})
     finally:
         for peer in peers:
-            peer.stop()
+            _stop(peer)
         gc.collect()
         cache.close()
     return 0

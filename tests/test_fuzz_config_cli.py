@@ -11,28 +11,15 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
-from pathlib import Path
 from typing import Any
 
+import _reliability as fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvconnect.layout import PRESETS, KVCacheConfig, LayoutError, plan_layout, preset
-
-_here = Path(__file__).parent
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, _here / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-fuzz = _load("_reliability")
 
 
 def _preset_dicts() -> list[dict]:

@@ -6,13 +6,12 @@ fds the message announced, or raises IpcError; no fd stays open, and inside a se
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
 import struct
-from pathlib import Path
 
+import _reliability as fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,11 +24,6 @@ from kvconnect.framing import (
     IpcError,
     recv_message,
 )
-
-_spec = importlib.util.spec_from_file_location("_reliability",
-                                               Path(__file__).with_name("_reliability.py"))
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
 
 HEADER = struct.Struct(">4sBBHII")
 

@@ -17,9 +17,10 @@ import importlib.util
 import json
 import os
 import re
-from pathlib import Path
 from typing import Any
 
+import _nixl_peer as peerlib
+import _reliability as fuzz
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -28,17 +29,6 @@ from kvconnect import ExtensibleTensor
 from kvconnect.ipc import IpcError, PeerMapping, import_message
 from kvconnect.vmm.host import HostVmmDriver
 
-_here = Path(__file__).parent
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, _here / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-fuzz = _load("_reliability")
 G = 2 * 1024 * 1024
 
 # -- chunk records and export messages -------------------------------------------------------
@@ -144,24 +134,6 @@ def test_export_messages_from_a_peer(exported) -> None:
 
 # -- handshake documents --------------------------------------------------------------------
 
-def _valid_metadata() -> bytes:
-    from kvconnect.connectors.handshake import (
-        HandshakeMetadata,
-        LayoutFingerprint,
-        RegionAddress,
-        RegionFingerprint,
-    )
-
-    fp = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 4096, 4096),
-                                    RegionFingerprint("layer0", "v", 4096, 4096)),
-                           block_size=16, dtype="bfloat16", layout="kv_split_nhd")
-    return HandshakeMetadata(engine_id="p", agent_name="p-1", agent_metadata=b"\x00\x01md",
-                             memory_type="DRAM", fingerprint=fp,
-                             regions=(RegionAddress(1 << 40, 8), RegionAddress(1 << 41, 8)),
-                             registrations=((1 << 40, 32768, 0), (1 << 41, 32768, 0)),
-                             generation=3).to_json()
-
-
 @st.composite
 def raw_documents(draw: st.DrawFn, base_json: bytes) -> bytes:
     """A mutated document, then perhaps damaged as text: cut, wrapped in deep nesting, a
@@ -193,7 +165,7 @@ def test_handshake_documents_parse_or_raise_metadata_error() -> None:
     metadata that round-trips, or MetadataError."""
     from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
 
-    base = _valid_metadata()
+    base = peerlib.sample_metadata().to_json()
     n = fuzz.examples(1200)
     tally = fuzz.Tally("handshake documents: HandshakeMetadata.from_json", "MetadataError", n)
 
@@ -218,7 +190,6 @@ needs_nixl = pytest.mark.skipif(
 def registered_pair(nixl_worker):
     """Two registered NIXL workers in this process (real agents, host-backend caches):
     ``(decode, prefill metadata JSON)``."""
-    peerlib = _load("_nixl_peer")
     spec = {"preset": "llama3-8b-like", "overrides": {"num_layers": 2}, "num_blocks": 8,
             "capacity_blocks": 64}
     caches = [peerlib.make_cache(spec), peerlib.make_cache(spec)]

@@ -8,16 +8,14 @@ mapping under test.
 
 from __future__ import annotations
 
-import json
 import os
-import select
-import subprocess
-import sys
 import textwrap
-import time
+from collections.abc import Iterator
 
 import pytest
 import torch
+from _json_peer import JsonLinePeer
+from _nixl_peer import fill_cache
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError
 from kvconnect.connectors.ipc_transport import IpcTransport
@@ -33,26 +31,16 @@ from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import preset
 
 NUM_BLOCKS = 24
-OFFERS = "OFFERS "
 
 _CHILD = textwrap.dedent("""
-    import json, os, shutil, sys, tempfile
-    import torch
+    import os, shutil, sys, tempfile
+    from _json_peer import reply, serve
+    from _nixl_peer import fill_cache as fill
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
     from kvconnect.connectors.ipc_transport import IpcExportServer
 
     layers, seed, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-
-    def fill(cache, seed):
-        for ti, t in enumerate(cache.tensors):
-            for s in range(t.num_segments):
-                w = t.segment_view(s).view(torch.int64)
-                h = torch.arange(w.numel(), dtype=torch.int64)
-                h += (seed << 48) + (ti << 36) + (s << 32)
-                h *= -7046029254386353131
-                h ^= h >> 29
-                w.copy_(h)
 
     cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=n, num_layers=layers),
                               "cpu", capacity_blocks=n * 4, shareable=True)
@@ -61,58 +49,31 @@ _CHILD = textwrap.dedent("""
     fill(cache, seed)
     directory = tempfile.mkdtemp()
     server = IpcExportServer(cache, directory, "child", lambda: {os.getppid()}, 30.0)
-    print("OFFERS " + json.dumps(server.describe()), flush=True)
-    for line in sys.stdin:
-        if line.strip() == "sleep":
-            server.pause()
-            cache.release_physical()
-            cache.recommit()
-            seed += 1
-            fill(cache, seed)
-            server.resume()
-            print("OFFERS " + json.dumps(server.describe()), flush=True)
-    server.close()
-    shutil.rmtree(directory, ignore_errors=True)
-    cache.free()
+
+    def handle(cmd):
+        global seed
+        assert cmd["op"] == "sleep_wake", cmd
+        server.pause()
+        cache.release_physical()
+        cache.recommit()
+        seed += 1
+        fill(cache, seed)
+        server.resume()
+        reply({"offer": server.describe()})
+
+    try:
+        reply({"offer": server.describe()})
+        serve(handle)
+    finally:
+        server.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        cache.close()
 """)
 
 
-class _Child:
-    def __init__(self, layers: int, seed: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(layers), str(seed),
-                                      str(NUM_BLOCKS)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.offer = self.read_offer()
-
-    def read_offer(self, timeout: float = 60.0) -> dict:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], deadline - time.monotonic())
-            if not ready:
-                break
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith(OFFERS):
-                return json.loads(line[len(OFFERS):])
-        raise AssertionError(f"the serving child gave no offer (exit {self.proc.poll()})")
-
-    def sleep_wake(self) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("sleep\n")
-        self.proc.stdin.flush()
-        self.offer = self.read_offer()
-        return self.offer
-
-    def close(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+def _child(layers: int, seed: int) -> JsonLinePeer:
+    """A process serving a filled cache of ``layers`` layers: its hello holds the offer."""
+    return JsonLinePeer(["-c", _CHILD, str(layers), str(seed), str(NUM_BLOCKS)])
 
 
 def _cache(layers: int = 2) -> ExtensibleKVCache:
@@ -121,17 +82,6 @@ def _cache(layers: int = 2) -> ExtensibleKVCache:
     cache.allocate()
     cache.extend_kv_cache(NUM_BLOCKS)
     return cache
-
-
-def _fill(cache: ExtensibleKVCache, seed: int) -> None:
-    for ti, t in enumerate(cache.tensors):
-        for s in range(t.num_segments):
-            w = t.segment_view(s).view(torch.int64)
-            h = torch.arange(w.numel(), dtype=torch.int64)
-            h += (seed << 48) + (ti << 36) + (s << 32)
-            h *= -7046029254386353131
-            h ^= h >> 29
-            w.copy_(h)
 
 
 def _block(cache: ExtensibleKVCache, b: int) -> list[torch.Tensor]:
@@ -148,21 +98,20 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.fixture
-def child():
-    c = _Child(layers=2, seed=1)
-    yield c
-    c.close()
+def child() -> Iterator[JsonLinePeer]:
+    with _child(layers=2, seed=1) as c:
+        yield c
 
 
-def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: _Child) -> None:
+def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: JsonLinePeer) -> None:
     with _cache() as dst, _cache() as want, IpcTransport(dst, timeout=30) as ipc:
         assert isinstance(ipc, Transport)
-        _fill(dst, seed=99)
-        _fill(want, seed=1)  # what the child holds, computed here independently
+        fill_cache(dst, seed=99)
+        fill_cache(want, seed=1)  # what the child holds, computed here independently
         before = {b: _block(dst, b) for b in range(NUM_BLOCKS)}
-        first = ipc.open_peer("child", child.offer)
+        first = ipc.open_peer("child", child.hello["offer"])
         assert first > 0
-        assert ipc.open_peer("child", child.offer) == 0.0  # cached: no new mapping
+        assert ipc.open_peer("child", child.hello["offer"]) == 0.0  # cached: no new mapping
         remote, local = [20, 3, 4, 5, 11], [0, 7, 8, 9, 23]
         res = ipc.fetch("child", remote, local)
         assert res.bytes == len(remote) * dst.bytes_per_block and res.blocks == len(remote)
@@ -173,9 +122,9 @@ def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: _Child
             assert _same(_block(dst, b), before[b]), b
         assert ipc.fetch("child", [1], [1]).setup_seconds == 0.0  # paid once
         # the peer sleeps and wakes with new contents: a new generation, so a new mapping
-        offer = child.sleep_wake()
-        assert offer["generation"] == child.offer["generation"] > 1
-        _fill(want, seed=2)
+        offer = child.call(op="sleep_wake")["offer"]
+        assert offer["generation"] > child.hello["offer"]["generation"]
+        fill_cache(want, seed=2)
         assert ipc.open_peer("child", offer) > 0
         ipc.fetch("child", [6, 7], [2, 3])
         assert _same(_block(dst, 2), _block(want, 6)) and _same(_block(dst, 3), _block(want, 7))
@@ -191,10 +140,10 @@ def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: _Child
     ipc.close()  # idempotent
 
 
-def test_incompatible_layout_is_refused_before_any_copy(child: _Child) -> None:
+def test_incompatible_layout_is_refused_before_any_copy(child: JsonLinePeer) -> None:
     with _cache(layers=3) as dst, IpcTransport(dst, timeout=30) as ipc:
         with pytest.raises(IncompatiblePeerError, match="regions only here"):
-            ipc.open_peer("child", child.offer)
+            ipc.open_peer("child", child.hello["offer"])
         with pytest.raises(KVConnectorError, match="no open peer"):
             ipc.fetch("child", [0], [0])
 

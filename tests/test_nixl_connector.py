@@ -1,6 +1,7 @@
 """NIXL connector worker on committed extents: real NIXL (DRAM over UCX) between two processes.
 
-The prefill side runs in a child process (tests/_nixl_peer.py) holding host-backend
+The prefill side runs in a child process (tests/_nixl_peer.py, driven through
+tests/_json_peer.py) holding host-backend
 ExtensibleKVCaches whose reservations are far above the committed blocks; this process is the
 decode side and READs blocks from it. Metadata crosses the process boundary as JSON lines.
 NIXL agent start-up costs ~1 s each, so one child process serves every layout.
@@ -10,46 +11,36 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.util
 import json
-import os
 import pickle
-import selectors
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
+import _nixl_peer as peerlib
 import numpy as np
 import pytest
+from _json_peer import JsonLinePeer
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from kvconnect.connectors.handshake import (
     HandshakeMetadata,
     LayoutFingerprint,
     MetadataError,
-    RegionAddress,
     RegionFingerprint,
 )
 from kvconnect.connectors.nixl import (
     NixlConnectorWorker,
     check_descriptors_in_chunks,
     memory_type_for_device,
-    nixl_available,
+    nixl_importable,
     region_descriptors,
     registration_extents,
     transfer_regions,
 )
 
-_spec = importlib.util.spec_from_file_location("_nixl_peer", Path(__file__).with_name("_nixl_peer.py"))
-peerlib = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peerlib)
-
-needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL Python bindings not installed")
+needs_nixl = pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed")
 # The two-process tests share one child process; keep them on one xdist worker. Workers come
 # only from fixtures (`pair`, `nixl_worker`), which close them.
 pytestmark = [pytest.mark.xdist_group("nixl_two_process"), pytest.mark.nixl]
@@ -106,66 +97,9 @@ def _check_blocks(cache: Any, local_ids: list[int], remote_ids: list[int], seed:
             f"{key}: untouched local block {untouched} was written")
 
 
-class PeerProcess:
-    """The prefill child: JSON commands in, ``KVC``-prefixed JSON replies out, with deadlines."""
-
-    def __init__(self) -> None:
-        self.stderr = tempfile.TemporaryFile()
-        script = Path(__file__).with_name("_nixl_peer.py")
-        self.proc = subprocess.Popen([sys.executable, "-u", str(script)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
-        self._buf = b""
-
-    def send(self, **cmd: Any) -> None:
-        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def recv(self, timeout: float = 60.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                if line.startswith(peerlib.PREFIX.encode()):
-                    reply = json.loads(line[len(peerlib.PREFIX):])
-                    assert reply.get("ok"), f"peer failed: {reply.get('error')}\n{self.log()}"
-                    return reply
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no reply from the peer within {timeout} s\n{self.log()}")
-            if self._sel.select(left):
-                chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
-                if not chunk:
-                    raise RuntimeError(f"peer exited with {self.proc.poll()}\n{self.log()}")
-                self._buf += chunk
-
-    def call(self, timeout: float = 60.0, **cmd: Any) -> dict[str, Any]:
-        self.send(**cmd)
-        return self.recv(timeout)
-
-    def log(self) -> str:
-        self.stderr.seek(0)
-        return "peer stderr (tail):\n" + self.stderr.read().decode(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call(op="exit", timeout=20)
-                self.proc.wait(timeout=20)
-            except Exception:  # noqa: BLE001 - fall back to killing it
-                self.proc.kill()
-                self.proc.wait(timeout=20)
-        self._sel.close()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
-        self.stderr.close()
-
-
 class Pair:
     def __init__(self) -> None:
-        self.peer: PeerProcess | None = None
+        self.peer: JsonLinePeer | None = None
         self.caches: dict[str, Any] = {}
         self.workers: dict[str, NixlConnectorWorker] = {}
         self.metadata: dict[str, str] = {}
@@ -176,8 +110,7 @@ def open_pair(prefill_device: str = "cpu", decode_device: str = "cpu") -> Iterat
     """Prefill child + decode workers for every layout, registered; peers not yet loaded."""
     p = Pair()
     try:
-        p.peer = PeerProcess()
-        p.peer.recv(timeout=120)  # ready (the child imports torch and NIXL)
+        p.peer = JsonLinePeer.script("_nixl_peer.py")  # ready: it imported torch and NIXL
         p.peer.send(op="setup", layouts=[_spec(n, PREFILL_BLOCKS, device=prefill_device)
                                          for n in LAYOUTS])
         for name in LAYOUTS:  # meanwhile build the decode side
@@ -193,7 +126,7 @@ def open_pair(prefill_device: str = "cpu", decode_device: str = "cpu") -> Iterat
         for c in p.caches.values():
             c.close()
         if p.peer is not None:
-            p.peer.stop()
+            p.peer.close()
 
 
 @pytest.fixture(scope="module")
@@ -387,6 +320,14 @@ def test_register_before_final_commit_raises(nixl_worker: Any) -> None:
 
 
 @needs_nixl
+def test_a_missing_backend_plugin_is_refused(nixl_worker: Any) -> None:
+    worker = nixl_worker("no-plugin", backends=("NO_SUCH_BACKEND",), progress_thread=False)
+    with pytest.raises(KVConnectorError, match="NO_SUCH_BACKEND"):
+        worker.start()
+    assert not worker.is_started
+
+
+@needs_nixl
 def test_register_regions_of_a_plain_allocation(nixl_worker: Any) -> None:
     """Memory that is no ExtensibleKVCache (an ordinary allocation, the benchmarks' NIXL
     control) registers exactly its committed regions, one extent per allocation."""
@@ -458,19 +399,8 @@ def test_memory_type_for_device() -> None:
         memory_type_for_device("xpu:0")
 
 
-def _metadata() -> HandshakeMetadata:
-    fp = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 4096, 4096),
-                                    RegionFingerprint("layer0", "v", 4096, 4096)),
-                           block_size=16, dtype="bfloat16", layout="kv_split_nhd")
-    return HandshakeMetadata(engine_id="p", agent_name="p-1", agent_metadata=b"\x00\x01md",
-                             memory_type="DRAM", fingerprint=fp,
-                             regions=(RegionAddress(1 << 40, 8), RegionAddress(1 << 41, 8)),
-                             registrations=((1 << 40, 32768, 0), (1 << 41, 32768, 0)),
-                             generation=3)
-
-
 def test_metadata_roundtrip_and_validation() -> None:
-    md = _metadata()
+    md = peerlib.sample_metadata()
     assert HandshakeMetadata.from_json(md.to_json()) == md
     doc = json.loads(md.to_json())
 
@@ -491,10 +421,10 @@ def test_metadata_roundtrip_and_validation() -> None:
     bad(lambda d: d.pop("engine_id"), "missing field 'engine_id'")
     bad(lambda d: d.update(memory_type="FILE"), "memory_type must be")
     bad(lambda d: d["regions"][0].__setitem__(0, "0x1000"), r"regions\[0\].base_ptr must be an int")
-    bad(lambda d: d["regions"][0].__setitem__(1, True), r"num_blocks must be an integer")
-    bad(lambda d: d["regions"][0].__setitem__(0, -1), "outside")
+    bad(lambda d: d["regions"][0].__setitem__(1, True), r"num_blocks must be an int")
+    bad(lambda d: d["regions"][0].__setitem__(0, -1), "must be >= 0")
     bad(lambda d: d["regions"].pop(), "1 region addresses for 2 fingerprint regions")
-    bad(lambda d: d["fingerprint"]["regions"][1].__setitem__("block_len", 0), "outside")
+    bad(lambda d: d["fingerprint"]["regions"][1].__setitem__("block_len", 0), "must be positive")
     bad(lambda d: d["fingerprint"].update(num_regions=3), "num_regions = 3")
     bad(lambda d: d["fingerprint"]["regions"][1].update(part="k"), "layer/part twice")
     bad(lambda d: d["fingerprint"].update(layers="layer0"), "fingerprint.layers must be a list")
@@ -503,7 +433,7 @@ def test_metadata_roundtrip_and_validation() -> None:
 
 
 def test_fingerprint_differences_are_readable() -> None:
-    a = _metadata().fingerprint
+    a = peerlib.sample_metadata().fingerprint
     b = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 8192, 8192),
                                    RegionFingerprint("layer1", "v", 4096, 4096)),
                           block_size=32, dtype="float16", layout="kv_split_hnd",

@@ -10,35 +10,23 @@ READ (their contents are then undefined). Tests read the blocks' bytes, not logs
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
+import _nixl_peer as peerlib
+import _reliability as reliability
 import numpy as np
 import pytest
+from _json_peer import JsonLinePeer
 
 from kvconnect.connectors.errors import KVConnectorError, KVTransferError
 from kvconnect.connectors.handshake import HandshakeMetadata
-from kvconnect.connectors.nixl import nixl_available, transfer_regions
+from kvconnect.connectors.nixl import nixl_importable, transfer_regions
 
-_here = Path(__file__).parent
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, _here / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-peerlib = _load("_nixl_peer")
-service = _load("_nixl_service_peer")
-reliability = _load("_reliability")
 pytestmark = [pytest.mark.nixl,
-              pytest.mark.skipif(not nixl_available(), reason="NIXL Python bindings missing")]
+              pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings missing")]
 
 SPEC = {"preset": "llama3-8b-like", "overrides": {"num_layers": 2}, "num_blocks": 16,
         "capacity_blocks": 1024}
@@ -57,7 +45,7 @@ def peers() -> Iterator[Callable[[], Any]]:
     made: list[Any] = []
 
     def make() -> Any:
-        peer = service.ServicePeer()
+        peer = JsonLinePeer.script("_nixl_service_peer.py")
         made.append(peer)
         return peer
 

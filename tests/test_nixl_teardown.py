@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from kvconnect.connectors.nixl import nixl_available
+from kvconnect.connectors.nixl import nixl_importable
 
-pytestmark = [pytest.mark.skipif(not nixl_available(), reason="NIXL Python bindings not installed"),
+pytestmark = [pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed"),
               pytest.mark.nixl]
 
 CHILD = Path(__file__).with_name("_nixl_teardown_child.py")

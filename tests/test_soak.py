@@ -20,33 +20,23 @@ With ``KVC_RELIABILITY_RECORD=path`` each soak appends its figures as one JSON l
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
+from collections import Counter
 from typing import Any
 
+import _nixl_peer as peerlib
+import _nixl_service_peer as service
+import _reliability as reliability
 import numpy as np
 import pytest
+from _json_peer import JsonLinePeer
 
 from kvconnect import ExtensibleKVCache, ExtensibleTensor
-from kvconnect.connectors.nixl import nixl_available, transfer_regions
+from kvconnect.connectors.nixl import nixl_importable, transfer_regions
 from kvconnect.layout import preset
 from kvconnect.vmm import get_vmm_driver
 
-_here = Path(__file__).parent
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, _here / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-peerlib = _load("_nixl_peer")
-service = _load("_nixl_service_peer")
-reliability = _load("_reliability")
-needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL Python bindings not installed")
+needs_nixl = pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed")
 
 G = 2 * 1024 * 1024
 #: resident memory a soak may gain between its start and end snapshots (KiB). RSS moves in
@@ -68,9 +58,16 @@ def _report(name: str, start: dict, end: dict, **extra: Any) -> None:
                        rss_slack_kib=RSS_SLACK_KIB, **extra)
 
 
-def _assert_flat(start: dict, end: dict, exact: tuple[str, ...]) -> None:
+def _assert_flat(start: dict, end: dict, exact: tuple[str, ...],
+                 fds: tuple[list[str], list[str]] = ([], [])) -> None:
+    """``exact`` keys equal at both ends, RSS within the bound; ``fds``: the fd targets at the
+    start and the end, named in the message when the fd count moved."""
+    gained = Counter(fds[1]) - Counter(fds[0])
+    lost = Counter(fds[0]) - Counter(fds[1])
     for key in exact:
-        assert end[key] == start[key], f"{key}: {start[key]} at the start, {end[key]} at the end"
+        assert end[key] == start[key], (
+            f"{key}: {start[key]} at the start, {end[key]} at the end"
+            + (f" (fds gained {sorted(gained)}, lost {sorted(lost)})" if key == "fds" else ""))
     grown = end["rss_kib"] - start["rss_kib"]
     assert grown <= RSS_SLACK_KIB, f"resident memory grew by {grown} KiB (bound {RSS_SLACK_KIB})"
 
@@ -119,19 +116,21 @@ def test_sleep_wake_with_reregistration_stays_flat(vmm_device: str, nixl_worker:
             cycle(i)
         start = {**service.resource_snapshot(), **_nixl_state(worker),
                  "device_free_bytes": device_free()}
+        fds_start = service.fd_targets()
         t0 = time.perf_counter()
         for i in range(cycles):
             cycle(i)
         seconds = time.perf_counter() - t0
         end = {**service.resource_snapshot(), **_nixl_state(worker),
                "device_free_bytes": device_free()}
+        fds_end = service.fd_targets()
         where = "host" if vmm_device == "cpu" else vmm_device
         _report(f"sleep/wake + NIXL re-registration ({where})", start, end,
                 cycles=cycles, seconds=round(seconds, 3),
                 per_second=round(cycles / seconds, 1))
         assert end["generation"] == start["generation"] + cycles
         _assert_flat(start, end, ("fds", "maps", "registrations", "agent_metadata_bytes",
-                                  "device_free_bytes"))
+                                  "device_free_bytes"), (fds_start, fds_end))
         # NIXL knows exactly the current extents: all of them while registered, none after
         # deregistration (nothing of the 1,000 earlier registrations lingers).
         agent, extents = worker._agent, worker.registered_extents
@@ -226,7 +225,7 @@ def test_consecutive_transfers_against_one_peer_stay_flat(nixl_worker: Any) -> N
     """200 consecutive 1P1D NIXL READs against one peer process, each checked byte for
     byte: fds, maps, registrations and peers flat on both sides, RSS within the bound,
     one notification per READ."""
-    peer = service.ServicePeer()
+    peer = JsonLinePeer.script("_nixl_service_peer.py")
     cache = peerlib.make_cache(SPEC)
     try:
         md = peer.call(op="setup", spec=SPEC, engine_id="soak-prefill", seed=1)["metadata"]

@@ -11,8 +11,8 @@ import torch
 
 from .config import KVCacheConfig
 from .geometry import LayoutPlan, ViewGeometry
-from .plan import check_positive, plan_layout
-from .specs import LayoutError
+from .plan import plan_layout
+from .specs import LayoutError, layout_int
 
 __all__ = ["allocate_kv_caches", "build_kv_caches", "typed_view"]
 
@@ -69,7 +69,7 @@ def allocate_kv_caches(config: KVCacheConfig, device: str | torch.device = "cpu"
     must match when committed == capacity. ``num_blocks`` defaults to the config's.
     """
     plan = plan_layout(config)
-    n = config.num_blocks if num_blocks is None else check_positive("num_blocks", num_blocks)
+    n = config.num_blocks if num_blocks is None else layout_int("num_blocks", num_blocks)
     raw = [torch.zeros(n * tp.bytes_per_block, dtype=torch.uint8, device=device)
            for tp in plan.tensors]
     return raw, build_kv_caches(plan, raw, n)

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .specs import KVCacheSpec, LayoutError, dict_int, dict_list, dict_str
-
-if TYPE_CHECKING:
-    from .plan import LayoutPlan
+from ..checks import checked_int
+from .geometry import LayoutPlan
+from .plan import plan_layout
+from .specs import KVCacheSpec, LayoutError, dict_list, dict_str, layout_int
 
 __all__ = ["KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor"]
 
@@ -89,12 +89,12 @@ class KVCacheTensor:
         host_resident = d.get("host_resident", False)
         if not isinstance(host_resident, bool):
             raise LayoutError(f"{where}.host_resident must be a bool")
-        return cls(dict_int(f"{where}.size", d["size"]),
+        return cls(layout_int(f"{where}.size", d["size"]),
                    tuple(dict_str(f"{where}.layers", n) for n in names),
-                   None if stride is None else dict_int(f"{where}.layer_stride", stride),
-                   None if block_stride is None else dict_int(f"{where}.block_stride",
+                   None if stride is None else layout_int(f"{where}.layer_stride", stride),
+                   None if block_stride is None else layout_int(f"{where}.block_stride",
                                                               block_stride),
-                   dict_int(f"{where}.offset", d.get("offset", 0), minimum=0), host_resident)
+                   layout_int(f"{where}.offset", d.get("offset", 0), minimum=0), host_resident)
 
 
 @dataclass(frozen=True)
@@ -144,8 +144,6 @@ class KVCacheConfig:
 
     def plan(self) -> LayoutPlan:
         """:func:`kvconnect.layout.plan_layout` of this config."""
-        from .plan import plan_layout
-
         return plan_layout(self)
 
     @property
@@ -156,8 +154,7 @@ class KVCacheConfig:
     def with_num_blocks(self, num_blocks: int) -> KVCacheConfig:
         """The same cache laid out for a fresh allocation of ``num_blocks`` blocks (sizes,
         and in layer-outer placements the strides and offsets, scaled)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks!r}")
+        checked_int("num_blocks", num_blocks)
         if not self.is_placement:
             tensors = tuple(replace(t, size=t.size // self.num_blocks * num_blocks)
                             for t in self.kv_cache_tensors)
@@ -182,10 +179,8 @@ class KVCacheConfig:
         if not self.is_placement:
             return self.with_num_blocks(num_blocks)
         alloc = self.plan().alloc_blocks
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not (
-                1 <= num_blocks <= alloc):
-            raise ValueError(f"num_blocks must be between 1 and the {alloc} blocks the "
-                             f"placement holds, got {num_blocks!r}")
+        checked_int(f"num_blocks (between 1 and the {alloc} blocks the placement holds)",
+                    num_blocks, maximum=alloc)
         return replace(self, num_blocks=num_blocks)
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,9 +222,9 @@ class KVCacheConfig:
                                            KVCacheSpec.from_dict(g["kv_cache_spec"])))
         kbs = d.get("kernel_block_size")
         return cls(
-            num_blocks=dict_int("num_blocks", d["num_blocks"]),
+            num_blocks=layout_int("num_blocks", d["num_blocks"]),
             kv_cache_tensors=tuple(tensors),
             kv_cache_groups=tuple(groups),
             layout=dict_str("layout", d.get("layout", "kv_split_nhd")),
-            kernel_block_size=None if kbs is None else dict_int("kernel_block_size", kbs),
+            kernel_block_size=None if kbs is None else layout_int("kernel_block_size", kbs),
         )

@@ -15,20 +15,16 @@ Units: bytes unless a name says blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .config import KVCacheConfig, KVCacheTensor
 from .formats import LayerSlot, PageFormat, page_format
 from .geometry import LayerPlan, LayoutPlan, TensorPlan
-from .specs import AttentionSpec, KVCacheSpec, LayoutError, MambaSpec
+from .specs import AttentionSpec, KVCacheSpec, LayoutError, MambaSpec, layout_int
 
-__all__ = ["ConfigFacts", "check_positive", "plan_layout", "validate_config"]
+if TYPE_CHECKING:  # the config calls the planner (KVCacheConfig.plan); types only here
+    from .config import KVCacheConfig, KVCacheTensor
 
-
-def check_positive(what: str, value: object) -> int:
-    """``value`` if it is a positive int, else :class:`LayoutError` naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LayoutError(f"{what} must be a positive int, got {value!r}")
-    return value
+__all__ = ["ConfigFacts", "plan_layout", "validate_config"]
 
 
 @dataclass(frozen=True)
@@ -47,16 +43,16 @@ def validate_config(config: KVCacheConfig) -> ConfigFacts:
     """Check the rules every config obeys, whatever its layout; :class:`LayoutError` names
     the group, tensor or layer at fault."""
     fmt = page_format(config.layout)
-    check_positive("num_blocks", config.num_blocks)
+    layout_int("num_blocks", config.num_blocks)
     if config.kernel_block_size is not None:
-        check_positive("kernel_block_size", config.kernel_block_size)
+        layout_int("kernel_block_size", config.kernel_block_size)
     if not config.kv_cache_groups:
         raise LayoutError("the config has no KV cache groups")
     specs: dict[str, KVCacheSpec] = {}
     for g in config.kv_cache_groups:
         if not isinstance(g.kv_cache_spec, KVCacheSpec):
             raise LayoutError(f"group spec {g.kv_cache_spec!r} is not a KVCacheSpec")
-        check_positive("block_size", g.kv_cache_spec.block_size)
+        layout_int("block_size", g.kv_cache_spec.block_size)
         for n in g.layer_names:
             if n in specs:
                 raise LayoutError(f"layer {n!r} appears in more than one KV cache group")
@@ -69,7 +65,7 @@ def validate_config(config: KVCacheConfig) -> ConfigFacts:
                           "given) with shorthand (size, layers) tensors; use one form")
     owner: dict[str, int] = {}
     for i, t in enumerate(config.kv_cache_tensors):
-        check_positive(f"kv_cache_tensors[{i}].size", t.size)
+        layout_int(f"kv_cache_tensors[{i}].size", t.size)
         if t.host_resident:
             raise LayoutError(f"kv_cache_tensors[{i}] is host-resident (HiSparse host pool); "
                               f"kvconnect models device KV caches only")
@@ -95,8 +91,8 @@ def validate_config(config: KVCacheConfig) -> ConfigFacts:
 
 
 def _validate_placement(i: int, t: KVCacheTensor, buffer_size: int) -> None:
-    check_positive(f"kv_cache_tensors[{i}].layer_stride", t.layer_stride)
-    check_positive(f"kv_cache_tensors[{i}].block_stride", t.block_stride)
+    layout_int(f"kv_cache_tensors[{i}].layer_stride", t.layer_stride)
+    layout_int(f"kv_cache_tensors[{i}].block_stride", t.block_stride)
     if isinstance(t.offset, bool) or not isinstance(t.offset, int) or t.offset < 0:
         raise LayoutError(f"kv_cache_tensors[{i}].offset must be an int >= 0, got {t.offset!r}")
     if t.size != buffer_size:

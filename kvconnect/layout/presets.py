@@ -16,7 +16,6 @@ import torch
 
 from .config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from .formats import VLLM_LAYOUTS, page_format
-from .plan import check_positive as _check_positive
 from .plan import plan_layout
 from .specs import (
     AttentionSpec,
@@ -27,6 +26,7 @@ from .specs import (
     SlidingWindowSpec,
     dtype_from_name,
     itemsize,
+    layout_int,
 )
 
 __all__ = ["PRESETS", "attention_config", "hybrid_config", "mla_config", "placement_config",
@@ -41,7 +41,7 @@ def placement_config(groups: Sequence[KVCacheGroupSpec], layout: str, num_blocks
     row). Block strides are pages (layer-outer; ``LHBNC``: a head's page) or the largest
     group's row (block-outer)."""
     fmt = page_format(layout)
-    num_blocks = _check_positive("num_blocks", num_blocks)
+    num_blocks = layout_int("num_blocks", num_blocks)
     # bytes per block: the largest group's pages (groups overlay each other)
     row = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
     tensors = []
@@ -88,7 +88,7 @@ def attention_config(*, num_layers: int, num_kv_heads: int, head_size: int,
     dtype = dtype_from_name(dtype)
     full = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
                              head_size=head_size, dtype=dtype)
-    names = [_attn_name(i) for i in range(_check_positive("num_layers", num_layers))]
+    names = [_attn_name(i) for i in range(layout_int("num_layers", num_layers))]
     if sliding_window and sliding_window_every > 1:
         sw = SlidingWindowSpec(block_size=block_size, num_kv_heads=num_kv_heads,
                                head_size=head_size, dtype=dtype, sliding_window=sliding_window)
@@ -114,7 +114,7 @@ def mla_config(*, num_layers: int, kv_lora_rank: int = 512, qk_rope_head_dim: in
     spec = MLAAttentionSpec.latent(block_size=block_size, kv_lora_rank=kv_lora_rank,
                                    qk_rope_head_dim=qk_rope_head_dim,
                                    dtype=dtype_from_name(dtype))
-    names = [_attn_name(i) for i in range(_check_positive("num_layers", num_layers))]
+    names = [_attn_name(i) for i in range(layout_int("num_layers", num_layers))]
     groups = (KVCacheGroupSpec(tuple(names), spec),)
     if layout in VLLM_LAYOUTS:
         return placement_config(groups, layout, num_blocks, kernel_block_size)
@@ -135,10 +135,10 @@ def hybrid_config(*, num_layers: int, attn_period: int = 8, num_kv_heads: int = 
     an attention page holds the Mamba states, the Mamba page is padded to it, and each KV
     tensor is shared by one layer of every group. Attention is laid out block-major."""
     dtype = dtype_from_name(dtype)
-    num_layers = _check_positive("num_layers", num_layers)
+    num_layers = layout_int("num_layers", num_layers)
     if num_layers < 2:
         raise LayoutError("a hybrid model needs at least 2 layers (attention + Mamba)")
-    period = min(_check_positive("attn_period", attn_period), num_layers)
+    period = min(layout_int("attn_period", attn_period), num_layers)
     is_attn = [i % period == period // 2 for i in range(num_layers)]
     attn = [_attn_name(i) for i in range(num_layers) if is_attn[i]]
     mamba = [f"model.layers.{i}.mamba" for i in range(num_layers) if not is_attn[i]]

@@ -98,13 +98,13 @@ class KVCacheSpec:
                 args[name] = tuple(dict_dtype(f"{where}[{i}]", x)
                                    for i, x in enumerate(dict_list(where, value)))
             elif name == "shapes":
-                args[name] = tuple(tuple(dict_int(f"{where}[{i}]", v)
+                args[name] = tuple(tuple(layout_int(f"{where}[{i}]", v)
                                          for v in dict_list(f"{where}[{i}]", shape))
                                    for i, shape in enumerate(dict_list(where, value)))
             elif name == "page_size_padded" and value is None:
                 args[name] = None
             else:
-                args[name] = dict_int(where, value)
+                args[name] = layout_int(where, value)
         try:
             return kinds[kind](**args)
         except TypeError as exc:  # a required field is missing
@@ -112,8 +112,9 @@ class KVCacheSpec:
 
 
 # -- fields of config dicts (from JSON): each malformed one raises LayoutError -------------------
-def dict_int(what: str, value: object, minimum: int = 1) -> int:
-    """An int field ``>= minimum`` of a config dict, or LayoutError."""
+def layout_int(what: str, value: object, minimum: int = 1) -> int:
+    """``value`` if it is an int ``>= minimum`` (:func:`kvconnect.checks.checked_int`), else
+    :class:`LayoutError` naming ``what`` (config fields, sizes and counts of a layout)."""
     try:
         return checked_int(what, value, minimum=minimum)
     except ValueError as exc:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
 
 from .base import (
     DEFAULT_OPTIONS,
@@ -27,6 +26,7 @@ from .base import (
     PhysicalHandle,
     VmmDriver,
     VmmError,
+    VmmProbe,
     round_up,
 )
 from .reservation import Reservation
@@ -61,14 +61,6 @@ def __getattr__(name: str) -> object:
 
         return HipVmmDriver
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@dataclass(frozen=True)
-class VmmProbe:
-    """Result of probing a device: the driver, or ``None`` and the reason."""
-
-    driver: VmmDriver | None
-    reason: str = ""
 
 
 def parse_device(device: object) -> tuple[str, int]:

@@ -25,7 +25,7 @@ from ..checks import round_up
 __all__ = [
     "DEFAULT_OPTIONS", "DLPACK_CPU", "DLPACK_CUDA", "DLPACK_ROCM", "AllocationOptions",
     "DeviceCapabilities",
-    "GrantedFlags", "PhysicalHandle", "VmmDriver", "VmmError", "round_up",
+    "GrantedFlags", "PhysicalHandle", "VmmDriver", "VmmError", "VmmProbe", "round_up",
 ]
 
 #: DLPack device types (dlpack.h ``DLDeviceType``).
@@ -210,3 +210,10 @@ class VmmDriver(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}:{self.device_index}>"
 
+
+@dataclass(frozen=True)
+class VmmProbe:
+    """Result of probing a device: the driver, or ``None`` and the reason."""
+
+    driver: VmmDriver | None
+    reason: str = ""

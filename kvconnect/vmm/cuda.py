@@ -26,7 +26,6 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from ..checks import checked_int, round_up
 from . import _driver_api as api
@@ -39,10 +38,8 @@ from .base import (
     PhysicalHandle,
     VmmDriver,
     VmmError,
+    VmmProbe,
 )
-
-if TYPE_CHECKING:
-    from . import VmmProbe
 
 logger = logging.getLogger(__name__)
 
@@ -415,8 +412,6 @@ class CudaVmmDriver(GpuVmmDriver):
 def probe_gpu(cls: type[GpuVmmDriver], index: int, library: str | None = None) -> VmmProbe:
     """Check ``cls``'s backend on device ``index``: library, init, device, VMM attribute and a
     granularity-sized reserve+free. Returns ``VmmProbe(driver)`` or ``VmmProbe(None, reason)``."""
-    from . import VmmProbe  # lazy: kvconnect.vmm imports this module lazily too
-
     backend = cls.backend
     try:
         lib = api.load_library(backend, library)

@@ -29,14 +29,10 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from . import _driver_api as api
-from .base import DLPACK_ROCM
+from .base import DLPACK_ROCM, VmmProbe
 from .cuda import GpuVmmDriver, probe_gpu
-
-if TYPE_CHECKING:
-    from . import VmmProbe
 
 
 class HipVmmDriver(GpuVmmDriver):

@@ -17,6 +17,7 @@ import platform
 import sys
 from typing import Any
 
+from kvconnect.checks import checked_int
 from kvconnect.layout.formats import VLLM_LAYOUTS
 
 from .runner import START_METHODS
@@ -43,10 +44,10 @@ def _device(text: str) -> str:
 
 
 def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+    try:
+        return checked_int("the value", int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_metadata(argv: list[str]) -> dict[str, Any]:

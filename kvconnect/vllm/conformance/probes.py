@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from kvconnect.views import block_span
+
 __all__ = ["PROBES", "ConnectorProbe", "HostCopyBackendStandIn", "HostStreamStandIn",
            "NixlProbe", "dma_copy", "OffloadingProbe", "Region", "SimpleCPUOffloadProbe", "probe_for"]
 
@@ -43,7 +45,7 @@ class Region:
 
     @property
     def end(self) -> int:
-        return self.base + (self.num_blocks - 1) * self.block_stride + self.block_len
+        return self.base + block_span(self.num_blocks, self.block_stride, self.block_len)
 
 
 class ConnectorProbe:

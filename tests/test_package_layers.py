@@ -1,0 +1,131 @@
+"""The library's import structure: layers import downwards only and no module imports itself
+back through others, counting imports inside functions (not ``if TYPE_CHECKING:`` blocks,
+which never run).
+
+Layers, lowest first (a module may import its own layer or lower ones):
+
+0. base: torch-free helpers every layer uses (checks, polling, undo, lifetime, bounded JSON,
+   socket framing and sessions) and the ``kvconnect`` package root (``__version__``, lazy
+   exports);
+1. vmm: the VMM drivers;
+2. tensor: ExtensibleTensor, pointer views, POSIX-fd handle exchange (``ipc``);
+3. layout: configs, plans, page formats, presets;
+4. views: the committed-extent helpers and the page-sharing rule;
+5. kv_cache: ExtensibleKVCache (built on views) and sizing;
+6. connectors and the vLLM integration (``kvconnect.vllm``);
+7. harness.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kvconnect
+import kvconnect.connectors
+
+KVCONNECT = Path(kvconnect.__file__).parent
+CONNECTORS = Path(kvconnect.connectors.__file__).parent
+LAYERS = ("base", "vmm", "tensor", "layout", "views", "kv_cache", "connectors", "harness")
+#: module (or package prefix) -> layer; the longest matching prefix wins
+LAYER_OF = {
+    "kvconnect": "base", "kvconnect.checks": "base", "kvconnect.polling": "base",
+    "kvconnect.undo": "base", "kvconnect.lifetime": "base", "kvconnect.bounded_json": "base",
+    "kvconnect.framing": "base", "kvconnect.session": "base",
+    "kvconnect.vmm": "vmm",
+    "kvconnect._pointer_view": "tensor", "kvconnect.tensor": "tensor", "kvconnect.ipc": "tensor",
+    "kvconnect.layout": "layout",
+    "kvconnect.views": "views",
+    "kvconnect.kv_cache": "kv_cache", "kvconnect.sizing": "kv_cache",
+    "kvconnect.connectors": "connectors", "kvconnect.vllm": "connectors",
+    "kvconnect.harness": "harness",
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, root in (("kvconnect", KVCONNECT), ("kvconnect.connectors", CONNECTORS)):
+        for path in root.rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _layer(module: str) -> str:
+    prefix = max((p for p in LAYER_OF if module == p or module.startswith(p + ".")), key=len)
+    return LAYER_OF[prefix]
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node except those under ``if TYPE_CHECKING:``."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) \
+                    and child.test.id == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+    return out
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """kvconnect modules ``module`` imports (module level or in functions)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("kvconnect"):
+                continue
+            for alias in node.names:  # "from pkg import submodule" imports the submodule
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in modules else target)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("kvconnect"))
+    out.discard(module)
+    return out
+
+
+MODULES = _modules()
+GRAPH = {m: _imports(m, p, MODULES) for m, p in MODULES.items()}
+
+
+def test_the_parser_sees_the_imports() -> None:
+    assert "kvconnect.views" in GRAPH["kvconnect.kv_cache"]
+    assert "kvconnect.connectors.nixl_registration" in GRAPH["kvconnect.connectors.nixl"]
+    assert "kvconnect.vmm.cuda" in GRAPH["kvconnect.vmm.hip"]
+    assert {_layer(m) for m in MODULES} == set(LAYERS) - {"harness"}
+
+
+def test_imports_point_down_the_layers() -> None:
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = sorted(f"{m} ({_layer(m)}) imports {d} ({_layer(d)})"
+                    for m, deps in GRAPH.items() for d in deps
+                    if rank[_layer(d)] > rank[_layer(m)])
+    assert upward == []
+
+
+def test_no_import_cycle() -> None:
+    done: set[str] = set()
+
+    def visit(m: str, stack: list[str]) -> None:
+        if m in stack:
+            raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(m):], m]))
+        if m in done:
+            return
+        for dep in sorted(GRAPH.get(m, ())):
+            visit(dep, [*stack, m])
+        done.add(m)
+
+    for m in sorted(GRAPH):
+        visit(m, [])
