@@ -25,7 +25,7 @@ from .environment import (
     EnvironmentProblem,
     ResolvedDevice,
     describe,
-    nixl_available,
+    nixl_install_status,
     resolve_device,
 )
 from .faults import (
@@ -395,7 +395,7 @@ def _usage_error(parser: argparse.ArgumentParser, exc: UsageError) -> int:
 def _select_transports(cfg: RunConfig, explicit: bool) -> None:
     """Drop NIXL when it is not installed: exit 3 if asked for explicitly, else skip it."""
     if "nixl" in cfg.transports:
-        ok, reason = nixl_available()
+        ok, reason = nixl_install_status()
         if not ok:
             if explicit:
                 raise EnvironmentProblem(f"--transports nixl was asked for but {reason}")

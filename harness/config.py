@@ -90,13 +90,16 @@ class RunConfig:
         """Global index: prefills first, then decodes (GPU round-robin and torchrun RANK)."""
         return rank if role == PREFILL else self.num_prefill + rank
 
-    def device_for(self, role: str, rank: int) -> str:
-        """Device string of a worker: round-robin over the GPUs (``cpu`` on host)."""
+    def device_for(self, role: str, rank: int, local_index: int | None = None) -> str:
+        """Device string of a worker: round-robin over the GPUs by ``local_index`` (a
+        launcher's LOCAL_RANK) or else the worker's global index; ``cpu`` on host. The one
+        GPU round-robin of the harness."""
         if self.local_device:
             return self.local_device
-        if self.device == "host":
+        if self.device != "cuda":
             return "cpu"
-        return f"cuda:{self.worker_index(role, rank) % max(1, self.num_gpus)}"
+        index = self.worker_index(role, rank) if local_index is None else local_index
+        return f"cuda:{index % max(1, self.num_gpus)}"
 
     def block_sets(self, prefill_rank: int, decode_rank: int, round_no: int,
                    ) -> tuple[list[int], list[int]]:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from kvconnect.views import block_span, page_owners
+
 _M32 = 0xFFFFFFFF
 #: bound on the int64 scratch of one fill batch (bytes of generated content)
 _BATCH_BYTES = 32 * 1024 * 1024
@@ -69,51 +71,19 @@ class RegionSpec:
 
 
 def region_specs(cache: Any) -> list[RegionSpec]:
-    """The cache's committed regions as :class:`RegionSpec` (covered regions marked)."""
+    """The cache's committed regions as :class:`RegionSpec`, each region whose pages another
+    holds marked ``covered_by`` that holder (kvconnect's one page-sharing rule,
+    :func:`kvconnect.views.page_owners`; partial overlaps raise ``ValueError``)."""
     tensors = cache.tensors
     regions = list(cache.committed_regions())
+    holder = page_owners(regions)
     specs: list[RegionSpec] = []
     for i, r in enumerate(regions):
         base = tensors[r.tensor_index].base_ptr
         specs.append(RegionSpec(i, r.layer_name, r.part, int(r.block_len), int(r.block_stride),
                                 int(r.num_blocks), int(r.tensor_index), int(r.segment),
-                                int(r.base_ptr - base)))
-    return mark_covered(specs)
-
-
-def mark_covered(specs: Sequence[RegionSpec]) -> list[RegionSpec]:
-    """Mark regions whose every block lies inside an earlier region's blocks (same tensor,
-    same stride). Partial overlaps are a layout bug: ValueError."""
-    out: list[RegionSpec] = []
-    for s in specs:
-        cover = -1
-        for o in out:
-            if o.covered_by >= 0 or o.tensor_index != s.tensor_index:
-                continue
-            lo, hi = s.offset, s.offset + s.block_len
-            olo, ohi = o.offset, o.offset + o.block_len
-            if o.block_stride == s.block_stride and olo <= lo and hi <= ohi \
-                    and s.num_blocks <= o.num_blocks:
-                cover = o.index
-                break
-            if _overlaps(s, o):
-                raise ValueError(f"regions {o.layer_name}/{o.part} and {s.layer_name}/{s.part} "
-                                 "partially overlap: the layout is inconsistent")
-        out.append(RegionSpec(**{**asdict(s), "covered_by": cover}))
-    return out
-
-
-def _overlaps(a: RegionSpec, b: RegionSpec) -> bool:
-    if a.segment != b.segment:
-        return False
-    a_end = a.offset + (a.num_blocks - 1) * a.block_stride + a.block_len
-    b_end = b.offset + (b.num_blocks - 1) * b.block_stride + b.block_len
-    if a_end <= b.offset or b_end <= a.offset:
-        return False
-    if a.block_stride == b.block_stride:  # interleaved rows: compare within one row
-        la, lb = a.offset % a.block_stride, b.offset % b.block_stride
-        return la < lb + b.block_len and lb < la + a.block_len
-    return True
+                                int(r.base_ptr - base), -1 if holder[i] == i else holder[i]))
+    return specs
 
 
 def owners(specs: Sequence[RegionSpec]) -> list[RegionSpec]:
@@ -124,7 +94,7 @@ def owners(specs: Sequence[RegionSpec]) -> list[RegionSpec]:
 def rows_view(flat: torch.Tensor, spec: RegionSpec, num_blocks: int | None = None) -> torch.Tensor:
     """``(num_blocks, block_len)`` uint8 view over a bounded flat view of the region's span."""
     n = spec.num_blocks if num_blocks is None else num_blocks
-    span = (n - 1) * spec.block_stride + spec.block_len
+    span = block_span(n, spec.block_stride, spec.block_len)
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < span:
         raise ValueError(f"{spec.label}: need a flat uint8 view of {span} bytes, got "
                          f"{flat.dtype} {tuple(flat.shape)}")
@@ -134,7 +104,7 @@ def rows_view(flat: torch.Tensor, spec: RegionSpec, num_blocks: int | None = Non
 def cache_rows(cache: Any, spec: RegionSpec) -> torch.Tensor:
     """The region's rows in ``cache`` (bounded to committed memory by ``committed_view``)."""
     t = cache.tensors[spec.tensor_index]
-    span = (spec.num_blocks - 1) * spec.block_stride + spec.block_len
+    span = block_span(spec.num_blocks, spec.block_stride, spec.block_len)
     return rows_view(t.committed_view(spec.offset, span), spec)
 
 

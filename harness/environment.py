@@ -73,7 +73,7 @@ def torch_version() -> str | None:
     return package_version("torch")
 
 
-def nixl_available() -> tuple[bool, str]:
+def nixl_install_status() -> tuple[bool, str]:
     """Whether a NIXL Python API can be found (without importing it) and, if not, why."""
     for mod in NIXL_MODULES:
         top = mod.split(".")[0]

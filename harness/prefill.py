@@ -215,7 +215,7 @@ class PrefillWorker(WorkerSteps):
             seconds = time.perf_counter() - t0
             pool = conn.pool_bytes
         finally:
-            conn.free()
+            conn.close()
         unchanged = same_blocks(before, clobbered)
         if unchanged:
             ctl.failed("offload/clobber", f"blocks {[ids[i] for i in unchanged][:MAX_QUOTED]} "

@@ -429,10 +429,7 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
 
 
 def _local_device(cfg: RunConfig, m: Membership) -> str:
-    if cfg.device != "cuda":
-        return "cpu"
-    index = m.local_rank if m.local_rank is not None else cfg.worker_index(m.role, m.rank)
-    return f"cuda:{index % max(1, cfg.num_gpus)}"
+    return cfg.device_for(m.role, m.rank, local_index=m.local_rank)
 
 
 def _agree_on_config(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> bool:

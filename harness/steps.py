@@ -102,7 +102,7 @@ class WorkerSteps:
                 log.warning("%s: closing NIXL failed: %s", self.name, exc)
             self.nixl = None
         if self.cache is not None:
-            self.cache.free()
+            self.cache.close(force=True)  # cleanup: never mask the run's own error
             self.cache = None
 
     def hello(self) -> dict[str, Any]:

@@ -75,7 +75,7 @@ def test_console_script_exits_2_on_bad_arguments() -> None:
 def test_missing_nixl_asked_for_explicitly_exits_3(monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str],
                                                    tmp_path: Path) -> None:
-    monkeypatch.setattr(cli, "nixl_available", lambda: (False, "NIXL is not installed (test)"))
+    monkeypatch.setattr(cli, "nixl_install_status", lambda: (False, "NIXL is not installed (test)"))
     out = tmp_path / "r.json"
     junit = tmp_path / "r.xml"
     code, text = _run(["--transports", "nixl", "--device", "host", "--json", str(out),
@@ -93,12 +93,12 @@ def test_default_transports_skip_missing_nixl_with_the_reason() -> None:
     cli._select_transports(cfg, explicit=False)  # the real environment: NIXL is installed
     assert cfg.transports == ["ipc", "nixl"]
     cfg = RunConfig()
-    original = cli.nixl_available
+    original = cli.nixl_install_status
     try:
-        cli.nixl_available = lambda: (False, "no NIXL here")
+        cli.nixl_install_status = lambda: (False, "no NIXL here")
         cli._select_transports(cfg, explicit=False)
     finally:
-        cli.nixl_available = original
+        cli.nixl_install_status = original
     assert cfg.transports == ["ipc"] and cfg.skipped_transports == {"nixl": "no NIXL here"}
 
 

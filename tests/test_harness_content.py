@@ -3,7 +3,6 @@ miss (a flipped byte, a block in the wrong slot, the wrong layer or K/V half, a 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvconnect.harness.content import (
@@ -13,9 +12,10 @@ from kvconnect.harness.content import (
     fill,
     first_difference,
     generate,
-    mark_covered,
+    region_specs,
     rows_view,
 )
+from kvconnect.views import block_span
 
 
 def _spec(index: int = 0, layer: str = "model.layers.0", part: str = "k", block_len: int = 4096,
@@ -24,7 +24,7 @@ def _spec(index: int = 0, layer: str = "model.layers.0", part: str = "k", block_
 
 
 def _rows(spec: RegionSpec) -> torch.Tensor:
-    flat = torch.zeros((spec.num_blocks - 1) * spec.block_stride + spec.block_len,
+    flat = torch.zeros(block_span(spec.num_blocks, spec.block_stride, spec.block_len),
                        dtype=torch.uint8)
     return rows_view(flat, spec)
 
@@ -99,15 +99,25 @@ def test_a_misplaced_block_and_a_shifted_block_are_caught_with_the_offset() -> N
     assert first_difference(flipped, src[5]) == (123, int(src[5, 123]), int(flipped[123]))
 
 
-def test_mark_covered_finds_aliased_pages_and_rejects_partial_overlap() -> None:
-    attn = _spec(0, "attn", "kv", block_len=4096, stride=4096)
-    state = _spec(1, "mamba", "state", block_len=3000, stride=4096)
-    other = _spec(2, "attn2", "kv", block_len=4096, stride=4096, tensor=1)
-    marked = mark_covered([attn, state, other])
-    assert [m.covered_by for m in marked] == [-1, 0, -1]
-    shifted = _spec(1, "bad", "state", block_len=3000, stride=4096, offset=2000)
-    with pytest.raises(ValueError, match="partially overlap"):
-        mark_covered([attn, shifted])
+def test_region_specs_mark_the_pages_another_region_holds() -> None:
+    """A hybrid cache: every Mamba state region lies inside the attention page of the same KV
+    tensor, so it is covered by that attention region (kvconnect.views.page_owners); each
+    attention region holds its own pages."""
+    from kvconnect.kv_cache import ExtensibleKVCache
+    from kvconnect.layout import preset
+
+    cfg = preset("jamba-hybrid-like", num_blocks=4, num_layers=8, attn_period=4)
+    with ExtensibleKVCache(cfg, "cpu") as cache:
+        cache.allocate()
+        cache.extend_kv_cache(4)
+        specs = region_specs(cache)
+    holders = [s for s in specs if s.covered_by < 0]
+    covered = [s for s in specs if s.covered_by >= 0]
+    assert holders and covered and len(holders) == len(cache.tensors)
+    for s in covered:
+        h = specs[s.covered_by]
+        assert h.covered_by < 0 and h.tensor_index == s.tensor_index
+        assert h.offset <= s.offset and s.offset + s.block_len <= h.offset + h.block_len
 
 
 def test_region_spec_json_round_trip() -> None:

@@ -1,9 +1,8 @@
-"""The harness's import structure: worker processes load nothing of the coordinator, and no
-harness module imports one above it (no cycle, counting imports inside functions too)."""
+"""Worker processes load nothing of the coordinator (the import graph of every package,
+harness included, is checked for cycles and upward imports in tests/test_package_layers.py)."""
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
@@ -42,39 +41,3 @@ def test_a_worker_process_imports_no_coordinator_module(tmp_path: Path) -> None:
     leaked = sorted(f"kvconnect.harness.{m}" for m in COORDINATOR_MODULES
                     if f"kvconnect.harness.{m}" in loaded)
     assert leaked == []
-
-
-def _harness_imports(path: Path) -> set[str]:
-    """Harness modules ``path`` imports, at module level or inside functions."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                out.add(node.module.split(".")[0])
-            elif node.level == 1:
-                out.update(a.name for a in node.names)
-            elif node.module and node.module.startswith("kvconnect.harness."):
-                out.add(node.module.split(".")[2])
-        elif isinstance(node, ast.Import):
-            out.update(a.name.split(".")[2] for a in node.names
-                       if a.name.startswith("kvconnect.harness."))
-    return out
-
-
-def test_the_harness_import_graph_has_no_cycle() -> None:
-    modules = {p.stem for p in HARNESS.glob("*.py")} - {"__init__"}
-    graph = {m: _harness_imports(HARNESS / f"{m}.py") & modules for m in modules}
-    assert graph["worker"] and "cli" in graph  # the parser found imports at all
-    done: set[str] = set()
-
-    def visit(m: str, stack: list[str]) -> None:
-        if m in stack:
-            raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(m):], m]))
-        if m in done:
-            return
-        for dep in sorted(graph[m]):
-            visit(dep, [*stack, m])
-        done.add(m)
-
-    for m in sorted(graph):
-        visit(m, [])

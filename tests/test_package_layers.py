@@ -1,5 +1,5 @@
-"""The library's import structure: layers import downwards only and no module imports itself
-back through others, counting imports inside functions (not ``if TYPE_CHECKING:`` blocks,
+"""The package's import structure (library, connectors and harness): layers import downwards
+only and no module imports itself back through others, counting imports inside functions (not ``if TYPE_CHECKING:`` blocks,
 which never run).
 
 Layers, lowest first (a module may import its own layer or lower ones):
@@ -23,9 +23,11 @@ from pathlib import Path
 
 import kvconnect
 import kvconnect.connectors
+import kvconnect.harness
 
 KVCONNECT = Path(kvconnect.__file__).parent
 CONNECTORS = Path(kvconnect.connectors.__file__).parent
+HARNESS = Path(kvconnect.harness.__file__).parent
 LAYERS = ("base", "vmm", "tensor", "layout", "views", "kv_cache", "connectors", "harness")
 #: module (or package prefix) -> layer; the longest matching prefix wins
 LAYER_OF = {
@@ -44,7 +46,8 @@ LAYER_OF = {
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for package, root in (("kvconnect", KVCONNECT), ("kvconnect.connectors", CONNECTORS)):
+    for package, root in (("kvconnect", KVCONNECT), ("kvconnect.connectors", CONNECTORS),
+                          ("kvconnect.harness", HARNESS)):
         for path in root.rglob("*.py"):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -104,7 +107,8 @@ def test_the_parser_sees_the_imports() -> None:
     assert "kvconnect.views" in GRAPH["kvconnect.kv_cache"]
     assert "kvconnect.connectors.nixl_registration" in GRAPH["kvconnect.connectors.nixl"]
     assert "kvconnect.vmm.cuda" in GRAPH["kvconnect.vmm.hip"]
-    assert {_layer(m) for m in MODULES} == set(LAYERS) - {"harness"}
+    assert "kvconnect.harness.control" in GRAPH["kvconnect.harness.worker"]
+    assert {_layer(m) for m in MODULES} == set(LAYERS)
 
 
 def test_imports_point_down_the_layers() -> None:
