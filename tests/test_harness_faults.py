@@ -296,3 +296,36 @@ def test_the_table_goes_between_the_markers_and_nothing_else_changes(tmp_path: P
     again = doc.read_text()
     assert again.startswith("# Reliability\n\nintro\n\n") and again.endswith("\nlater\n")
     assert "kill-decode" not in again and again.count(fm.END) == 1
+
+
+class _RecordingControl:
+    """Stands in for the worker's control channel: records the checks a step reports."""
+
+    incarnation = 1
+
+    def __init__(self) -> None:
+        self.checks: list[tuple[str, str, dict[str, Any]]] = []
+
+    def failed(self, name: str, detail: str, data: dict[str, Any]) -> None:
+        self.checks.append((FAIL, name, data))
+
+    def passed(self, name: str, detail: str, data: dict[str, Any]) -> None:
+        self.checks.append((PASS, name, data))
+
+
+@pytest.mark.parametrize("device, verdict", [("cpu", FAIL), ("cuda:0", PASS)])
+def test_released_check_counts_every_fd_on_host_and_kv_mappings_only_on_cuda(
+        tmp_path: Path, device: str, verdict: str) -> None:
+    """An fd opened during the run and still open is a leak on the host backend; on CUDA it
+    is reported as runtime state (the driver's own fds outlive every kvconnect resource)."""
+    from kvconnect.harness.steps import WorkerSteps
+
+    steps = WorkerSteps.__new__(WorkerSteps)
+    steps.ctl, steps.device, steps.name = _RecordingControl(), device, "decode0"
+    before = Footprint.take()
+    with open(tmp_path / "held", "w"):
+        steps.check_released(before)
+    ((status, name, data),) = steps.ctl.checks
+    assert (status, name) == (verdict, "resources/released")
+    held = data["leaked"] if device == "cpu" else data["runtime_fds"]
+    assert held["num_fds"] == 1 and str(tmp_path / "held") in held["fds"]
