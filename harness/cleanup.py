@@ -24,6 +24,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .footprint import Footprint
@@ -36,6 +37,21 @@ _PR_SET_CHILD_SUBREAPER = 36
 TEMP_PREFIXES = ("kvv-", "kvconnect-", ".kvconnect-")
 #: seconds nvidia-smi gets to answer
 _SMI_TIMEOUT_S = 20.0
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of this host whose command line contains ``text`` (a run's forked workers share
+    their coordinator's command line, so a run's report path names all of them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if text.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def become_subreaper(on: bool = True) -> bool:

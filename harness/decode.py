@@ -74,12 +74,7 @@ class DecodeWorker(WorkerSteps):
         self.guard_cache = bool(restarted_workers(self.cfg.faults))
 
     def cleanup(self) -> None:
-        while self.transports:
-            _, transport = self.transports.popitem()
-            try:
-                transport.close()
-            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
-                log.warning("%s: closing a transport failed: %s", self.name, exc)
+        self.close_all(self.transports, "a transport")
         super().cleanup()
 
     def lane_attribution(self) -> Any:

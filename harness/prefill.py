@@ -40,12 +40,7 @@ class PrefillWorker(WorkerSteps):
         self.decode_pids: set[int] = set()
 
     def cleanup(self) -> None:
-        while self.exporters:
-            _, exporter = self.exporters.popitem()
-            try:
-                exporter.close()
-            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
-                log.warning("%s: closing an exporter failed: %s", self.name, exc)
+        self.close_all(self.exporters, "an exporter")
         super().cleanup()
 
     def start_exporters(self) -> None:

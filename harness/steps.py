@@ -113,6 +113,16 @@ class WorkerSteps:
     def steps(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def close_all(self, owned: dict[str, Any], what: str) -> None:
+        """Close and forget every object in ``owned`` (transports, exporters), logging a
+        failure and going on with the rest."""
+        while owned:
+            _, obj = owned.popitem()
+            try:
+                obj.close()
+            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
+                log.warning("%s: closing %s failed: %s", self.name, what, exc)
+
     def cleanup(self) -> None:
         if self.nixl is not None:
             try:

@@ -71,22 +71,9 @@ def matrix(only: str = "") -> list[tuple[str, str, str | None]]:
     return out
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    """Pids whose command line contains ``text`` (forked workers share the coordinator's)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if text.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def run_case(fault: str, phase: str, timeout: float) -> dict[str, Any]:
     """Run one combination; the row: what happened and whether it is what should."""
+    from kvconnect.harness.cleanup import processes_mentioning
     from kvconnect.harness.faults import EXPECT_RECOVERY, FAULT_KINDS
 
     spec = f"{fault}@{phase}"
@@ -134,7 +121,7 @@ def run_case(fault: str, phase: str, timeout: float) -> dict[str, Any]:
         if row["cleanup"] != "pass":
             problems.append(f"cleanup check: {cleanup[0]['detail'] if cleanup else 'missing'}")
         pids = [w["pid"] for w in report.get("workers", [])]
-        alive = [p for p in pids if p in _processes_mentioning(str(report_path))]
+        alive = [p for p in pids if p in processes_mentioning(str(report_path))]
         if alive:
             problems.append(f"processes left: {alive}")
     left = sorted(p.name for p in runtmp.iterdir())

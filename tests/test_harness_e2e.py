@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from kvconnect.harness.cleanup import processes_mentioning
+
 VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
 #: generous: the process imports torch first, which is slow on small CI machines
 PROCESS_TIMEOUT = 600
@@ -318,20 +320,6 @@ def test_sigterm_stops_the_run_as_sigint_does_reports_written_workers_stopped(
     assert took < 20, f"SIGTERM took {took:.1f} s to stop the run"
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    """Pids whose command line contains ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if text.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def test_a_killed_coordinator_leaves_no_worker_and_no_run_directory(tmp_path: Path) -> None:
     proc, tmpdir, out, _ = _start(
         tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
@@ -344,14 +332,14 @@ def test_a_killed_coordinator_leaves_no_worker_and_no_run_directory(tmp_path: Pa
         proc.wait(timeout=30)
         # forked workers share the coordinator's command line, which names the report path
         while time.monotonic() - t0 < 10 and (list(tmpdir.iterdir())
-                                              or _processes_mentioning(str(out))):
+                                              or processes_mentioning(str(out))):
             time.sleep(0.05)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert _processes_mentioning(str(out)) == []  # the stopped prefill0 too
+    assert processes_mentioning(str(out)) == []  # the stopped prefill0 too
     assert list(tmpdir.iterdir()) == [], f"left behind after {took:.1f} s"
     print(f"\nrun directory gone {took:.2f} s after SIGKILL of the coordinator")
 

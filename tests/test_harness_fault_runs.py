@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from kvconnect.harness.cleanup import processes_mentioning
+
 VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
 #: small and fast: the faults are the point, not the bytes
 SMALL = ["--device", "host", "--plain", "--num-layers", "1", "--num-blocks", "8"]
@@ -70,20 +72,6 @@ def validate(tmp_path: Path, tmpdir: Path, *args: str) -> Run:
                out, tmpdir)
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    """Pids whose command line contains ``text`` (forked workers share the coordinator's)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if text.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def _children_of(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():
@@ -104,7 +92,7 @@ def assert_nothing_left(run: Run) -> None:
     assert cleanup["status"] == "pass", cleanup["detail"]
     assert run.report["cleanup"]["processes"]["left"] == []
     assert run.report["workers"], run.output[-2000:]
-    assert _processes_mentioning(str(run.json_path)) == []
+    assert processes_mentioning(str(run.json_path)) == []
     assert list(run.tmpdir.iterdir()) == []
 
 
