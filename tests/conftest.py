@@ -71,3 +71,20 @@ def nixl_worker() -> Iterator[Callable[..., Any]]:
     yield make
     for worker in reversed(made):
         worker.close()
+
+
+@pytest.fixture
+def run_validate_cli(capsys: pytest.CaptureFixture[str]) -> Callable[[list[str]], tuple[int, str]]:
+    """Run ``kvconnect-validate``'s ``main`` in this process: ``(exit code, stdout + stderr)``
+    (argparse's own errors exit through SystemExit)."""
+    from kvconnect.harness import cli
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    return run

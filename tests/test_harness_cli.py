@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,15 +17,6 @@ from kvconnect.harness.config import RunConfig
 from kvconnect.harness.rendezvous import membership_from_env, parse_hostport
 
 VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
-
-
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        code = cli.main(argv)
-    except SystemExit as exc:  # argparse's own errors
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -50,18 +42,18 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
     (["--rendezvous", "h:1234", "--role", "decode", "--rank", "1"], "out of range"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    code, text = _run(argv, capsys)
+                                             run_validate_cli: Any) -> None:
+    code, text = run_validate_cli(argv)
     assert code == 2
     assert message in text
 
 
 def test_world_size_from_the_launcher_must_match(monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+                                                 run_validate_cli: Any) -> None:
     for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(k, v)
-    code, text = _run(["--prefill", "1", "--decode", "1"], capsys)
+    code, text = run_validate_cli(["--prefill", "1", "--decode", "1"])
     assert code == 2 and "WORLD_SIZE 3" in text
 
 
@@ -73,13 +65,13 @@ def test_console_script_exits_2_on_bad_arguments() -> None:
 
 
 def test_missing_nixl_asked_for_explicitly_exits_3(monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str],
+                                                   run_validate_cli: Any,
                                                    tmp_path: Path) -> None:
     monkeypatch.setattr(cli, "nixl_install_status", lambda: (False, "NIXL is not installed (test)"))
     out = tmp_path / "r.json"
     junit = tmp_path / "r.xml"
-    code, text = _run(["--transports", "nixl", "--device", "host", "--json", str(out),
-                       "--junit", str(junit), "-q"], capsys)
+    code, text = run_validate_cli(["--transports", "nixl", "--device", "host", "--json",
+                                   str(out), "--junit", str(junit), "-q"])
     assert code == 3
     assert "--transports nixl was asked for but NIXL is not installed (test)" in text
     report = json.loads(out.read_text())
@@ -102,12 +94,12 @@ def test_default_transports_skip_missing_nixl_with_the_reason() -> None:
     assert cfg.transports == ["ipc"] and cfg.skipped_transports == {"nixl": "no NIXL here"}
 
 
-def test_device_cuda_without_a_gpu_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+def test_device_cuda_without_a_gpu_exits_3(run_validate_cli: Any) -> None:
     from kvconnect.harness.environment import _probe_cuda
 
     if _probe_cuda()[0]:
         pytest.skip("a CUDA GPU with VMM is present")
-    code, text = _run(["--device", "cuda", "-q"], capsys)
+    code, text = run_validate_cli(["--device", "cuda", "-q"])
     assert code == 3
     assert "--device cuda was asked for but" in text
 

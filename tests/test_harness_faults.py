@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from kvconnect.harness import cli
 from kvconnect.harness.cleanup import Baseline, _new_temp_entries, children, take_baseline
 from kvconnect.harness.faults import (
     FAULT_KINDS,
@@ -34,15 +33,6 @@ from kvconnect.harness.footprint import Footprint
 from kvconnect.harness.report import FAIL, PASS, Check, Report
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        code = cli.main(argv)
-    except SystemExit as exc:  # argparse's own errors
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
 # -- parsing and refusal ------------------------------------------------------------------------
@@ -82,14 +72,14 @@ def test_the_registry_holds_every_fault_the_issue_names() -> None:
       "--rank", "0"], "needs a local run"),
 ])
 def test_bad_inject_specs_exit_2_with_a_message(argv: list[str], message: str,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    code, text = _run(argv, capsys)
+                                                run_validate_cli: Any) -> None:
+    code, text = run_validate_cli(argv)
     assert code == 2, text
     assert message in text
 
 
-def test_the_help_lists_the_faults_and_phases(capsys: pytest.CaptureFixture[str]) -> None:
-    code, text = _run(["--help"], capsys)
+def test_the_help_lists_the_faults_and_phases(run_validate_cli: Any) -> None:
+    code, text = run_validate_cli(["--help"])
     assert code == 0
     flat = " ".join(text.split())
     for name in FAULT_KINDS:
