@@ -115,6 +115,16 @@ def patch_state() -> dict[str, Any]:
             "plugin_module_loaded": "kvconnect.vllm.plugin" in sys.modules}
 
 
+def error_chain(exc: BaseException) -> dict[str, Any]:
+    """``{"chain": [{"type", "message"}, ...]}`` of ``exc`` and its causes."""
+    chain = []
+    e: BaseException | None = exc
+    while e is not None and len(chain) < 8:
+        chain.append({"type": type(e).__name__, "message": str(e)[:1200]})
+        e = e.__cause__ or e.__context__
+    return {"chain": chain}
+
+
 # -- scenarios -------------------------------------------------------------------------------
 def _memory(llm: Any, facts: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -181,13 +191,8 @@ def scenario_bad_input(spec: dict[str, Any]) -> dict[str, Any]:
     error: dict[str, Any] | None = None
     try:
         make_llm(spec)
-    except BaseException as exc:  # noqa: BLE001 - the error is the result
-        chain = []
-        e: BaseException | None = exc
-        while e is not None:
-            chain.append({"type": type(e).__name__, "message": str(e)[:1200]})
-            e = e.__cause__ or e.__context__
-        error = {"chain": chain}
+    except Exception as exc:  # the error is the result
+        error = error_chain(exc)
     return {"error": error, "patch": patch_state(),
             "live_plugin_caches": len(engine_cache.kv_cache_facts()),
             "kvconnect_chunk_mappings": kvconnect_chunk_mappings(os.getpid())}
