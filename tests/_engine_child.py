@@ -66,12 +66,17 @@ def kvconnect_chunk_mappings(pid: int) -> int:
 
 
 # -- engine helpers --------------------------------------------------------------------------
+#: on a GPU, engines share the device: a 1 GiB KV cache each, as VLLM_CPU_KVCACHE_SPACE=1 on CPU
+CUDA_ENGINE = {"kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.15}
+
+
 def make_llm(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
     from kvconnect.vllm.tiny_model import engine_kwargs
 
-    return LLM(**engine_kwargs(spec["model"], **spec.get("engine", {})))
+    device = CUDA_ENGINE if os.environ.get("VLLM_TARGET_DEVICE") == "cuda" else {}
+    return LLM(**engine_kwargs(spec["model"], **device, **spec.get("engine", {})))
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int,
