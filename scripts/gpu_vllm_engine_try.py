@@ -13,7 +13,7 @@ goes step by step, each in its own process under a deadline, and records where i
 3. ``engine_off`` / ``engine_on``: the stub architecture (``LlamaForCausalLM`` registered
    again with the class object, which vLLM inspects in-process, no subprocess), the tiny
    seeded Llama of kvconnect.vllm.tiny_model, an in-process ``LLM`` with
-   ``attention_config.backend = TRITON_ATTN``, ``custom_ops: ["none"]`` (torch-native
+   ``attention_backend=TRITON_ATTN``, ``custom_ops: ["none"]`` (torch-native
    norms / rotary / activations instead of the absent ``_C`` kernels), eager mode; greedy
    tokens for a prompt and its first-token control; with the plugin on, its facts.
 
@@ -74,7 +74,8 @@ ENGINE = RUNTIME + textwrap.dedent("""
         t0 = time.monotonic()
         kw = engine_kwargs(sys.argv[1], compilation_config={"custom_ops": ["none"]})
         if os.environ["KVC_DEVICE"].startswith("cuda"):
-            kw.update(attention_config={"backend": "TRITON_ATTN"},
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+            kw.update(attention_backend=AttentionBackendEnum["TRITON_ATTN"],
                       gpu_memory_utilization=0.3)
         llm = LLM(**kw)
         startup = time.monotonic() - t0

@@ -137,3 +137,28 @@ def test_capacity_below_vllm_size_and_unsupported_version_are_refused() -> None:
     assert "KVCONNECT_KV_CAPACITY_BYTES=8388608" in r["capacity"]
     assert "Nothing was reserved" in r["capacity"] and r["live"] == 0
     assert "0.34.0" in r["version"] and not r["installed"]
+
+
+def test_register_defers_patching_until_vllm_imports_the_worker_modules() -> None:
+    r = _run("""
+        workers = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_worker",
+                   "vllm.v1.worker.utils")
+        before = [m in sys.modules for m in workers]
+        plugin.register()
+        out = {"before": before, "after_register": [m in sys.modules for m in workers],
+               "patched_at_register": plugin.patched_sites()}
+        import vllm.v1.worker.gpu_model_runner as g
+        import vllm.v1.worker.utils as u
+        import vllm.v1.worker.gpu_worker as w
+        out["patched"] = [getattr(g.allocate_kv_cache, "_kvconnect", False),
+                          getattr(u.allocate_kv_cache, "_kvconnect", False),
+                          getattr(w.Worker.sleep, "_kvconnect", False)]
+        original = g.allocate_kv_cache.__wrapped__
+        plugin.uninstall()
+        out["restored"] = g.allocate_kv_cache is original and u.allocate_kv_cache is original
+        print(json.dumps(out))
+    """, KVCONNECT_EXTENSIBLE_KV="1")
+    assert r["before"] == r["after_register"] == [False, False, False]
+    assert r["patched_at_register"] == []
+    assert r["patched"] == [True, True, True]
+    assert r["restored"]

@@ -9,7 +9,9 @@ replaces vLLM's one KV allocation, ``allocate_kv_cache`` (imported by name into 
 runner, ``gpu_model_runner``, and the V2 runner, ``gpu/attn_utils``), with
 :func:`kvconnect.vllm.engine_cache.allocate_extensible_kv_cache`: a VMM reservation of
 ``KVCONNECT_KV_CAPACITY_BYTES`` (default: the device's total memory), one block committed
-first, then vLLM's final block count at the same addresses.
+first, then vLLM's final block count at the same addresses. Modules are patched when they
+are imported (an import hook; those already imported at once), so the front end, which
+never allocates a KV cache, imports nothing more for the plugin.
 
 It also gives vLLM's workers three methods, for ``LLM.collective_rpc`` (names, not pickled
 callables, cross the process boundary)::
@@ -27,9 +29,11 @@ Facts: docs/vllm-plugin.md.
 from __future__ import annotations
 
 import functools
-import importlib
+import importlib.abc
 import logging
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from .plugin_settings import (
@@ -48,18 +52,64 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CAPACITY_ENV", "ENTRY_POINT", "SUPPORTED_VLLM_SERIES", "SWITCH_ENV",
            "PluginConfigError", "UnsupportedVllmError", "capacity_bytes_from_env",
-           "check_vllm_version", "enabled", "install", "installed", "register"]
+           "check_vllm_version", "enabled", "install", "installed", "patched_sites", "register",
+           "uninstall"]
 
-#: modules that hold ``allocate_kv_cache`` by name (missing ones are skipped)
+#: modules that hold ``allocate_kv_cache`` by name (a build may lack some)
 _ALLOCATION_SITES = ("vllm.v1.worker.utils", "vllm.v1.worker.gpu_model_runner",
                      "vllm.v1.worker.gpu.attn_utils")
-#: what install() replaced: (module, attribute, original), so tests can see it and undo it
+_WORKER_BASE = "vllm.v1.worker.worker_base"
+_GPU_WORKER = "vllm.v1.worker.gpu_worker"
+#: what was replaced: (module or class, attribute, original), so uninstall() can undo it
 _patched: list[tuple[Any, str, Any]] = []
+#: the import hook while installed
+_hook: list[_PatchAfterImport] = []
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then ``patch`` on the fresh module; everything else (sources,
+    resources) is the real loader's."""
+
+    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Patches vLLM's worker modules when (and in whichever process) they are imported, so
+    the front end, which never allocates a KV cache, imports none of them for the plugin."""
+
+    def __init__(self, targets: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.targets = targets
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        patch = self.targets.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
 
 
 def installed() -> bool:
-    """True once :func:`install` patched vLLM in this process."""
-    return bool(_patched)
+    """True once :func:`install` ran in this process (and until :func:`uninstall`)."""
+    return bool(_hook)
 
 
 def register() -> None:
@@ -77,45 +127,62 @@ def register() -> None:
 
 
 def install() -> None:
-    """Patch vLLM in this process (idempotent): the allocation sites, the workers' RPC
-    methods and, where vLLM has connector sleep support, sleep / wake_up."""
-    if _patched:
+    """Patch vLLM in this process (idempotent): ``allocate_kv_cache`` where it is bound by
+    name, the workers' RPC methods and, where vLLM's connectors can deregister (0.33),
+    ``sleep`` / ``wake_up``. Modules already imported are patched now, the others when they
+    are imported (an import hook)."""
+    if _hook:
         return
-    from . import engine_cache
-
-    sites = []
-    for name in _ALLOCATION_SITES:  # import all first: they bind the original by name
-        try:
-            sites.append(importlib.import_module(name))
-        except ImportError:  # a runner this build lacks (e.g. V2 on an older vLLM)
-            continue
+    targets: dict[str, Callable[[ModuleType], None]] = {
+        **{name: _patch_allocation for name in _ALLOCATION_SITES},
+        _WORKER_BASE: _patch_worker_base, _GPU_WORKER: _wrap_sleep}
+    hook = _PatchAfterImport(targets)
     try:
-        for module in sites:
-            original = getattr(module, "allocate_kv_cache", None)
-            if original is None:
-                continue
-            _set(module, "allocate_kv_cache",
-                 functools.wraps(original)(functools.partial(
-                     engine_cache.allocate_extensible_kv_cache, original=_unwrapped(original))))
-        from vllm.v1.worker.worker_base import WorkerBase
-
-        for method, impl in (("kvconnect_kv_cache_facts", engine_cache.worker_facts),
-                             ("kvconnect_release_kv_cache", engine_cache.release_kv_cache),
-                             ("kvconnect_recommit_kv_cache", engine_cache.recommit_kv_cache)):
-            _set(WorkerBase, method, impl)
-        _wrap_sleep(engine_cache)
+        for name, patch in targets.items():
+            if name in sys.modules:
+                patch(sys.modules[name])
+        sys.meta_path.insert(0, hook)
+        _hook.append(hook)
     except BaseException:
         uninstall()
         raise
-    logger.debug("kvconnect plugin installed: %s", [f"{m.__name__}.{a}" for m, a, _ in _patched])
+    logger.debug("kvconnect plugin installed; patched so far: %s", patched_sites())
+
+
+def patched_sites() -> list[str]:
+    """``module.attribute`` of everything the plugin replaced so far in this process."""
+    return [f"{o.__module__}.{o.__qualname__}.{a}" if isinstance(o, type) else f"{o.__name__}.{a}"
+            for o, a, _ in _patched]
+
+
+def _patch_allocation(module: ModuleType) -> None:
+    from . import engine_cache
+
+    current = getattr(module, "allocate_kv_cache", None)
+    if current is None:
+        return
+    original = _unwrapped(current)
+    _set(module, "allocate_kv_cache", functools.wraps(original)(functools.partial(
+        engine_cache.allocate_extensible_kv_cache, original=original)), original)
+
+
+def _patch_worker_base(module: ModuleType) -> None:
+    from . import engine_cache
+
+    for method, impl in (("kvconnect_kv_cache_facts", engine_cache.worker_facts),
+                         ("kvconnect_release_kv_cache", engine_cache.release_kv_cache),
+                         ("kvconnect_recommit_kv_cache", engine_cache.recommit_kv_cache)):
+        _set(module.WorkerBase, method, impl)
 
 
 def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
     return getattr(fn, "__wrapped__", fn) if getattr(fn, "_kvconnect", False) else fn
 
 
-def _set(owner: Any, attr: str, value: Any) -> None:
-    original = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+def _set(owner: Any, attr: str, value: Any, original: Any = None) -> None:
+    if original is None:
+        original = (owner.__dict__.get(attr) if isinstance(owner, type)
+                    else getattr(owner, attr, None))
     try:
         value._kvconnect = True
     except AttributeError:
@@ -124,12 +191,15 @@ def _set(owner: Any, attr: str, value: Any) -> None:
     setattr(owner, attr, value)
 
 
-def _wrap_sleep(engine_cache: Any) -> None:
+def _wrap_sleep(module: ModuleType) -> None:
     """0.33: release after the connectors deregistered, recommit before they re-register.
     vLLM 0.32's connectors cannot deregister, so its sleep is left alone (the workers'
     ``kvconnect_release_kv_cache`` refuses there while a connector is configured)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-    from vllm.v1.worker.gpu_worker import Worker
+
+    from . import engine_cache
+
+    Worker = module.Worker  # noqa: N806 - vLLM's class
 
     if not hasattr(KVConnectorBase_V1, "unregister_kv_caches"):
         return
@@ -151,6 +221,10 @@ def _wrap_sleep(engine_cache: Any) -> None:
 def uninstall() -> None:
     """Undo :func:`install` in this process (for tests; an engine built meanwhile keeps the
     cache it was given)."""
+    while _hook:
+        hook = _hook.pop()
+        if hook in sys.meta_path:
+            sys.meta_path.remove(hook)
     while _patched:
         owner, attr, original = _patched.pop()
         if original is None:
