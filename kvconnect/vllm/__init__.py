@@ -34,6 +34,11 @@ _EXPORTS: dict[str, str] = {
     "KvconnectOffloadingConnector": "kvconnect.vllm.connectors",
     "prepare_cpu_runtime": "kvconnect.vllm.runtime",
     "vllm_available": "kvconnect.vllm.runtime",
+    "PluginConfigError": "kvconnect.vllm.plugin_settings",
+    "UnsupportedVllmError": "kvconnect.vllm.plugin_settings",
+    "kv_cache_facts": "kvconnect.vllm.engine_cache",
+    "write_tiny_llama": "kvconnect.vllm.tiny_model",
+    "install_simple_cpu_offload_host_stand_ins": "kvconnect.vllm.host_stand_ins",
 }
 
 __all__ = sorted(_EXPORTS)
