@@ -41,5 +41,5 @@ def run_conformance(connectors: Sequence[str], layouts: Iterable[str] = VLLM_LAY
 
     specs = [{"connector": c, "layout": lay, **geometry}
              for c in connectors for lay in layouts]
-    return run_cases(specs, timeout=timeout or DEFAULT_TIMEOUT, on_result=on_result,
-                     start_method=start_method)
+    return run_cases(specs, timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+                     on_result=on_result, start_method=start_method)

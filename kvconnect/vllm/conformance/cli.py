@@ -5,8 +5,11 @@
         --layouts LBHNC,BLHNC --json out.json --markdown out.md
 
 A connector is ``module:Class`` (loaded as vLLM loads ``kv_connector_module_path``) or a
-name vLLM registers. Exit status 0 when every case passes, 1 when any does not, 2 on bad
-usage. Needs vLLM 0.33 (``make test-vllm`` builds a CPU environment).
+name vLLM registers; any ``KVConnectorBase_V1`` subclass can be checked (what could not be
+checked for it is listed, in words). Exit status: 0 when every case passes, 1 when any does
+not, 2 on bad usage (found before any case runs: options, output paths), 3 when the run
+cannot happen here (vLLM not installed, no GPU for ``--device cuda:N``). Needs vLLM 0.32 or
+0.33 (``make test-vllm`` builds a CPU environment).
 """
 
 from __future__ import annotations
@@ -15,39 +18,36 @@ import argparse
 import json
 import platform
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from kvconnect.checks import checked_int
 from kvconnect.layout.formats import VLLM_LAYOUTS
 
+from .options import (
+    OptionError,
+    check_output_path,
+    gpu_absent_reason,
+    parse_device,
+    parse_layouts,
+    parse_positive,
+    parse_timeout,
+)
 from .runner import START_METHODS
 
-__all__ = ["main", "run_metadata"]
+__all__ = ["EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main", "run_metadata"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
 
 
-def _layouts(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in out if x not in VLLM_LAYOUTS]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"unknown layouts {bad}; choose from {VLLM_LAYOUTS}")
-    return out
-
-
-def _device(text: str) -> str:
-    from kvconnect.vllm.runtime import is_cuda_device
-
-    try:
-        is_cuda_device(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return text
-
-
-def _positive(text: str) -> int:
-    try:
-        return checked_int("the value", int(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _arg(parse: Callable[..., Any], *args: Any) -> Callable[[str], Any]:
+    """An argparse ``type`` from one of :mod:`.options`' parsers."""
+    def parse_arg(text: str) -> Any:
+        try:
+            return parse(text, *args)
+        except OptionError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse_arg.__name__ = parse.__name__.removeprefix("parse_")
+    return parse_arg
 
 
 def run_metadata(argv: list[str]) -> dict[str, Any]:
@@ -81,18 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stock-and-patched", action="store_true",
                    help="add vLLM 0.33's NIXL / SimpleCPUOffload / Offloading connectors and "
                         "kvconnect's patched ones")
-    p.add_argument("--layouts", type=_layouts, default=list(VLLM_LAYOUTS),
-                   help="comma-separated vLLM layouts (default: all six)")
-    p.add_argument("--num-blocks", type=_positive, default=128, help="committed blocks")
-    p.add_argument("--capacity-blocks", type=_positive, default=1024,
-                   help="reserved blocks (default 1024: 8x committed)")
-    p.add_argument("--num-layers", type=_positive, default=2)
-    p.add_argument("--device", type=_device, default="cpu",
+    p.add_argument("--layouts", type=_arg(parse_layouts), default=list(VLLM_LAYOUTS),
+                   help="comma-separated vLLM layouts: " + ", ".join(VLLM_LAYOUTS)
+                        + " (default: all six)")
+    p.add_argument("--num-blocks", type=_arg(parse_positive, "--num-blocks"), default=128,
+                   help="committed blocks")
+    p.add_argument("--capacity-blocks", type=_arg(parse_positive, "--capacity-blocks"),
+                   default=1024, help="reserved blocks (default 1024: 8x committed)")
+    p.add_argument("--num-layers", type=_arg(parse_positive, "--num-layers"), default=2)
+    p.add_argument("--device", type=_arg(parse_device), default="cpu",
                    help="cpu (host VMM backend) or cuda:N (CUDA VMM; vLLM's CUDA platform)")
     p.add_argument("--start-method", choices=START_METHODS, default="fork",
                    help="fork the warmed-up parent per case (default) or spawn a fresh "
                         "interpreter per case (slower: vLLM imported each time)")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
+    p.add_argument("--timeout", type=_arg(parse_timeout), default=180.0,
+                   help="seconds per case, a finite number above 0 (default 180)")
     p.add_argument("--pd", action="store_true",
                    help="also run a 1P1D transfer through vLLM's connector API (scheduler and "
                         "worker roles, vLLM's handshake) for NIXL-kind connectors")
@@ -104,61 +107,106 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _usage(message: str) -> int:
+    print(f"kvconnect-conformance: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _environment(message: str) -> int:
+    print(f"kvconnect-conformance: cannot run: {message}", file=sys.stderr)
+    return EXIT_ENVIRONMENT
+
+
+def _preflight(args: argparse.Namespace) -> int | None:
+    """Usage (exit 2) and environment (exit 3) problems, before any case runs."""
+    if not args.connectors and not args.stock_and_patched:
+        return _usage("name at least one connector (module:Class), or pass "
+                      "--stock-and-patched")
+    if args.capacity_blocks < args.num_blocks:
+        return _usage("--capacity-blocks must be >= --num-blocks")
+    try:
+        for flag in ("json", "jsonl", "markdown"):
+            check_output_path(f"--{flag}", getattr(args, flag))
+    except OptionError as exc:
+        return _usage(str(exc))
+    from kvconnect.vllm.runtime import is_cuda_device, vllm_available
+
+    if is_cuda_device(args.device):
+        reason = gpu_absent_reason(args.device)
+        if reason:
+            return _environment(reason)
+    reason = vllm_available()
+    if reason:
+        return _environment(reason)
+    return None
+
+
+def _write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".kvconnect-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _show(r: dict[str, Any], jsonl: str | None) -> None:
+    from .report import evidence
+
+    unchecked = r.get("unchecked") or {}
+    note = f" (not checked: {', '.join(unchecked)})" if unchecked else ""
+    print(f"{r['connector'].rsplit(':', 1)[-1]:<36} {r['layout']:<6} {r['status']:<8} "
+          f"{evidence(r)}{note}", flush=True)
+    if jsonl:
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from kvconnect.vllm.runtime import vllm_available
-
-    reason = vllm_available()
-    if reason:
-        print(f"kvconnect-conformance: {reason}", file=sys.stderr)
-        return 2
+    problem = _preflight(args)
+    if problem is not None:
+        return problem
     from . import STOCK_AND_PATCHED, run_conformance
-    from .report import evidence, render_markdown
+    from .report import render_markdown
 
     connectors = list(args.connectors) + (list(STOCK_AND_PATCHED) if args.stock_and_patched
                                           else [])
-    if not connectors:
-        print("kvconnect-conformance: name at least one connector (module:Class), or pass "
-              "--stock-and-patched", file=sys.stderr)
-        return 2
-    if args.capacity_blocks < args.num_blocks:
-        print("kvconnect-conformance: --capacity-blocks must be >= --num-blocks",
-              file=sys.stderr)
-        return 2
-
-    def show(r: dict[str, Any]) -> None:
-        print(f"{r['connector'].rsplit(':', 1)[-1]:<36} {r['layout']:<6} {r['status']:<8} "
-              f"{evidence(r)}", flush=True)
-        if args.jsonl:
-            with open(args.jsonl, "a") as f:
-                f.write(json.dumps(r) + "\n")
-
-    results = run_conformance(connectors, args.layouts, timeout=args.timeout, on_result=show,
+    results = run_conformance(connectors, args.layouts, timeout=args.timeout,
+                              on_result=lambda r: _show(r, args.jsonl),
                               num_blocks=args.num_blocks, capacity_blocks=args.capacity_blocks,
                               num_layers=args.num_layers, device=args.device,
                               start_method=args.start_method)
-    pd: list[dict[str, Any]] = []
-    if args.pd:
-        from .pd import run_pd, transfers_over_nixl
-
-        for c in (c for c in connectors if transfers_over_nixl(c)):
-            for layout in args.layouts:
-                r = run_pd(c, layout, num_blocks=args.num_blocks,
-                           capacity_blocks=args.capacity_blocks, num_layers=args.num_layers,
-                           timeout=args.timeout)
-                print(f"1P1D {c.rsplit(':', 1)[-1]:<31} {layout:<6} {r['status']:<8} "
-                      f"{r.get('evidence', '')}", flush=True)
-                pd.append(r)
+    pd = _run_pd(args, connectors) if args.pd else []
     meta = run_metadata(argv)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results, "pd": pd}, f, indent=1)
+        _write(args.json, json.dumps({"meta": meta, "results": results, "pd": pd}, indent=1))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(render_markdown(results, title="Conformance results",
-                                    preamble=f"`{meta['command']}`"))
-    return 0 if all(r["status"] == "pass" for r in results + pd) else 1
+        _write(args.markdown, render_markdown(results, title="Conformance results",
+                                              preamble=f"`{meta['command']}`"))
+    return EXIT_OK if all(r["status"] == "pass" for r in results + pd) else EXIT_FAILED
+
+
+def _run_pd(args: argparse.Namespace, connectors: list[str]) -> list[dict[str, Any]]:
+    from .pd import run_pd, transfers_over_nixl
+
+    out = []
+    for c in (c for c in connectors if transfers_over_nixl(c)):
+        for layout in args.layouts:
+            r = run_pd(c, layout, num_blocks=args.num_blocks,
+                       capacity_blocks=args.capacity_blocks, num_layers=args.num_layers,
+                       timeout=args.timeout)
+            print(f"1P1D {c.rsplit(':', 1)[-1]:<31} {layout:<6} {r['status']:<8} "
+                  f"{r.get('evidence', '')}", flush=True)
+            out.append(r)
+    return out
 
 
 if __name__ == "__main__":

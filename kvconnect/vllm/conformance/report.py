@@ -54,13 +54,19 @@ def evidence(r: dict[str, Any]) -> str:
         parts.append(reg["error"][:160])
     if r.get("status") in ("fault", "timeout", "error"):
         parts.append(str(r.get("evidence", r["status"]))[:160])
+    if co and co.get("views_reaching_uncommitted"):
+        parts.append(f"holds {co['views_reaching_uncommitted']} views reaching uncommitted "
+                     f"memory")
+    if r.get("unchecked"):
+        parts.append("not checked: " + ", ".join(r["unchecked"]))
     return "; ".join(parts).replace("|", "/") or "-"
 
 
 def _cell(r: dict[str, Any], col: str) -> str:
     checks = r.get("checks", {})
     if col == "moves_blocks":
-        c = checks.get("transfer") or checks.get("offload_round_trip")
+        c = (checks.get("transfer") or checks.get("offload_round_trip")
+             or checks.get("moves_blocks"))
     else:
         c = checks.get(col)
     if c is None:
