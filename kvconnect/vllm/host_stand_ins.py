@@ -1,0 +1,79 @@
+"""The smallest accommodation that lets vLLM's SimpleCPUOffload run inside a CPU engine.
+
+SimpleCPUOffload's worker needs CUDA streams and events (``torch.cuda.Stream`` and its
+``priority_range``, ``torch.cuda.current_stream``, ``torch.Event``) and copies blocks with
+``cuMemcpyBatchAsync`` (``DmaCopyBackend``). None of them exists on a CPU-only machine (vLLM's
+CPU platform stubs ``torch.cuda.Stream`` only while its model runner is built, without
+``priority_range``). :func:`install_simple_cpu_offload_host_stand_ins` replaces exactly those
+for the rest of the process, and nothing when CUDA is available: a stream stand-in, an event
+stand-in that is complete once recorded, and a copy backend that copies the same rows
+(``base + block_id * stride(0)``) synchronously and records a completed event, so the
+worker's event bookkeeping (``_poll_stream_events``) runs unchanged. Everything else is
+vLLM's (scheduler, metadata, worker). Call it before the engine is built, in the process
+that runs the worker (an in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .conformance.probes import HostCopyBackendStandIn, HostStreamStandIn
+
+__all__ = ["HostEngineCopyBackendStandIn", "HostEventStandIn",
+           "install_simple_cpu_offload_host_stand_ins"]
+
+
+class HostEventStandIn:
+    """Stands in for ``torch.Event`` on a CPU-only machine: host copies are synchronous, so
+    an event is complete as soon as it is recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+class HostEngineCopyBackendStandIn(HostCopyBackendStandIn):
+    """Stands in for ``DmaCopyBackend`` inside an engine: the rows are copied at once and a
+    completed :class:`HostEventStandIn` is appended, as the DMA thread does when done."""
+
+    #: blocks copied so far (store, load): evidence the offload path ran
+    copied_blocks: dict[str, int]
+
+    def init(self, gpu_caches: dict[str, torch.Tensor], cpu_caches: dict[str, torch.Tensor],
+             *args: Any) -> None:
+        super().init(gpu_caches, cpu_caches)
+        self.copied_blocks = {"store": 0, "load": 0}
+
+    def launch_copy(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool,
+                    event_idx: int, events_list: list[tuple[int, Any]],
+                    wait_event: Any = None) -> None:
+        self.copy(src_blocks, dst_blocks, is_store)
+        self.copied_blocks["store" if is_store else "load"] += len(src_blocks)
+        events_list.append((event_idx, HostEventStandIn()))
+
+
+def install_simple_cpu_offload_host_stand_ins() -> bool:
+    """Install the stand-ins in this process (idempotent); False (nothing done) when CUDA is
+    available, where vLLM's own streams and DMA backend run."""
+    if torch.cuda.is_available():
+        return False
+    import vllm.v1.simple_kv_offload.worker as worker
+
+    torch.cuda.Stream = HostStreamStandIn  # type: ignore[misc,assignment]
+    torch.cuda.current_stream = lambda *a, **k: HostStreamStandIn()  # type: ignore[assignment]
+    torch.Event = HostEventStandIn  # type: ignore[misc,assignment]
+    worker.DmaCopyBackend = HostEngineCopyBackendStandIn  # type: ignore[misc,assignment]
+    return True

@@ -1,0 +1,74 @@
+"""The kvconnect vLLM plugin's settings: the opt-in switch, the capacity knob, the version
+check and their errors (no vLLM import; shared by :mod:`kvconnect.vllm.plugin` and
+:mod:`kvconnect.vllm.engine_cache`). Units: bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["CAPACITY_ENV", "ENTRY_POINT", "SUPPORTED_VLLM_SERIES", "SWITCH_ENV",
+           "PluginConfigError", "UnsupportedVllmError", "capacity_bytes_from_env",
+           "check_vllm_version", "enabled"]
+
+#: the opt-in switch (off unless "1"/"true"/"yes"/"on")
+SWITCH_ENV = "KVCONNECT_EXTENSIBLE_KV"
+#: KV reservation per worker in bytes (default: the device's total memory)
+CAPACITY_ENV = "KVCONNECT_KV_CAPACITY_BYTES"
+#: the entry point's name in the ``vllm.general_plugins`` group (what VLLM_PLUGINS lists)
+ENTRY_POINT = "kvconnect_extensible_kv"
+#: vLLM release series the plugin knows the allocation point and worker of
+SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is not a version the plugin supports (nothing was patched)."""
+
+
+class PluginConfigError(ValueError):
+    """A kvconnect plugin setting (environment variable) or request vLLM cannot honour."""
+
+
+def enabled(environ: dict[str, str] | None = None) -> bool:
+    """True when ``KVCONNECT_EXTENSIBLE_KV`` opts in; raises PluginConfigError for a value
+    that is neither on nor off (a typo must not silently mean "off")."""
+    raw = (os.environ if environ is None else environ).get(SWITCH_ENV, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise PluginConfigError(f"{SWITCH_ENV}={raw!r}: use 1 to turn kvconnect's extensible KV "
+                            f"cache on, 0 (or unset) to leave vLLM's own allocation")
+
+
+def capacity_bytes_from_env(environ: dict[str, str] | None = None) -> int | None:
+    """``KVCONNECT_KV_CAPACITY_BYTES`` as a positive int (bytes, per worker), or None when
+    unset (then the device's total memory is reserved). Accepts ``_`` separators."""
+    raw = (os.environ if environ is None else environ).get(CAPACITY_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw.replace("_", ""))
+    except ValueError:
+        raise PluginConfigError(f"{CAPACITY_ENV}={raw!r} is not a whole number of bytes "
+                                f"(e.g. {CAPACITY_ENV}=8589934592 for 8 GiB)") from None
+    if value <= 0:
+        raise PluginConfigError(f"{CAPACITY_ENV}={value}: the KV reservation must be a "
+                                f"positive number of bytes")
+    return value
+
+
+def check_vllm_version(version: str) -> str:
+    """The release series (``"0.32"``, ``"0.33"``) of ``version``; raises
+    UnsupportedVllmError naming the supported series for any other."""
+    parts = str(version).split("+", 1)[0].split(".")
+    series = ".".join(parts[:2])
+    if series not in SUPPORTED_VLLM_SERIES or len(parts) < 3:
+        supported = ", ".join(f"{s}.x" for s in SUPPORTED_VLLM_SERIES)
+        raise UnsupportedVllmError(
+            f"kvconnect's extensible KV cache plugin supports vLLM {supported}; this is vLLM "
+            f"{version}. Nothing was patched. Unset {SWITCH_ENV} (or leave "
+            f"{ENTRY_POINT} out of VLLM_PLUGINS) to run vLLM's own KV allocation, or install "
+            f"a supported vLLM.")
+    return series

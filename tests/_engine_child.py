@@ -1,0 +1,218 @@
+"""One real vLLM engine scenario in this process: ``python _engine_child.py SCENARIO SPEC``.
+
+Started by tests/_engine_runs.py (one process per engine, its own session, killed on any
+path); ``SPEC`` is a JSON file naming the model folder, the prompts and ``result`` (where
+this process writes its JSON result, atomically). The environment (plugin switch, engine
+mode, capacity) comes from the parent. Scenarios: ``generate`` (tokens, facts, storages,
+memory, sleep / wake through the workers), ``bad_input``, ``offload``, ``pd_prefill``,
+``pd_decode``. Units: bytes; tokens are token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from kvconnect.vllm.runtime import prepare_cpu_runtime
+
+prepare_cpu_runtime()
+
+
+# -- files and memory ----------------------------------------------------------------------
+def write_json(path: str | Path, obj: Any) -> None:
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def wait_json(path: str | Path, deadline: float) -> Any:
+    while time.monotonic() < deadline:
+        if Path(path).exists():
+            return json.loads(Path(path).read_text())
+        time.sleep(0.1)
+    raise TimeoutError(f"{path} did not appear in time")
+
+
+def status_bytes(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def range_memory(pid: int, base: int, size: int) -> dict[str, int]:
+    """Bytes of ``[base, base+size)`` mapped with access (committed) and resident there."""
+    mapped = rss = 0
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            inside = lo >= base and hi <= base + size
+            if inside and head[1] != "---p":
+                mapped += hi - lo
+        elif inside and head[0] == "Rss:":
+            rss += int(head[1]) * 1024
+    return {"mapped_bytes": mapped, "rss_bytes": rss}
+
+
+def kvconnect_chunk_mappings(pid: int) -> int:
+    return sum("kvconnect-chunk" in ln for ln in Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+# -- engine helpers --------------------------------------------------------------------------
+def make_llm(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    from kvconnect.vllm.tiny_model import engine_kwargs
+
+    return LLM(**engine_kwargs(spec["model"], **spec.get("engine", {})))
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int,
+             transfer: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    params = []
+    for i in range(len(prompts)):
+        extra = {} if not transfer or transfer[i] is None else {
+            "kv_transfer_params": transfer[i]}
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                     extra_args=extra or None))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+             "num_cached_tokens": o.num_cached_tokens,
+             "kv_transfer_params": o.kv_transfer_params} for o in outs]
+
+
+def in_process_worker(llm: Any) -> Any:
+    """The worker object of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.model_executor.driver_worker.worker
+
+
+def runner_storages(llm: Any) -> list[list[int]]:
+    """``[data_ptr, nbytes]`` of every distinct storage under vLLM's KV cache tensors."""
+    seen: dict[int, int] = {}
+    for t in in_process_worker(llm).model_runner.kv_caches:
+        st = t.untyped_storage()
+        seen.setdefault(st.data_ptr(), st.nbytes())
+    return sorted([p, n] for p, n in seen.items())
+
+
+def patch_state() -> dict[str, Any]:
+    import vllm.v1.worker.gpu_model_runner as gmr
+    import vllm.v1.worker.utils as utils
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    return {"allocation_patched": bool(getattr(gmr.allocate_kv_cache, "_kvconnect", False)),
+            "utils_patched": bool(getattr(utils.allocate_kv_cache, "_kvconnect", False)),
+            "worker_methods": sorted(m for m in vars(WorkerBase) if m.startswith("kvconnect")),
+            "plugin_module_loaded": "kvconnect.vllm.plugin" in sys.modules}
+
+
+# -- scenarios -------------------------------------------------------------------------------
+def _memory(llm: Any, facts: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in facts:
+        pid = f["pid"]
+        out = {"worker_pid": pid, "vm_hwm_bytes": status_bytes(pid, "VmHWM"),
+               "ranges": [range_memory(pid, b, f["reserved_bytes"] // len(
+                   f["reservation_bases"])) for b in f["reservation_bases"]]}
+    return out
+
+
+def _sleep_wake(llm: Any, prompt: list[int], max_tokens: int, want: list[int]
+                ) -> dict[str, Any]:
+    """Release and recommit through the workers; then the same prompt without and with a
+    prefix-cache reset (without: vLLM reuses the zeroed blocks, so tokens must differ)."""
+    released = llm.collective_rpc("kvconnect_release_kv_cache")
+    asleep = [range_memory(f["pid"], b, f["reserved_bytes"] // len(f["reservation_bases"]))
+              for f in released for b in f["reservation_bases"]]
+    woken = llm.collective_rpc("kvconnect_recommit_kv_cache")
+    stale = generate(llm, [prompt], max_tokens)[0]
+    llm.reset_prefix_cache()
+    fresh = generate(llm, [prompt], max_tokens)[0]
+    return {"released": released, "asleep_memory": asleep, "woken": woken,
+            "stale_prefix_cache": stale, "after_reset": fresh, "before": want}
+
+
+def scenario_generate(spec: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    llm = make_llm(spec)
+    t1 = time.monotonic()
+    outs = generate(llm, spec["prompts"], spec["max_tokens"])
+    result: dict[str, Any] = {"outputs": outs, "patch": patch_state(),
+                              "startup_s": t1 - t0, "generate_s": time.monotonic() - t1,
+                              "front_end_pid": os.getpid()}
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        result["storages"] = runner_storages(llm)
+    if os.environ.get("KVCONNECT_EXTENSIBLE_KV") == "1":
+        facts = llm.collective_rpc("kvconnect_kv_cache_facts")
+        result["facts"] = facts
+        result["memory"] = _memory(llm, facts)
+        if spec.get("sleep_wake"):
+            result["sleep_wake"] = _sleep_wake(llm, spec["prompts"][0], spec["max_tokens"],
+                                               outs[0]["tokens"])
+    else:
+        result["memory"] = {"worker_pid": os.getpid(),
+                            "vm_hwm_bytes": status_bytes(os.getpid(), "VmHWM")}
+    return result
+
+
+def scenario_bad_input(spec: dict[str, Any]) -> dict[str, Any]:
+    """An engine that must refuse to start: the error's type and message, and what is left."""
+    import vllm
+
+    from kvconnect.vllm import engine_cache
+    from kvconnect.vmm import VmmProbe
+
+    if spec["kind"] == "unsupported_version":  # simulated: pretend another vLLM is installed
+        vllm.__version__ = spec["pretend_version"]
+    if spec["kind"] == "backend_without_vmm":  # simulated: no device without VMM exists here
+        def fake_probe_without_vmm(device: object) -> VmmProbe:
+            return VmmProbe(None, f"simulated device {device} without VMM support")
+
+        engine_cache.probe_vmm = fake_probe_without_vmm  # type: ignore[assignment]
+    error: dict[str, Any] | None = None
+    try:
+        make_llm(spec)
+    except BaseException as exc:  # noqa: BLE001 - the error is the result
+        chain = []
+        e: BaseException | None = exc
+        while e is not None:
+            chain.append({"type": type(e).__name__, "message": str(e)[:1200]})
+            e = e.__cause__ or e.__context__
+        error = {"chain": chain}
+    return {"error": error, "patch": patch_state(),
+            "live_plugin_caches": len(engine_cache.kv_cache_facts()),
+            "kvconnect_chunk_mappings": kvconnect_chunk_mappings(os.getpid())}
+
+
+SCENARIOS = {"generate": scenario_generate, "bad_input": scenario_bad_input}
+
+
+def main() -> int:
+    name, spec_path = sys.argv[1], sys.argv[2]
+    spec = json.loads(Path(spec_path).read_text())
+    if name in ("offload", "pd_prefill", "pd_decode"):
+        import _engine_transfer_child as transfer
+
+        run = transfer.SCENARIOS[name]
+    else:
+        run = SCENARIOS[name]
+    try:
+        result = run(spec)
+    except BaseException:
+        write_json(spec["result"], {"crash": traceback.format_exc()[-4000:]})
+        return 1
+    write_json(spec["result"], result)
+    return 0
+
+
+if __name__ == "__main__":
+    os._exit(main())  # skip vLLM's atexit teardown races; the result file is written

