@@ -12,7 +12,9 @@
 # KVC_SWEEP=1 to compare the copy kernel's launch shapes first (bench_transfer --sweep),
 # KVC_FLOORS="validate:ipc=0.5 transfer:ipc/kernel=0.7" to override floors. The vllm-conformance
 # step runs the conformance kit on cuda:0 (vLLM's offload connectors, stock vs kvconnect's)
-# when vLLM is importable, and records "skipped: vLLM not installed" otherwise (never a failure).
+# when vLLM is importable, and records "skipped: vLLM not installed" otherwise (never a failure);
+# the vllm-engine step likewise runs the real-engine tests of kvconnect's vLLM plugin on CUDA
+# (tests/test_engine_*.py, KVCONNECT_ENGINE_DEVICE=cuda; host-memory checks skip there).
 set -u
 ART=${ARTIFACTS:-$PWD/gpu-artifacts}
 mkdir -p "$ART"
@@ -124,6 +126,16 @@ EOF
 }
 export ART
 step vllm-conformance 600 vllm_conformance
+
+vllm_engine() {  # real engines with kvconnect's plugin on cuda:0; a skip (rc 0) without vLLM
+  if ! $PY -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
+    echo "skipped: vLLM not installed"
+    return 0
+  fi
+  KVCONNECT_ENGINE_DEVICE=cuda $PY -m pytest -m engine -q -rs -p no:cacheprovider \
+    tests/test_engine_plugin.py tests/test_engine_connectors.py --junitxml="$ART/vllm-engine.xml"
+}
+step vllm-engine 1200 vllm_engine
 
 FLOOR_ARGS=()
 for f in ${KVC_FLOORS:-}; do FLOOR_ARGS+=(--floor "$f"); done

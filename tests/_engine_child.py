@@ -66,12 +66,17 @@ def kvconnect_chunk_mappings(pid: int) -> int:
 
 
 # -- engine helpers --------------------------------------------------------------------------
+#: on a GPU, engines share the device: a 1 GiB KV cache each, as VLLM_CPU_KVCACHE_SPACE=1 on CPU
+CUDA_ENGINE = {"kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.15}
+
+
 def make_llm(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
     from kvconnect.vllm.tiny_model import engine_kwargs
 
-    return LLM(**engine_kwargs(spec["model"], **spec.get("engine", {})))
+    device = CUDA_ENGINE if os.environ.get("VLLM_TARGET_DEVICE") == "cuda" else {}
+    return LLM(**engine_kwargs(spec["model"], **device, **spec.get("engine", {})))
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int,
@@ -113,6 +118,16 @@ def patch_state() -> dict[str, Any]:
             "utils_patched": bool(getattr(utils.allocate_kv_cache, "_kvconnect", False)),
             "worker_methods": sorted(m for m in vars(WorkerBase) if m.startswith("kvconnect")),
             "plugin_module_loaded": "kvconnect.vllm.plugin" in sys.modules}
+
+
+def error_chain(exc: BaseException) -> dict[str, Any]:
+    """``{"chain": [{"type", "message"}, ...]}`` of ``exc`` and its causes."""
+    chain = []
+    e: BaseException | None = exc
+    while e is not None and len(chain) < 8:
+        chain.append({"type": type(e).__name__, "message": str(e)[:1200]})
+        e = e.__cause__ or e.__context__
+    return {"chain": chain}
 
 
 # -- scenarios -------------------------------------------------------------------------------
@@ -181,13 +196,8 @@ def scenario_bad_input(spec: dict[str, Any]) -> dict[str, Any]:
     error: dict[str, Any] | None = None
     try:
         make_llm(spec)
-    except BaseException as exc:  # noqa: BLE001 - the error is the result
-        chain = []
-        e: BaseException | None = exc
-        while e is not None:
-            chain.append({"type": type(e).__name__, "message": str(e)[:1200]})
-            e = e.__cause__ or e.__context__
-        error = {"chain": chain}
+    except Exception as exc:  # the error is the result
+        error = error_chain(exc)
     return {"error": error, "patch": patch_state(),
             "live_plugin_caches": len(engine_cache.kv_cache_facts()),
             "kvconnect_chunk_mappings": kvconnect_chunk_mappings(os.getpid())}

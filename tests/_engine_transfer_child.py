@@ -1,7 +1,8 @@
 """Engine scenarios with a KV connector (started through tests/_engine_child.py).
 
 - ``pd_prefill``: a producer engine (NIXL) prefills the prompt, writes the request's
-  ``kv_transfer_params`` to ``params_out`` and serves its KV until ``done_file`` appears.
+  ``kv_transfer_params`` to ``params_out`` and serves its KV until ``done_file`` appears
+  (with ``may_fail_to_start``, an engine that refuses to start reports why instead).
 - ``pd_decode``: a consumer engine reads the parameters of every prefill engine in
   ``prefills``, decodes each request from the remote KV, then the prompt locally (after a
   prefix-cache reset): the single-engine reference, same weights, same engine.
@@ -16,7 +17,14 @@ import os
 import time
 from typing import Any
 
-from _engine_child import generate, in_process_worker, make_llm, wait_json, write_json
+from _engine_child import (
+    error_chain,
+    generate,
+    in_process_worker,
+    make_llm,
+    wait_json,
+    write_json,
+)
 
 
 def _with_connector(spec: dict[str, Any], role: str) -> dict[str, Any]:
@@ -39,7 +47,12 @@ def _facts(llm: Any) -> list[dict[str, Any]] | None:
 
 def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + spec["timeout"]
-    llm = make_llm(_with_connector(spec, "kv_producer"))
+    try:
+        llm = make_llm(_with_connector(spec, "kv_producer"))
+    except Exception as exc:  # a connector refusing the cache at registration
+        if not spec.get("may_fail_to_start"):
+            raise
+        return {"start_error": error_chain(exc)}
     out = generate(llm, [spec["prompt"]], 1, [{"do_remote_decode": True}])[0]
     write_json(spec["params_out"], {"kv_transfer_params": out["kv_transfer_params"]})
     wait_json(spec["done_file"], deadline)

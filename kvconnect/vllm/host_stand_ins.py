@@ -4,8 +4,9 @@ SimpleCPUOffload's worker needs CUDA streams and events (``torch.cuda.Stream`` a
 ``priority_range``, ``torch.cuda.current_stream``, ``torch.Event``) and copies blocks with
 ``cuMemcpyBatchAsync`` (``DmaCopyBackend``). None of them exists on a CPU-only machine (vLLM's
 CPU platform stubs ``torch.cuda.Stream`` only while its model runner is built, without
-``priority_range``). :func:`install_simple_cpu_offload_host_stand_ins` replaces exactly those
-for the rest of the process, and nothing when CUDA is available: a stream stand-in, an event
+``priority_range``). :func:`install_simple_cpu_offload_host_stand_ins` replaces exactly those,
+as SimpleCPUOffload's worker module sees them, for the rest of the process, and nothing when
+CUDA is available: a stream stand-in, an event
 stand-in that is complete once recorded, and a copy backend that copies the same rows
 (``base + block_id * stride(0)``) synchronously and records a completed event, so the
 worker's event bookkeeping (``_poll_stream_events``) runs unchanged. Everything else is
@@ -65,15 +66,33 @@ class HostEngineCopyBackendStandIn(HostCopyBackendStandIn):
         events_list.append((event_idx, HostEventStandIn()))
 
 
+class _Forwarding:
+    """Attributes of ``target`` except those given: what the offload worker module sees
+    as ``torch`` (and ``torch.cuda``); every other module keeps the real ones."""
+
+    def __init__(self, target: Any, **overrides: Any) -> None:
+        self._target = target
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
 def install_simple_cpu_offload_host_stand_ins() -> bool:
     """Install the stand-ins in this process (idempotent); False (nothing done) when CUDA is
-    available, where vLLM's own streams and DMA backend run."""
+    available, where vLLM's own streams and DMA backend run. Only SimpleCPUOffload's worker
+    module sees them: its ``torch`` name is a forwarding object whose ``cuda.Stream``,
+    ``cuda.current_stream`` and ``Event`` are the stand-ins (vLLM's CPU runner swaps
+    ``torch.cuda.Stream`` itself while it initialises the KV cache, so patching torch would
+    not reach the worker)."""
     if torch.cuda.is_available():
         return False
     import vllm.v1.simple_kv_offload.worker as worker
 
-    torch.cuda.Stream = HostStreamStandIn  # type: ignore[misc,assignment]
-    torch.cuda.current_stream = lambda *a, **k: HostStreamStandIn()  # type: ignore[assignment]
-    torch.Event = HostEventStandIn  # type: ignore[misc,assignment]
+    if isinstance(worker.torch, _Forwarding):
+        return True
+    cuda = _Forwarding(torch.cuda, Stream=HostStreamStandIn,
+                       current_stream=lambda *a, **k: HostStreamStandIn())
+    worker.torch = _Forwarding(torch, cuda=cuda, Event=HostEventStandIn)  # type: ignore[assignment]
     worker.DmaCopyBackend = HostEngineCopyBackendStandIn  # type: ignore[misc,assignment]
     return True

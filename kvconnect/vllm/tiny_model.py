@@ -9,7 +9,7 @@ the output depends on every prompt token, so a token comparison can fail: changi
 first prompt token changes the output (:func:`first_token_changed` builds that prompt), and a decode engine fed another seed's KV produces other tokens.
 
 Shapes: 2 layers, hidden 256, 4 heads of 64, 2 KV heads, vocab 1024, 2048 positions
-(bfloat16): a 2.3 MiB weights file. Units: tokens; bytes.
+(bfloat16): a 3.3 MiB weights file. Units: tokens; bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_LLAMA", "engine_kwargs", "first_token_changed", "write_tiny_llama"]
+__all__ = ["TINY_LLAMA", "engine_kwargs", "first_token_changed", "save_safetensors",
+           "write_tiny_llama"]
 
 #: the model's shape (HF Llama config fields)
 TINY_LLAMA: dict[str, Any] = {
@@ -70,17 +71,42 @@ def write_tiny_llama(directory: str | Path, *, seed: int | None = 0,
     """Write the tiny Llama into ``directory`` (created): ``config.json`` and, unless
     ``seed`` is None (config only, for ``load_format="dummy"``), seeded
     ``model.safetensors``. ``overrides`` change config fields (e.g. ``num_hidden_layers``).
-    Returns the folder. Needs torch and safetensors (vLLM installs both)."""
+    Returns the folder. Needs torch."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     cfg = {**TINY_LLAMA, **overrides}
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     if seed is not None:
-        from safetensors.torch import save_file
-
-        save_file(_weights(cfg, seed), str(d / "model.safetensors"),
-                  metadata={"format": "pt", "kvconnect_seed": str(seed)})
+        save_safetensors(_weights(cfg, seed), d / "model.safetensors",
+                         {"format": "pt", "kvconnect_seed": str(seed)})
     return d
+
+
+_SAFETENSORS_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}
+
+
+def save_safetensors(tensors: dict[str, Any], path: str | Path,
+                     metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` in the safetensors format (an 8-byte little-endian header length, a
+    JSON header of dtype / shape / byte offsets, the raw bytes), without the safetensors
+    package (machines that run vLLM from its sources may lack it)."""
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": metadata or {}}
+    blobs, offset = [], 0
+    for name, t in tensors.items():
+        raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[str(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for raw in blobs:
+            f.write(raw)
 
 
 def engine_kwargs(model_dir: str | Path, *, seeded: bool = True, **overrides: Any

@@ -1,0 +1,183 @@
+"""KV connectors over the plugin's cache inside real engines (``make test-engine``).
+
+1P1D: engines in separate processes (NIXL over UCX on DRAM), producer and consumer, plugin
+on. One decode engine (kvconnect's patched NixlConnector) decodes the prompt from two prefill
+engines: one with its own weights (its tokens must equal the decode engine's own answer
+computed locally: a single engine's) and one with other weights (its tokens must differ: the
+KV really crossed, so the comparison can fail). A second pair runs stock NixlConnector over
+the same plugin cache and must fail as docs/conformance.md describes (its transfer ends in
+``NIXL_ERR_REMOTE_DISCONNECT``; vLLM's default ``kv_load_failure_policy=fail`` ends the
+request with ``finish_reason == "error"``).
+
+Offload: kvconnect's SimpleCPUOffload in one in-process engine with the CPU stand-ins of
+:mod:`kvconnect.vllm.host_stand_ins`: store, reload after a prefix-cache reset (equal tokens,
+cached tokens counted), and a control whose CPU copy was zeroed before the reload.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _engine_runs import EngineBatch, engine_env, engine_unavailable, free_port
+
+REASON = engine_unavailable()
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900),
+              pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+
+PROMPT = [random.Random(11).randrange(3, 1000) for _ in range(300)]
+MAX_TOKENS = 8
+PATCHED = ("KvconnectNixlConnector", "kvconnect.vllm")
+STOCK = ("NixlConnector", None)
+#: 8x the 1 GiB KV cache: a capacity stock NIXL's segmented registration path accepts
+STOCK_CAPACITY = 8 << 30
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from kvconnect.vllm.tiny_model import write_tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {"seed0": write_tiny_llama(root / "seed0", seed=0),
+            "seed1": write_tiny_llama(root / "seed1", seed=1)}
+
+
+def _nixl(connector: tuple[str, str | None], engine_id: str) -> dict[str, Any]:
+    # the prefill engines' model folders differ (other weights): vLLM's NIXL handshake
+    # compares model paths unless told not to
+    return {"connector": connector[0], "connector_module": connector[1],
+            "engine_id": engine_id, "extra_config": {"enforce_handshake_compat": False}}
+
+
+def _nixl_env(capacity: int | None) -> dict[str, str]:
+    extra = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+    if capacity is not None:
+        extra["KVCONNECT_KV_CAPACITY_BYTES"] = str(capacity)
+    return engine_env(plugin=True, extra=extra)
+
+
+def _pd(batch: EngineBatch, work: Path, connector: tuple[str, str | None],
+        prefills: dict[str, Path], decode_model: Path, tag: str,
+        capacity: int | None = None) -> None:
+    params = {}
+    done = work / f"{tag}.done"
+    for name, model in prefills.items():
+        params[name] = str(work / f"{tag}-{name}.params.json")
+        batch.start(f"{tag}-{name}", "pd_prefill", {
+            **_nixl(connector, f"{tag}-{name}"), "model": str(model), "prompt": PROMPT,
+            "params_out": params[name], "done_file": str(done), "timeout": 400},
+            _nixl_env(capacity))
+    batch.start(f"{tag}-decode", "pd_decode", {
+        **_nixl(connector, f"{tag}-decode"), "model": str(decode_model), "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS, "prefills": params, "done_file": str(done), "timeout": 400},
+        _nixl_env(capacity))
+
+
+@pytest.fixture(scope="module")
+def pd_patched(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+               ) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("pd-patched")
+    with EngineBatch(work, timeout=480) as batch:
+        _pd(batch, work, PATCHED, {"same": models["seed0"], "other": models["seed1"]},
+            models["seed0"], "patched")
+        return batch.results()
+
+
+@pytest.fixture(scope="module")
+def pd_stock(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+             ) -> dict[str, Any]:
+    """Stock NixlConnector over the plugin's cache, both ways it fails on vLLM 0.32: a pair
+    whose capacity is a multiple of vLLM's blocks (8 GiB for 1 GiB: its registration takes
+    the reservation for 8 segments and the transfer fails) and, at the default capacity (not
+    a multiple), an engine whose registration asserts before it starts."""
+    work = tmp_path_factory.mktemp("pd-stock")
+    with EngineBatch(work, timeout=480) as batch:
+        _pd(batch, work, STOCK, {"same": models["seed0"]}, models["seed0"], "stock",
+            capacity=STOCK_CAPACITY)
+        batch.start("stock-default-capacity", "pd_prefill", {
+            **_nixl(STOCK, "stock-default"), "model": str(models["seed0"]), "prompt": PROMPT,
+            "params_out": str(work / "unused.json"), "done_file": str(work / "unused.done"),
+            "timeout": 400, "may_fail_to_start": True}, _nixl_env(None))
+        out: dict[str, Any] = batch.results()
+        out["decode_log"] = batch.engines["stock-decode"].log_text()
+    return out
+
+
+def test_patched_nixl_1p1d_decode_equals_a_single_engine(pd_patched: dict[str, Any]) -> None:
+    d = pd_patched["patched-decode"]
+    same = d["remote"]["same"]
+    assert same["finish_reason"] == "length" and len(same["tokens"]) == MAX_TOKENS
+    assert d["local"]["num_cached_tokens"] == 0
+    assert same["tokens"] == d["local"]["tokens"]
+
+
+def test_patched_nixl_1p1d_control_other_prefill_weights_change_tokens(
+        pd_patched: dict[str, Any]) -> None:
+    d = pd_patched["patched-decode"]
+    other = d["remote"]["other"]
+    assert other["finish_reason"] == "length"
+    assert other["tokens"] != d["local"]["tokens"]
+
+
+def test_patched_nixl_engines_use_single_shareable_handles(pd_patched: dict[str, Any]) -> None:
+    for name in ("patched-same", "patched-other", "patched-decode"):
+        (f,) = pd_patched[name]["facts"]
+        assert f["kv_connector"] == "KvconnectNixlConnector"
+        assert f["single_handle"] and f["handles_per_segment"] == [1] * f["segments"]
+        assert f["requested"]["shareable"] and f["handle_type"] == "posix_fd"
+        assert f["capacity_blocks"] > f["num_blocks"]
+
+
+def test_stock_nixl_over_the_plugin_cache_fails_as_documented(pd_stock: dict[str, Any]) -> None:
+    d = pd_stock["stock-decode"]
+    remote = d["remote"]["same"]
+    (f,) = d["facts"]
+    assert f["kv_connector"] in ("NixlConnector", "NixlPullConnector")  # stock
+    assert f["capacity_blocks"] == 8 * f["num_blocks"]
+    assert remote["finish_reason"] == "error"
+    assert remote["tokens"] != d["local"]["tokens"]
+    assert "NIXL_ERR_REMOTE_DISCONNECT" in pd_stock["decode_log"]
+
+
+def test_stock_nixl_refuses_a_reservation_it_cannot_partition(pd_stock: dict[str, Any]) -> None:
+    r = pd_stock["stock-default-capacity"]
+    assert "output" not in r
+    messages = [e["message"] for e in r["start_error"]["chain"] if e["type"] == "AssertionError"]
+    assert messages and "cannot be partitioned into NIXL regions" in messages[0]
+
+
+# -- offload ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def offload(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("offload")
+    with EngineBatch(work, timeout=400) as batch:
+        batch.start("offload", "offload", {
+            "model": str(models["seed0"]), "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+            "connector": "KvconnectSimpleCPUOffloadConnector",
+            "connector_module": "kvconnect.vllm", "engine_id": "offload",
+            "extra_config": {"cpu_bytes_to_use": 256 << 20}}, engine_env(plugin=True))
+        return batch.results()["offload"]
+
+
+def test_simple_cpu_offload_stores_and_reloads_over_the_plugin_cache(
+        offload: dict[str, Any]) -> None:
+    r = offload
+    assert r["connector"] == "KvconnectSimpleCPUOffloadConnector"
+    (f,) = r["facts"]
+    assert f["kv_connector"] == r["connector"] and f["capacity_blocks"] > f["num_blocks"]
+    assert r["copied_after_first"]["store"] > 0
+    assert r["reloaded"]["num_cached_tokens"] > 0
+    assert r["copied_after_reload"]["load"] > r["copied_after_first"]["load"]
+    assert r["reloaded"]["tokens"] == r["first"]["tokens"]
+    # its regions lie in the reservation, over storages bounded to the committed memory
+    for ptr, nbytes in r["offload_regions"].values():
+        assert nbytes <= f["committed_bytes"]
+        assert any(b <= ptr < b + f["reserved_bytes"] for b in f["reservation_bases"])
+
+def test_simple_cpu_offload_control_zeroed_copy_changes_tokens(offload: dict[str, Any]) -> None:
+    r = offload
+    assert r["from_zeroed_copy"]["num_cached_tokens"] > 0
+    assert r["from_zeroed_copy"]["tokens"] != r["first"]["tokens"]
