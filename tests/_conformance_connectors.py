@@ -10,6 +10,8 @@ check them as connectors of unknown kind:
 - :class:`NoisyConnector`: conforms, but writes a non-JSON line to every pipe it inherited
   and to its stdout / stderr while registering.
 - :class:`HangingConnector`: ``register_kv_caches`` never returns (for per-case deadlines).
+- :class:`CorruptingExampleConnector`: vLLM's ExampleConnector storing negated KV (engine
+  mode: a reload must give other tokens).
 """
 
 from __future__ import annotations
@@ -102,3 +104,28 @@ class HangingConnector(MinimalConnector):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         time.sleep(600)
+
+
+def corrupting_example_connector() -> type:
+    """:class:`CorruptingExampleConnector`'s base is vLLM's ExampleConnector (imported here
+    so that this module imports where ExampleConnector's extras are missing)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+    return ExampleConnector
+
+
+class CorruptingExampleConnector(corrupting_example_connector()):  # type: ignore[misc]
+    """vLLM's ExampleConnector (store to files, reload from them) that stores every KV with
+    its sign flipped: a reload feeds the engine wrong KV (the engine mode must fail it)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        import safetensors.torch
+
+        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        for request in self._get_connector_metadata().requests:
+            if request.is_store:
+                path = self._generate_filename_debug(layer_name, request.token_ids,
+                                                     request.mm_hashes)
+                kv = safetensors.torch.load_file(path)["kv_cache"]
+                safetensors.torch.save_file({"kv_cache": -kv}, path)

@@ -128,3 +128,47 @@ def test_progress_survives_an_endless_line() -> None:
     keep = p.overflow(b"x" * (1 << 20) + _line("t", {"stage": "s"})[:24])
     assert keep.startswith(b"kvconnect-case t") and p.stray_bytes == 1 << 20
     assert p.overflow(b"y" * 100) == b"" and p.stray_bytes == (1 << 20) + 100
+
+
+def test_engine_mode_usage_errors() -> None:
+    out = _cli("NixlConnector", "--engine", "--device", "cuda:0")
+    assert out.returncode == 2 and "--engine" in out.stderr
+    out = _cli("NixlConnector", "--engine", "--pd")
+    assert out.returncode == 2 and "--pd" in out.stderr
+    out = _cli("NixlConnector", "--engine", "--caches", "extensible,huge")
+    assert out.returncode == 2 and "--caches" in out.stderr
+
+
+def test_engine_rows_judge_tokens_controls_and_movement() -> None:
+    from kvconnect.vllm.conformance.engine import (
+        _mark_unsupported,
+        _status,
+        _tokens_check,
+        _transfer_check,
+    )
+
+    ref = [[1, 2, 3], [4, 5, 6]]
+    assert _tokens_check({"tokens": [1, 2, 3], "num_cached_tokens": 64}, ref[0],
+                         needs_cache=True)["status"] == "pass"
+    assert _tokens_check({"tokens": [1, 2, 9], "num_cached_tokens": 64}, ref[0],
+                         needs_cache=True)["status"] == "fail"
+    assert _tokens_check({"tokens": [1, 2, 3], "num_cached_tokens": 0}, ref[0],
+                         needs_cache=True)["status"] == "skip"  # nothing reloaded
+    good = {"remote": {"tokens": [1, 2, 3]}, "control": {"tokens": [7, 7, 7]},
+            "control_zeroed_bytes": 4096}
+    assert _transfer_check(good, ref)["status"] == "pass"
+    recomputed = dict(good, control={"tokens": [4, 5, 6]})  # zeroed KV changed nothing
+    assert _transfer_check(recomputed, ref)["status"] == "skip"
+    assert _transfer_check(dict(good, remote={"tokens": [0]}), ref)["status"] == "fail"
+    row = {"checks": {"starts": {"status": "pass"}, "reload": _tokens_check(
+        {"tokens": [1, 2, 3], "num_cached_tokens": 0}, ref[0], needs_cache=True)},
+        "log_errors": ["LMCache ERROR: Failed to initialize"]}
+    assert _status(row) == "inconclusive" and "Failed to initialize" in row["evidence"]
+    rows = [{"cache": c, "status": "fail", "evidence": f"{c}: RuntimeError: no CPU",
+             "checks": {"starts": {"status": "fail"}}} for c in ("extensible", "plain")]
+    _mark_unsupported(rows)
+    assert [r["status"] for r in rows] == ["unsupported", "unsupported"]
+    rows[1]["checks"]["starts"]["status"] = "pass"
+    rows[1]["status"] = rows[0]["status"] = "fail"
+    _mark_unsupported(rows)  # plain starts: the extensible failure is the connector's
+    assert rows[0]["status"] == "fail"

