@@ -348,10 +348,14 @@ def main() -> int:
                    help="engine step: the registry's out-of-tree connectors")
     p.add_argument("--out", default=str(ROOT / "docs" / "conformance.md"))
     args = p.parse_args()
+    import os
     import shlex
     import sys
 
-    command = " ".join(["python scripts/conformance_doc.py", *map(shlex.quote, sys.argv[1:])])
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith(("LMCACHE_", "VLLM_TARGET_DEVICE"))]
+    command = " ".join([*env, shlex.quote(sys.executable), "scripts/conformance_doc.py",
+                        *map(shlex.quote, sys.argv[1:])])
     if args.step == "api":
         run_api(Path(args.json or API_JSON), command)
     elif args.step == "engine":

@@ -98,3 +98,46 @@ def test_plugin_timeout_bounds_a_hanging_case(tmp_path: Path) -> None:
     result = json.loads(props["kvconnect_conformance"])
     assert result["status"] == "timeout" and result["stage"] == "register", result
     assert 40 <= result["seconds"] < 100
+
+
+def _session_members(sid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid:  # field 6 of stat: the session id
+                out.append(int(name))
+    return out
+
+
+def test_sigterm_kills_the_case_in_flight_and_keeps_the_results(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    report, lines = tmp_path / "out.json", tmp_path / "cases.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvconnect.vllm.conformance.cli", f"{MOD}:MinimalConnector",
+         f"{MOD}:HangingConnector", "--layouts", "LBHNC", "--json", str(report),
+         "--jsonl", str(lines), "--timeout", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (lines.exists() and lines.read_text().strip()):  # the first case is done
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.5)
+        time.sleep(3)  # the hanging case is in register_kv_caches now
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    kept = json.loads(report.read_text())
+    assert kept["interrupted"] == "SIGTERM"
+    assert [r["connector"].split(":")[1] for r in kept["results"]] == ["MinimalConnector"]
+    assert _session_members(proc.pid) == []  # the hanging case's process went too

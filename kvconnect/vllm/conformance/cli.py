@@ -8,7 +8,9 @@ A connector is ``module:Class`` (loaded as vLLM loads ``kv_connector_module_path
 name vLLM registers; any ``KVConnectorBase_V1`` subclass can be checked (what could not be
 checked for it is listed, in words). Exit status: 0 when every case passes, 1 when any does
 not, 2 on bad usage (found before any case runs: options, output paths), 3 when the run
-cannot happen here (vLLM not installed, no GPU for ``--device cuda:N``). Needs vLLM 0.32 or
+cannot happen here (vLLM not installed, no GPU for ``--device cuda:N``), 128 + N when
+signal N (SIGINT, SIGTERM, SIGHUP) stopped it: the case in flight is killed, the results
+so far are written to ``--json``. Needs vLLM 0.32 or
 0.33 (``make test-vllm`` builds a CPU environment).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -192,24 +195,61 @@ def _show(r: dict[str, Any], jsonl: str | None) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM / SIGHUP / SIGINT during a run: cases in flight are killed, what finished is
+    written, the exit status is 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     problem = _preflight(args)
     if problem is not None:
         return problem
-    from . import STOCK_AND_PATCHED, run_conformance
-    from .report import render_markdown
+    from . import STOCK_AND_PATCHED
 
     connectors = list(args.connectors) + (list(STOCK_AND_PATCHED) if args.stock_and_patched
                                           else [])
-    if args.engine:
-        return _engine_main(args, argv, connectors)
+    done: list[dict[str, Any]] = []
+    previous = {s: signal.signal(s, _on_signal)
+                for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        if args.engine:
+            return _engine_main(args, argv, connectors, done)
+        return _api_main(args, argv, connectors, done)
+    except Interrupted as exc:
+        print(f"kvconnect-conformance: interrupted by {exc}; {len(done)} results kept",
+              file=sys.stderr)
+        if args.json:
+            _write(args.json, json.dumps({"meta": run_metadata(argv), "interrupted": str(exc),
+                                          "results": done}, indent=1))
+        return 128 + exc.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _api_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
+              done: list[dict[str, Any]]) -> int:
+    from . import run_conformance
+    from .report import render_markdown
+
+    def shown(r: dict[str, Any]) -> None:
+        done.append(r)
+        _show(r, args.jsonl)
+
     results = run_conformance(connectors, args.layouts, timeout=args.timeout or 180.0,
-                              on_result=lambda r: _show(r, args.jsonl),
-                              num_blocks=args.num_blocks, capacity_blocks=args.capacity_blocks,
-                              num_layers=args.num_layers, device=args.device,
-                              start_method=args.start_method)
+                              on_result=shown, num_blocks=args.num_blocks,
+                              capacity_blocks=args.capacity_blocks, num_layers=args.num_layers,
+                              device=args.device, start_method=args.start_method)
     pd = _run_pd(args, connectors) if args.pd else []
     meta = run_metadata(argv)
     if args.json:
@@ -230,14 +270,18 @@ def _show_engine(r: dict[str, Any], jsonl: str | None) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-def _engine_main(args: argparse.Namespace, argv: list[str], connectors: list[str]) -> int:
+def _engine_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
+                 done: list[dict[str, Any]]) -> int:
     from .engine import run_engine_conformance
     from .report import render_engine_markdown
 
+    def shown(r: dict[str, Any]) -> None:
+        done.append(r)
+        _show_engine(r, args.jsonl)
+
     out = run_engine_conformance(connectors, caches=args.caches,
                                  modes=dict.fromkeys(connectors, args.engine_mode),
-                                 timeout=args.timeout or 300.0,
-                                 on_result=lambda r: _show_engine(r, args.jsonl))
+                                 timeout=args.timeout or 300.0, on_result=shown)
     meta = run_metadata(argv)
     if args.json:
         _write(args.json, json.dumps({"meta": meta, "engine": out}, indent=1))

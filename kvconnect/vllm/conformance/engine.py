@@ -80,6 +80,7 @@ class _Engine:
                  workdir: Path) -> None:
         self.name, self.result_path = name, workdir / f"{name}.result.json"
         self.errors: list[str] = []
+        self.reaped = False
         self.log_path = workdir / f"{name}.log"
         spec_path = workdir / f"{name}.spec.json"
         self.stage_path = workdir / f"{name}.stage"
@@ -105,7 +106,8 @@ class _Engine:
             self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-        self.kill()
+        finally:
+            self.kill()
         lines = self.log_path.read_text(errors="replace").splitlines()
         self.errors = [x.strip()[:300] for x in lines if " ERROR" in x or "Error:" in x][:6]
         tail = "\n".join(lines[-30:])
@@ -118,6 +120,10 @@ class _Engine:
         return json.loads(self.result_path.read_text()), sig, tail
 
     def kill(self) -> None:
+        """Kill the engine's session (its own children too) and reap it; once done, never
+        again (its id may belong to another process by then)."""
+        if self.reaped:
+            return
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -126,6 +132,7 @@ class _Engine:
             time.sleep(0.3)
         try:
             self.proc.wait(timeout=30)
+            self.reaped = True
         except subprocess.TimeoutExpired:
             pass
 
@@ -232,6 +239,7 @@ class _Run:
         self.prompts = [prompt, first_token_changed(prompt)]
         self.reference: list[list[int]] = []
         self.n = 0
+        self.engines: list[_Engine] = []
 
     def spec(self, **kw: Any) -> dict[str, Any]:
         return {"model": self.model, "prompts": self.prompts, "block_size": self.s["block_size"],
@@ -240,8 +248,15 @@ class _Run:
     def start(self, scenario: str, cache: str, spec: dict[str, Any],
               env: dict[str, str] | None = None) -> _Engine:
         self.n += 1
-        return _Engine(f"{self.n:02d}-{scenario}-{cache}", scenario, spec, _env(cache, env),
-                       self.dir)
+        engine = _Engine(f"{self.n:02d}-{scenario}-{cache}", scenario, spec, _env(cache, env),
+                         self.dir)
+        self.engines.append(engine)
+        return engine
+
+    def kill_all(self) -> None:
+        """Kill every engine this run started (each one's session): on every path."""
+        for engine in self.engines:
+            engine.kill()
 
     def run_reference(self) -> dict[str, Any]:
         e = self.start("reference", "plain", self.spec(kind="none"))
@@ -352,10 +367,9 @@ def run_engine_conformance(connectors: Sequence[str], *,
     :data:`ENGINE_MODES` (default ``auto``: 1P1D for NIXL kinds, store / reload for the
     others; a P/D connector of another kind needs ``1p1d``). ``settings`` override
     :data:`ENGINE_DEFAULTS` (``timeout``: seconds per engine)."""
-    from .case import resolve_connector
-    from .compat import vllm_version
-    from .probes import probe_for
+    from kvconnect.vllm.runtime import prepare_cpu_runtime
 
+    prepare_cpu_runtime()  # this process imports vLLM's NIXL modules to tell kinds apart
     s = {**ENGINE_DEFAULTS, **settings}
     bad = [c for c in caches if c not in ENGINE_CACHES]
     if bad:
@@ -366,32 +380,50 @@ def run_engine_conformance(connectors: Sequence[str], *,
         raise ValueError(f"modes {bad}: choose from {ENGINE_MODES}")
     with tempfile.TemporaryDirectory(prefix="kvconnect-engine-conformance-") as tmp:
         run = _Run(Path(tmp), s)
-        ref = run.run_reference()
-        rows: list[dict[str, Any]] = []
-        for connector in connectors:
-            cls_name, module, cls = resolve_connector(connector)
-            kind = probe_for(cls).kind
-            mode = modes.get(connector, "auto")
-            pd = mode == "1p1d" or (mode == "auto" and kind == "nixl")
-            mine = []
-            for cache in caches:
-                t0 = time.monotonic()
-                base = _connector_spec(run, connector, kind, cls_name, module, cache)
-                out = (_pd_case if pd else _reload_case)(run, base, cache)
-                out.update(connector=connector, cache=cache, kind=kind, layout="LBHNC",
-                           mode="1P1D" if pd else "reload",
-                           seconds=round(time.monotonic() - t0, 1), vllm=vllm_version())
-                if not ref["control_differs"]:
-                    out.update(status="error", evidence="the negative control failed: a "
-                               "prompt differing in its first token gave the same tokens")
-                out["status"] = _status(out)
-                mine.append(out)
-            _mark_unsupported(mine)
-            for out in mine:
-                rows.append(out)
-                if on_result is not None:
-                    on_result(out)
+        try:
+            return _run_all(run, connectors, caches, modes, on_result)
+        finally:
+            run.kill_all()
+
+
+def _run_all(run: _Run, connectors: Sequence[str], caches: Sequence[str],
+             modes: dict[str, str], on_result: Callable[[dict[str, Any]], None] | None
+             ) -> dict[str, Any]:
+    ref = run.run_reference()
+    rows: list[dict[str, Any]] = []
+    for connector in connectors:
+        for out in _connector_rows(run, connector, caches, modes.get(connector, "auto"), ref):
+            rows.append(out)
+            if on_result is not None:
+                on_result(out)
     return {"reference": ref, "results": rows}
+
+
+def _connector_rows(run: _Run, connector: str, caches: Sequence[str], mode: str,
+                    ref: dict[str, Any]) -> list[dict[str, Any]]:
+    """One connector's rows, one per cache."""
+    from .case import resolve_connector
+    from .compat import vllm_version
+    from .probes import probe_for
+
+    cls_name, module, cls = resolve_connector(connector)
+    kind = probe_for(cls).kind
+    pd = mode == "1p1d" or (mode == "auto" and kind == "nixl")
+    rows = []
+    for cache in caches:
+        t0 = time.monotonic()
+        base = _connector_spec(run, connector, kind, cls_name, module, cache)
+        out = (_pd_case if pd else _reload_case)(run, base, cache)
+        out.update(connector=connector, cache=cache, kind=kind, layout="LBHNC",
+                   mode="1P1D" if pd else "reload", seconds=round(time.monotonic() - t0, 1),
+                   vllm=vllm_version())
+        if not ref["control_differs"]:
+            out.update(status="error", evidence="the negative control failed: a prompt "
+                       "differing in its first token gave the same tokens")
+        out["status"] = _status(out)
+        rows.append(out)
+    _mark_unsupported(rows)
+    return rows
 
 
 def _mark_unsupported(rows: list[dict[str, Any]]) -> None:

@@ -248,6 +248,10 @@ def _run_one(spec: dict[str, Any], timeout: float, log_dir: str, start_method: s
     deadline = t0 + timeout
     try:
         _read_progress(rfd, progress, deadline)
+    except BaseException:  # interrupted (SIGINT / SIGTERM): the case's process goes too
+        _kill_group(pid)
+        _reap(pid, 5.0)
+        raise
     finally:
         os.close(rfd)
     timed_out = (not progress.done and progress.error is None
