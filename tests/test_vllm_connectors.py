@@ -57,12 +57,8 @@ def test_stock_connectors_break_as_measured(vmm) -> None:
 def test_patched_pass_every_layout_where_stock_fails(vmm, stock: str) -> None:
     for layout in VLLM_LAYOUTS:
         ours = vmm[(STOCK[stock], layout)]
-        if layout == "LHBNC":
-            # heads lie capacity apart; upstream assumes num_blocks apart: refused, loudly,
-            # before anything is registered (never a registration outside committed memory)
-            assert ours["status"] == "refused", ours
-            assert "LHBNC" in ours["checks"]["register"]["error"]
-            continue
+        # LHBNC too: head planes lie capacity apart; upstream places them num_blocks apart,
+        # ours where the view puts them (kvconnect/vllm/head_planes.py)
         assert ours["status"] == "pass", ours
         assert all(c["status"] == "pass" for c in ours["checks"].values()), ours
     failing = [lay for lay in VLLM_LAYOUTS if vmm[(stock, lay)]["status"] != "pass"]
@@ -72,13 +68,39 @@ def test_patched_pass_every_layout_where_stock_fails(vmm, stock: str) -> None:
 @pytest.mark.parametrize("stock", sorted(STOCK))
 def test_patched_register_byte_identically_on_plain_allocations(plain, stock: str) -> None:
     for layout in VLLM_LAYOUTS:
+        if stock == "OffloadingConnector" and layout == "LHBNC":
+            continue  # upstream's bug, fixed in ours: the control test below
         theirs, ours = plain[(stock, layout)], plain[(STOCK[stock], layout)]
         assert ours["capacity_blocks"] == ours["num_blocks"] == 256
         assert ours["registration"] == theirs["registration"], (layout, ours, theirs)
         assert ours["status"] == theirs["status"], (layout, ours, theirs)
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_lhbnc_head_planes_are_the_views_and_committed_only(vmm) -> None:
+    """Every head plane of every layer is its own region at the view's plane address (the
+    planes are 1024 blocks apart over the reservation), and NIXL registers each plane's
+    committed run, not the storage spanning the uncommitted gap between planes."""
+    for name in STOCK.values():
+        ours = vmm[(name, "LHBNC")]
+        regions = sorted(r[0] for r in ours["registration"]["regions"])
+        plane = 1024 * 8192  # capacity blocks x one head's page
+        assert regions == [0, plane, 2 * plane, 3 * plane], (name, regions)
+    nixl = vmm[(STOCK["NixlConnector"], "LHBNC")]["registration"]["ranges"]
+    assert nixl == [[i * 1024 * 8192, 128 * 8192] for i in range(4)], nixl
+
+
+def test_offloading_lhbnc_control_shows_upstreams_bug_and_our_fix(plain) -> None:
+    """On a plain allocation stock OffloadingConnector mistakes LHBNC for a packed layout
+    and moves only the first head of the first layer; ours moves every head plane."""
+    theirs = plain[("OffloadingConnector", "LHBNC")]
+    ours = plain[(STOCK["OffloadingConnector"], "LHBNC")]
+    assert theirs["status"] == "fail" and len(theirs["registration"]["regions"]) == 1
+    assert theirs["checks"]["offload_round_trip"]["mismatched_bytes"] > 0
+    assert ours["status"] == "pass", ours
+    assert len(ours["registration"]["regions"]) == 4  # 2 layers x 2 head planes
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LHBNC", "BLHNC"])
 def test_one_prefill_one_decode_through_vllms_connector_api(layout: str) -> None:
     """Scheduler and worker roles in two processes, vLLM's handshake and metadata, real
     NIXL on CPU: the patched connector moves the blocks byte-exact, stock does not."""

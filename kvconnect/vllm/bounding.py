@@ -9,6 +9,15 @@ on a plain allocation one storage per buffer, exactly what vLLM allocated), and 
 whose tensors place the layers in those storages. On a plain allocation the config is
 unchanged and the views keep their addresses, shapes and strides: connectors register
 byte-identically. Units: bytes; blocks are vLLM's logical blocks.
+
+``LHBNC`` puts each head of a layer in its own run (a "head plane"), ``num_blocks`` blocks
+long; over a reservation the planes are ``capacity`` blocks apart, which no vLLM config
+can say (vLLM's connectors place them ``num_blocks * block_stride`` apart). With
+``head_planes=True`` (kvconnect's patched connectors) the bounded config places them as
+vLLM expects for that many blocks, so upstream derives the right number of regions, and
+:attr:`BoundedKVCaches.head_planes` gives where each plane really starts (from the view:
+``data_ptr + h * stride(1)``), for the connector to put them there
+(:mod:`kvconnect.vllm.head_planes`).
 """
 
 from __future__ import annotations
@@ -32,13 +41,26 @@ class BoundedKVCaches:
 
     ``kv_caches``: the narrowed views; ``kv_cache_config``: vLLM's config whose tensors
     place the layers in those views' storages; ``registered``: ``(address, nbytes)`` of
-    every distinct storage (what a connector registering storages registers).
+    every distinct storage (what a connector registering storages registers);
+    ``head_planes``: for LHBNC whose planes are not where the config says (a reservation),
+    layer -> the address of each head plane, and ``plane_bytes``, the committed bytes of
+    one plane (empty / 0 otherwise).
     """
 
     kv_caches: dict[str, torch.Tensor]
     kv_cache_config: Any
     num_blocks: int
     registered: tuple[tuple[int, int], ...]
+    head_planes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    plane_bytes: int = 0
+
+    def committed_ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the memory a connector may register: every storage, or,
+        where head planes lie apart, each plane's committed run instead of its storage."""
+        planes = [(a, self.plane_bytes) for bases in self.head_planes.values() for a in bases]
+        inside = {st for st in self.registered
+                  if any(st[0] <= a < st[0] + st[1] for a, _ in planes)}
+        return sorted(set(planes) | (set(self.registered) - inside))
 
 
 def _layer_start(plan: LayoutPlan, name: str, view: torch.Tensor) -> int:
@@ -47,8 +69,11 @@ def _layer_start(plan: LayoutPlan, name: str, view: torch.Tensor) -> int:
 
 
 def _bounded_tensors(plan: LayoutPlan, cfg: Any, views: dict[str, torch.Tensor],
-                     num_blocks: int) -> list[Any]:
-    """vLLM tensors placing every layer in its bounded storage."""
+                     num_blocks: int, head_planes: dict[str, tuple[int, ...]] | None
+                     ) -> list[Any]:
+    """vLLM tensors placing every layer in its bounded storage. Where head planes lie
+    apart: raises LayoutError, or, given ``head_planes`` (a dict to fill), records each
+    layer's plane addresses there and places the planes as vLLM expects."""
     from vllm.v1.kv_cache_interface import KVCacheTensor
 
     out = []
@@ -73,11 +98,17 @@ def _bounded_tensors(plan: LayoutPlan, cfg: Any, views: dict[str, torch.Tensor],
         for n, s in zip(names, starts, strict=True):
             st = views[n].untyped_storage()
             if planes > 1 and st.nbytes() != committed_stride:
-                raise LayoutError(
-                    f"layer {n!r}: layout {plan.config.layout} puts its {planes} head planes "
-                    f"{plan.tensors[0].bytes_per_block // plan.tensors[0].num_segments} x "
-                    f"capacity bytes apart; vLLM connectors assume they lie num_blocks blocks "
-                    f"apart, so no bounded config describes them (use LBHNC or BLHNC)")
+                if head_planes is None:
+                    raise LayoutError(
+                        f"layer {n!r}: layout {plan.config.layout} puts its {planes} head "
+                        f"planes {plan.tensors[0].bytes_per_block // plan.tensors[0].num_segments}"
+                        f" x capacity bytes apart; vLLM connectors assume they lie num_blocks "
+                        f"blocks apart, so no bounded config describes them (kvconnect's "
+                        f"patched connectors place them from the views: head_planes=True)")
+                v = views[n]
+                e = v.element_size()
+                head_planes[n] = tuple(v.data_ptr() + h * v.stride(1) * e
+                                       for h in range(v.shape[1]))
             out.append(KVCacheTensor(size=st.nbytes(), layers=[n],
                                      layer_stride=committed_stride,
                                      block_stride=t.block_stride, offset=s - st.data_ptr()))
@@ -86,21 +117,29 @@ def _bounded_tensors(plan: LayoutPlan, cfg: Any, views: dict[str, torch.Tensor],
 
 def bound_for_connector(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any,
                         num_blocks: int | None = None, *, layout: object = None,
-                        kernel_block_size: int | None = None) -> BoundedKVCaches:
+                        kernel_block_size: int | None = None,
+                        head_planes: bool = False) -> BoundedKVCaches:
     """``kv_caches`` and vLLM's ``kv_cache_config`` bounded to ``num_blocks`` blocks
     (default: the config's ``num_blocks``). ``layout`` defaults to the config's
     ``kv_cache_layout``. Raises :class:`~kvconnect.layout.LayoutError` when the views do not
-    follow the config, or when no bounded config can describe the layout to vLLM's
-    connectors (``LHBNC`` with capacity above the committed blocks)."""
+    follow the config, or, unless ``head_planes``, when no bounded config can describe the
+    layout to vLLM's connectors (``LHBNC`` with capacity above the committed blocks): with
+    ``head_planes`` the result's ``head_planes`` says where those planes are."""
     ours = config_from_vllm(kv_cache_config, layout, kernel_block_size)
     n = int(kv_cache_config.num_blocks if num_blocks is None else num_blocks)
     plan = plan_layout(ours)
     views = narrow_kv_caches_to_num_blocks(kv_caches, n, plan)
-    tensors = _bounded_tensors(plan, kv_cache_config, views, n)  # type: ignore[arg-type]
+    planes: dict[str, tuple[int, ...]] | None = {} if head_planes else None
+    tensors = _bounded_tensors(plan, kv_cache_config, views, n, planes)  # type: ignore[arg-type]
     config = dataclasses.replace(kv_cache_config, kv_cache_tensors=tensors, num_blocks=n,
                                  kv_cache_layout=ours.layout)
     seen: dict[int, int] = {}
     for v in views.values():
         st = v.untyped_storage()
         seen.setdefault(st.data_ptr(), st.nbytes())
-    return BoundedKVCaches(views, config, n, tuple(sorted(seen.items())))  # type: ignore[arg-type]
+    plane_bytes = 0
+    if planes:
+        v = views[next(iter(planes))]
+        plane_bytes = n * v.stride(0) * v.element_size()
+    return BoundedKVCaches(views, config, n, tuple(sorted(seen.items())),  # type: ignore[arg-type]
+                           planes or {}, plane_bytes)

@@ -4,7 +4,10 @@ attention backends that need vLLM's compiled extensions on CUDA, so it loads onl
 
 Each class subclasses upstream's and changes one thing: before upstream's
 ``register_kv_caches`` runs, the views and the connector's ``KVCacheConfig`` are bounded to
-the committed blocks (:func:`kvconnect.vllm.bounding.bound_for_connector`). Everything else,
+the committed blocks (:func:`kvconnect.vllm.bounding.bound_for_connector`), and, for
+``LHBNC``, each head plane is placed where the view puts it, not where upstream derives it
+from the block count (:mod:`kvconnect.vllm.head_planes`; for OffloadingConnector this also
+fixes upstream's LHBNC bug on plain allocations: it moved only the first head). Everything else,
 including sleep / wake (``unregister_kv_caches`` / ``restore_kv_caches``, which re-register
 exactly what was registered: the committed extents), is upstream's. On a plain allocation
 the bounded views and config equal the originals, so registrations are byte-identical.
@@ -28,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 )
 
 from .bounding import BoundedKVCaches, bound_for_connector
+from .head_planes import offloading_head_planes, simple_offload_head_planes
 
 __all__ = ["CommittedOnly", "KvconnectOffloadingConnector",
            "KvconnectSimpleCPUOffloadConnector"]
@@ -45,7 +49,7 @@ class CommittedOnly:
         cfg = self._kv_cache_config
         layout = getattr(cfg, "kv_cache_layout", None) or (
             self._vllm_config.cache_config.kv_cache_layout)
-        bounded = bound_for_connector(kv_caches, cfg, layout=layout)
+        bounded = bound_for_connector(kv_caches, cfg, layout=layout, head_planes=True)
         self.kvconnect_bounded = bounded
         return bounded
 
@@ -63,13 +67,15 @@ class KvconnectSimpleCPUOffloadConnector(CommittedOnly, SimpleCPUOffloadConnecto
             return
         bounded = self._bounded(kv_caches)
         self.worker_handler.kv_cache_config = bounded.kv_cache_config
-        super().register_kv_caches(bounded.kv_caches)
+        with simple_offload_head_planes(self.worker_handler, bounded):
+            super().register_kv_caches(bounded.kv_caches)
 
 
 class KvconnectOffloadingConnector(CommittedOnly, OffloadingConnector):
     """vLLM's ``OffloadingConnector`` over bounded views (its geometry is already bounded by
     ``num_blocks``; its packed path assumes row 0 at the storage start, which bounding
-    guarantees)."""
+    guarantees), with LHBNC's head planes as canonical tensors (upstream mistakes LHBNC for
+    a packed layout)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -78,4 +84,6 @@ class KvconnectOffloadingConnector(CommittedOnly, OffloadingConnector):
         assert self.connector_worker is not None
         bounded = self._bounded(kv_caches)
         self.connector_worker.kv_cache_config = bounded.kv_cache_config
-        super().register_kv_caches(bounded.kv_caches)
+        with offloading_head_planes(self.connector_worker, bounded.kv_caches,
+                                    bounded.kv_cache_config):
+            super().register_kv_caches(bounded.kv_caches)

@@ -13,16 +13,19 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
 from .connectors import CommittedOnly
+from .head_planes import nixl_head_planes
 
 __all__ = ["KvconnectNixlConnector"]
 
 
 class KvconnectNixlConnector(CommittedOnly, NixlConnector):
-    """vLLM's ``NixlConnector`` (pull) registering committed memory only."""
+    """vLLM's ``NixlConnector`` (pull) registering committed memory only (LHBNC: each head
+    plane's region where the view puts it, and only its committed run registered)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         bounded = self._bounded(kv_caches)
-        super().register_kv_caches(bounded.kv_caches)
+        with nixl_head_planes(self.connector_worker, bounded):
+            super().register_kv_caches(bounded.kv_caches)

@@ -7,8 +7,15 @@ process, and reports in JSON: registrations outside committed memory, wrong bloc
 stride, faults (the signal and the step), a byte-exact transfer (NIXL: a second real agent)
 or offload round trip, and behaviour across sleep / wake.
 
-Entry points: ``kvconnect-conformance module:Class`` (:mod:`.cli`), the pytest plugin
-``pytest --kvconnect-connector module:Class`` (:mod:`.plugin`), and :func:`run_conformance`.
+Any ``KVConnectorBase_V1`` subclass can be checked: one of no kind the kit knows is checked
+by what it registers and holds, and what could not be checked is reported in words. The
+engine mode (:func:`run_engine_conformance`, :mod:`.engine`) runs a connector inside real
+vLLM engines over kvconnect's extensible cache and vLLM's plain one.
+
+Entry points: ``kvconnect-conformance module:Class [--engine]`` (:mod:`.cli`), the pytest
+plugin ``pytest --kvconnect-connector module:Class [--kvconnect-engine]`` (:mod:`.plugin`),
+:func:`run_conformance` and :func:`run_engine_conformance`. Runs on vLLM 0.32 and 0.33
+(:mod:`.compat`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any
 
 from kvconnect.layout.formats import VLLM_LAYOUTS
 
-__all__ = ["STOCK_AND_PATCHED", "VLLM_LAYOUTS", "run_conformance"]
+__all__ = ["STOCK_AND_PATCHED", "VLLM_LAYOUTS", "run_conformance", "run_engine_conformance"]
 
 #: the connectors docs/conformance.md compares: vLLM 0.33's and kvconnect's patched ones
 STOCK_AND_PATCHED = (
@@ -41,5 +48,12 @@ def run_conformance(connectors: Sequence[str], layouts: Iterable[str] = VLLM_LAY
 
     specs = [{"connector": c, "layout": lay, **geometry}
              for c in connectors for lay in layouts]
-    return run_cases(specs, timeout=timeout or DEFAULT_TIMEOUT, on_result=on_result,
-                     start_method=start_method)
+    return run_cases(specs, timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+                     on_result=on_result, start_method=start_method)
+
+
+def run_engine_conformance(connectors: Sequence[str], **kwargs: Any) -> dict[str, Any]:
+    """Engine mode: see :func:`kvconnect.vllm.conformance.engine.run_engine_conformance`."""
+    from .engine import run_engine_conformance as run
+
+    return run(connectors, **kwargs)

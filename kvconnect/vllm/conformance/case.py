@@ -13,7 +13,13 @@ the committed blocks with random bytes, creates the connector through vLLM's own
 - ``transfer`` (NIXL: a second real agent reads blocks, byte-exact) or
   ``offload_round_trip`` (store, scribble, load, byte-exact);
 - ``sleep_wake``: ``unregister_kv_caches``, release, recommit, ``restore_kv_caches``, then
-  registrations committed-only again and blocks moving byte-exact again.
+  registrations committed-only again and blocks moving byte-exact again (skipped where the
+  vLLM version's connector API has no such hooks: 0.32).
+
+A connector of no kind the kit knows (any ``KVConnectorBase_V1`` subclass: see
+:class:`~kvconnect.vllm.conformance.probes.GenericProbe`) is checked by its NIXL
+registrations and the views it holds; what could not be checked is in the result's
+``unchecked``, check name -> reason in words.
 
 Each check is ``{"status": "pass" | "fail" | "skip", ...evidence}``. Units: bytes.
 """
@@ -27,7 +33,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .probes import ConnectorProbe, Region, probe_for
+from .probes import ConnectorProbe, GenericProbe, Region, probe_for
 
 __all__ = ["CASE_DEFAULTS", "DeviceBytes", "fill_committed", "resolve_connector", "run_case"]
 
@@ -199,18 +205,134 @@ class _Checks(dict):
             self._send(key, value)
 
 
+def _build(s: dict[str, Any], tmp: str) -> tuple[Any, Any, Any, tuple[str, str | None, type]]:
+    """vLLM's config for the case's tiny model, the connector config, and the cache's vLLM
+    ``KVCacheConfig`` (planned for ``num_blocks``); the connector named by the spec."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    from kvconnect.vllm.runtime import make_vllm_config, write_tiny_model
+
+    from .compat import kv_cache_config_from_groups
+
+    resolved = resolve_connector(s["connector"])
+    cls_name, module, _ = resolved
+    ktc: dict[str, Any] = {"kv_connector": cls_name, "kv_role": "kv_both",
+                           "engine_id": f"conformance-{s['layout']}",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20}}
+    if module:
+        ktc["kv_connector_module_path"] = module
+    model = write_tiny_model(f"{tmp}/model", num_layers=s["num_layers"],
+                             num_kv_heads=s["num_kv_heads"], head_dim=s["head_size"],
+                             dtype=s["dtype"])
+    vc = make_vllm_config(model, layout=s["layout"], block_size=s["block_size"],
+                          kv_transfer_config=ktc, dtype=s["dtype"], device=s["device"])
+    page = FullAttentionSpec(block_size=s["block_size"], num_kv_heads=s["num_kv_heads"],
+                             head_size=s["head_size"], dtype=getattr(torch, s["dtype"]))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(s["num_layers"])]
+    kv_cfg = kv_cache_config_from_groups(
+        vc, [KVCacheGroupSpec(names, page)],
+        s["num_blocks"] * s["num_layers"] * page.page_size_bytes)
+    return vc, ktc, kv_cfg, resolved
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:400]
+
+
+def _register(connector: Any, views: dict[str, Any], checks: _Checks) -> bool:
+    """``register_kv_caches``; False (the check says why) when it raised."""
+    try:
+        connector.register_kv_caches(views)
+    except Exception as exc:
+        # kvconnect's bounding refusing a layout it cannot describe is not a fault
+        refused = type(exc).__name__ == "LayoutError"
+        checks["register"] = {"status": "refused" if refused else "fail",
+                              "error": _error(exc),
+                              "where": traceback.extract_tb(exc.__traceback__)[-1].name}
+        return False
+    checks["register"] = {"status": "pass"}
+    return True
+
+
+def _committed_checks(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str, Any],
+                      extents: list[tuple[int, int]]) -> dict[str, Any]:
+    """``committed_only`` for the probe's kind: its regions and registrations; for a
+    connector of unknown kind, its NIXL registrations and the views it holds."""
+    regions = probe.regions(connector)
+    out = _committed_only(probe, regions, extents)
+    if isinstance(probe, GenericProbe):
+        from .holdings import holdings_check
+
+        t = cache.cache.tensors[0]
+        held = holdings_check(connector, views, (t.base_ptr, t.capacity_bytes), extents)
+        out.update(held_views=held["held_views"],
+                   views_reaching_uncommitted=held["views_reaching_uncommitted"],
+                   held_examples=held["examples"])
+        if held["status"] == "fail":
+            out["status"] = "fail"
+    return out
+
+
+def _sleep_wake(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str, Any],
+                extents: list[tuple[int, int]], block_ids: list[int], rng: random.Random,
+                stage: Stage) -> dict[str, Any]:
+    """Unregister, release, recommit, restore; nothing registered while asleep, committed
+    memory only after wake, blocks moving again."""
+    from .compat import sleep_hooks, vllm_version
+
+    hooks = sleep_hooks(connector)
+    if hooks is None:
+        return {"status": "skip", "reason": f"vLLM {vllm_version()}'s connector API has no "
+                                            "unregister_kv_caches / restore_kv_caches"}
+    unregister, restore = hooks
+    stage("sleep")
+    unregister()
+    left = probe.registered()
+    cache.release_physical()
+    cache.recommit()
+    fill_committed(cache, rng)
+    stage("wake")
+    restore()
+    after = _committed_checks(probe, connector, cache, views, extents)
+    stage(f"{probe.exercise_name} after wake")
+    moved = _exercise(probe, connector, cache, extents, block_ids, rng)
+    ok = not left and after["status"] == "pass" and moved["status"] in ("pass", "skip")
+    return {"status": "pass" if ok else "fail",
+            "registered_while_asleep_bytes": sum(n for _, n in left),
+            "registered_after_wake_bytes": after["registered_bytes"],
+            "outside_after_wake": after["ranges_outside"] + after["regions_outside"]
+            + after.get("views_reaching_uncommitted", 0),
+            probe.exercise_name: moved["status"]}
+
+
+def _inspect(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str, Any],
+             extents: list[tuple[int, int]], result: dict[str, Any]) -> None:
+    """What the connector registered (into ``result["registration"]``, relative to the
+    reservation), ``committed_only`` and ``block_geometry`` (skipped where the probe
+    cannot tell)."""
+    checks, unchecked = result["checks"], result["unchecked"]
+    regions = probe.regions(connector)
+    base = cache.cache.tensors[0].base_ptr
+    result["registration"] = {  # relative to the reservation: comparable across runs
+        "regions": [[r.base - base, r.block_len, r.block_stride, r.num_blocks]
+                    for r in regions],
+        "ranges": [[a - base, n] for a, n in probe.registered()]}
+    checks["committed_only"] = _committed_checks(probe, connector, cache, views, extents)
+    if "block_geometry" in unchecked:
+        checks["block_geometry"] = {"status": "skip", "reason": unchecked["block_geometry"]}
+    else:
+        kv_runs = [(r.base_ptr, r.block_len, r.block_stride)
+                   for r in cache.cache.committed_regions()]
+        checks["block_geometry"] = _block_geometry(regions, kv_runs)
+
+
 def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
              ) -> dict[str, Any]:
     """Run one case; ``stage(name)`` is called before each step and ``report(check,
     value)`` after each check (the parent keeps both if this process dies). Returns the
-    case's JSON result."""
-    from kvconnect.vllm.runtime import (
-        init_single_process_group,
-        is_cuda_device,
-        make_vllm_config,
-        prepare_runtime,
-        write_tiny_model,
-    )
+    case's JSON result; ``unchecked`` names, in words, what could not be checked."""
+    from kvconnect.vllm.runtime import init_single_process_group, is_cuda_device, prepare_runtime
 
     s = {**CASE_DEFAULTS, **spec}
     shims = prepare_runtime(s["device"])
@@ -221,8 +343,6 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     from kvconnect.vllm.cache import VllmKVCache
 
@@ -235,24 +355,10 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
     rng = random.Random(s["seed"])
     tmp = s.get("workdir") or tempfile.mkdtemp(prefix="kvconnect-conformance-")
     stage("setup")
-    cls_name, module, cls = resolve_connector(s["connector"])
+    vc, _, kv_cfg, (_, _, cls) = _build(s, tmp)
     probe = probe_for(cls, s["device"])
-    ktc: dict[str, Any] = {"kv_connector": cls_name, "kv_role": "kv_both",
-                           "engine_id": f"conformance-{s['layout']}",
-                           "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20}}
-    if module:
-        ktc["kv_connector_module_path"] = module
-    model = write_tiny_model(f"{tmp}/model", num_layers=s["num_layers"],
-                             num_kv_heads=s["num_kv_heads"], head_dim=s["head_size"],
-                             dtype=s["dtype"])
-    vc = make_vllm_config(model, layout=s["layout"], block_size=s["block_size"],
-                          kv_transfer_config=ktc, dtype=s["dtype"], device=s["device"])
-    spec_ = FullAttentionSpec(block_size=s["block_size"], num_kv_heads=s["num_kv_heads"],
-                              head_size=s["head_size"], dtype=getattr(torch, s["dtype"]))
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(s["num_layers"])]
-    kv_cfg = get_kv_cache_config_from_groups(
-        vc, [KVCacheGroupSpec(names, spec_)],
-        available_memory=s["num_blocks"] * s["num_layers"] * spec_.page_size_bytes)
+    result["probe"] = probe.kind
+    unchecked = result["unchecked"] = dict(probe.limits)
     with set_current_vllm_config(vc):
         init_single_process_group(f"{tmp}/dist")
         probe.install()
@@ -270,52 +376,21 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
             connector = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER,
                                                             cache.connector_config())
         except Exception as exc:
-            checks["register"] = {"status": "fail", "stage": "construct",
-                                  "error": f"{type(exc).__name__}: {exc}"[:400]}
+            checks["register"] = {"status": "fail", "stage": "construct", "error": _error(exc)}
             return result
         stage("register")
-        try:
-            connector.register_kv_caches(cache.kv_caches())
-            checks["register"] = {"status": "pass"}
-        except Exception as exc:
-            # kvconnect's bounding refusing a layout it cannot describe is not a fault
-            refused = type(exc).__name__ == "LayoutError"
-            checks["register"] = {"status": "refused" if refused else "fail",
-                                  "error": f"{type(exc).__name__}: {exc}"[:400],
-                                  "where": traceback.extract_tb(exc.__traceback__)[-1].name}
+        views = cache.kv_caches()
+        if not _register(connector, views, checks):
             return result
         stage("inspect")
-        regions = probe.regions(connector)
-        base = cache.cache.tensors[0].base_ptr
-        result["registration"] = {  # relative to the reservation: comparable across runs
-            "regions": [[r.base - base, r.block_len, r.block_stride, r.num_blocks]
-                        for r in regions],
-            "ranges": [[a - base, n] for a, n in probe.registered()]}
-        checks["committed_only"] = _committed_only(probe, regions, extents)
-        kv_runs = [(r.base_ptr, r.block_len, r.block_stride)
-                   for r in cache.cache.committed_regions()]
-        checks["block_geometry"] = _block_geometry(regions, kv_runs)
+        _inspect(probe, connector, cache, views, extents, result)
         block_ids = sorted(rng.sample(range(s["num_blocks"]), s["transfer_blocks"]))
         stage(probe.exercise_name)
         checks[probe.exercise_name] = _exercise(probe, connector, cache, extents, block_ids, rng)
-        stage("sleep")
-        connector.unregister_kv_caches()
-        left = probe.registered()
-        cache.release_physical()
-        cache.recommit()
-        fill_committed(cache, rng)
-        stage("wake")
-        connector.restore_kv_caches()
-        after = _committed_only(probe, probe.regions(connector), extents)
-        stage(f"{probe.exercise_name} after wake")
-        moved = _exercise(probe, connector, cache, extents, block_ids, rng)
-        ok = not left and after["status"] == "pass" and moved["status"] in ("pass", "skip")
-        checks["sleep_wake"] = {"status": "pass" if ok else "fail",
-                                "registered_while_asleep_bytes": sum(n for _, n in left),
-                                "registered_after_wake_bytes": after["registered_bytes"],
-                                "outside_after_wake": after["ranges_outside"]
-                                + after["regions_outside"],
-                                probe.exercise_name: moved["status"]}
+        checks["sleep_wake"] = _sleep_wake(probe, connector, cache, views, extents, block_ids,
+                                           rng, stage)
+        if checks["sleep_wake"]["status"] == "skip":
+            unchecked["sleep_wake"] = checks["sleep_wake"]["reason"]
         stage("shutdown")
         connector.shutdown()
     return result

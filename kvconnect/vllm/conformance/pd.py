@@ -67,13 +67,13 @@ def _side(spec: dict[str, Any], role: str, port: int, workdir: str) -> tuple[Any
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     from kvconnect.vllm.cache import VllmKVCache
     from kvconnect.vllm.runtime import init_single_process_group, make_vllm_config
 
     from .case import resolve_connector
+    from .compat import kv_cache_config_from_groups as get_kv_cache_config_from_groups
 
     cls_name, module, _ = resolve_connector(spec["connector"])
     ktc: dict[str, Any] = {"kv_connector": cls_name, "engine_id": f"{role}-engine",

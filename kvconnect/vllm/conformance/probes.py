@@ -1,8 +1,9 @@
 """What a connector registered, and how to make it move blocks: one probe per connector kind.
 
 A probe is chosen by :func:`probe_for` from :data:`PROBES` (the first whose upstream base
-class the connector derives from; connectors of no known kind get :class:`NixlProbe`'s
-registration recording only). Probes run inside a case's own process, which is discarded
+class the connector derives from; any other ``KVConnectorBase_V1`` subclass gets
+:class:`GenericProbe`: its NIXL registrations and held views are checked, the rest is
+reported as not checked, in words). Probes run inside a case's own process, which is discarded
 afterwards, so they may patch classes for the life of that process.
 
 Two stand-ins replace what cannot exist on a CPU-only machine, and say so in their names:
@@ -27,8 +28,9 @@ import torch
 
 from kvconnect.views import block_span
 
-__all__ = ["PROBES", "ConnectorProbe", "HostCopyBackendStandIn", "HostStreamStandIn",
-           "NixlProbe", "dma_copy", "OffloadingProbe", "Region", "SimpleCPUOffloadProbe", "probe_for"]
+__all__ = ["PROBES", "ConnectorProbe", "GenericProbe", "HostCopyBackendStandIn",
+           "HostStreamStandIn", "NixlProbe", "NixlRegistrations", "OffloadingProbe", "Region",
+           "SimpleCPUOffloadProbe", "dma_copy", "probe_for"]
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,11 @@ class ConnectorProbe:
     connector's geometry and returns ``(moved_bytes, mismatched_bytes)`` against
     ``expected`` (block id -> the bytes every KV run of that block held)."""
 
-    kind = "generic"
-    #: "transfer" (peer reads blocks) or "offload_round_trip"
+    kind = "base"
+    #: "transfer" (peer reads blocks), "offload_round_trip" or "moves_blocks"
     exercise_name = "transfer"
+    #: check name -> why this probe cannot run it (reported in words)
+    limits: dict[str, str] = {}
     #: where the case's KV cache lives (set by :func:`probe_for`)
     device: torch.device = torch.device("cpu")
 
@@ -76,6 +80,49 @@ class ConnectorProbe:
 
 
 # -- NIXL -------------------------------------------------------------------------------------
+class NixlRegistrations:
+    """Records every NIXL registration made in this process (any agent), as long as NIXL
+    imports: ``(address, nbytes)`` of what is registered now."""
+
+    def __init__(self) -> None:
+        self._descs: dict[int, list[tuple[int, int]]] = {}
+        self._live: dict[int, list[tuple[int, int]]] = {}
+        self.installed = False
+
+    def install(self) -> None:
+        try:
+            from nixl._api import nixl_agent
+        except ImportError:
+            return
+        rec = self
+        orig_get, orig_reg, orig_dereg = (nixl_agent.get_reg_descs, nixl_agent.register_memory,
+                                          nixl_agent.deregister_memory)
+
+        def get_reg_descs(self: Any, descs: Any, mem_type: Any = None) -> Any:
+            out = orig_get(self, descs, mem_type)
+            if isinstance(descs, list) and descs and isinstance(descs[0], tuple):
+                rec._descs[id(out)] = [(int(d[0]), int(d[1])) for d in descs]
+            return out
+
+        def register_memory(self: Any, reg_list: Any, mem_type: Any = None,
+                            backends: list[str] = []) -> Any:  # noqa: B006 - upstream's
+            out = orig_reg(self, reg_list, mem_type, backends)
+            rec._live[id(out)] = rec._descs.get(id(out), [])
+            return out
+
+        def deregister_memory(self: Any, dereg_list: Any, backends: list[str] = []) -> Any:  # noqa: B006
+            rec._live.pop(id(dereg_list), None)
+            return orig_dereg(self, dereg_list, backends)
+
+        nixl_agent.get_reg_descs = get_reg_descs
+        nixl_agent.register_memory = register_memory
+        nixl_agent.deregister_memory = deregister_memory
+        self.installed = True
+
+    def registered(self) -> list[tuple[int, int]]:
+        return sorted(r for rs in self._live.values() for r in rs)
+
+
 class NixlProbe(ConnectorProbe):
     """Records every NIXL registration (any agent in the process) and reads blocks from the
     connector's agent with a second, real agent, as a decode peer does."""
@@ -84,39 +131,14 @@ class NixlProbe(ConnectorProbe):
     exercise_name = "transfer"
 
     def __init__(self) -> None:
-        self._descs: dict[int, list[tuple[int, int]]] = {}
-        self._live: dict[int, list[tuple[int, int]]] = {}
+        self._nixl = NixlRegistrations()
         self._dst: Any = None
 
     def install(self) -> None:
-        from nixl._api import nixl_agent
-
-        probe = self
-        orig_get, orig_reg, orig_dereg = (nixl_agent.get_reg_descs, nixl_agent.register_memory,
-                                          nixl_agent.deregister_memory)
-
-        def get_reg_descs(self: Any, descs: Any, mem_type: Any = None) -> Any:
-            out = orig_get(self, descs, mem_type)
-            if isinstance(descs, list) and descs and isinstance(descs[0], tuple):
-                probe._descs[id(out)] = [(int(d[0]), int(d[1])) for d in descs]
-            return out
-
-        def register_memory(self: Any, reg_list: Any, mem_type: Any = None,
-                            backends: list[str] = []) -> Any:  # noqa: B006 - upstream's
-            out = orig_reg(self, reg_list, mem_type, backends)
-            probe._live[id(out)] = probe._descs.get(id(out), [])
-            return out
-
-        def deregister_memory(self: Any, dereg_list: Any, backends: list[str] = []) -> Any:  # noqa: B006
-            probe._live.pop(id(dereg_list), None)
-            return orig_dereg(self, dereg_list, backends)
-
-        nixl_agent.get_reg_descs = get_reg_descs
-        nixl_agent.register_memory = register_memory
-        nixl_agent.deregister_memory = deregister_memory
+        self._nixl.install()
 
     def registered(self) -> list[tuple[int, int]]:
-        return sorted(r for rs in self._live.values() for r in rs)
+        return self._nixl.registered()
 
     def regions(self, connector: Any) -> list[Region]:
         w = connector.connector_worker
@@ -339,6 +361,38 @@ class OffloadingProbe(ConnectorProbe):
         return _round_trip(copy, block_ids, scribble, read_runs, runs)
 
 
+# -- any other connector ---------------------------------------------------------------------
+class GenericProbe(ConnectorProbe):
+    """A ``KVConnectorBase_V1`` subclass of no kind the kit knows: checked by what it
+    registers with NIXL (if it does) and the views it holds (:mod:`.holdings`); its blocks'
+    addresses and its transfers are its own, so those checks are skipped, with the reason
+    (the engine mode moves blocks through any connector)."""
+
+    kind = "generic"
+    exercise_name = "moves_blocks"
+    #: what this probe cannot check, in words (the case reports them)
+    limits = {
+        "block_geometry": "the kit does not know how a connector of this kind addresses "
+                          "blocks (no NIXL / SimpleCPUOffload / Offloading base class)",
+        "moves_blocks": "its transfers are driven by its own metadata: connector-API mode "
+                        "cannot make it move blocks (run the engine mode: "
+                        "kvconnect-conformance --engine)",
+    }
+
+    def __init__(self) -> None:
+        self._nixl = NixlRegistrations()
+
+    def install(self) -> None:
+        self._nixl.install()
+
+    def registered(self) -> list[tuple[int, int]]:
+        return self._nixl.registered()
+
+    def exercise(self, connector: Any, block_ids: list[int], scribble: Any, read_runs: Any,
+                 runs: list[tuple[int, int]]) -> tuple[int, int]:
+        raise NotImplementedError(self.limits["moves_blocks"])
+
+
 def _nixl_base() -> type:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
 
@@ -381,9 +435,9 @@ def _derives(connector_cls: type, load_base: Any) -> bool:
 
 
 def probe_for(connector_cls: type, device: object = "cpu") -> ConnectorProbe:
-    """The probe of ``connector_cls``'s kind (NIXL registration recording if none fits),
-    for a case whose KV cache lives on ``device``."""
+    """The probe of ``connector_cls``'s kind (:class:`GenericProbe` if none fits), for a
+    case whose KV cache lives on ``device``."""
     probe: ConnectorProbe = next(
-        (p() for base, p in PROBES if _derives(connector_cls, base)), NixlProbe())
+        (p() for base, p in PROBES if _derives(connector_cls, base)), GenericProbe())
     probe.device = torch.device(device)
     return probe

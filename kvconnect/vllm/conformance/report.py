@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CHECK_COLUMNS", "evidence", "render_markdown", "render_pd_markdown",
-           "summary_counts"]
+__all__ = ["CHECK_COLUMNS", "ENGINE_COLUMNS", "engine_evidence", "evidence",
+           "render_engine_markdown", "render_markdown", "render_pd_markdown", "summary_counts"]
+
+#: engine-mode table columns (a row has either ``reload`` or ``transfer``)
+ENGINE_COLUMNS = ("starts", "tokens", "moves_kv", "sleep_wake")
 
 #: table columns, in order (a case has either transfer or offload_round_trip)
 CHECK_COLUMNS = ("register", "committed_only", "block_geometry", "moves_blocks", "sleep_wake")
@@ -54,13 +57,22 @@ def evidence(r: dict[str, Any]) -> str:
         parts.append(reg["error"][:160])
     if r.get("status") in ("fault", "timeout", "error"):
         parts.append(str(r.get("evidence", r["status"]))[:160])
+    if co and co.get("views_reaching_uncommitted"):
+        parts.append(f"holds {co['views_reaching_uncommitted']} views reaching uncommitted "
+                     f"memory")
+    if r.get("stray_output"):
+        parts.append(f"wrote {r['stray_output']['bytes']} bytes that are not the kit's to its "
+                     f"channel (kept out)")
+    if r.get("unchecked"):
+        parts.append("not checked: " + ", ".join(r["unchecked"]))
     return "; ".join(parts).replace("|", "/") or "-"
 
 
 def _cell(r: dict[str, Any], col: str) -> str:
     checks = r.get("checks", {})
     if col == "moves_blocks":
-        c = checks.get("transfer") or checks.get("offload_round_trip")
+        c = (checks.get("transfer") or checks.get("offload_round_trip")
+             or checks.get("moves_blocks"))
     else:
         c = checks.get(col)
     if c is None:
@@ -112,4 +124,56 @@ def render_pd_markdown(results: Sequence[dict[str, Any]], *, title: str, preambl
             "—" if errs is None else f"{len(errs)} of {len(r.get('local_ids', []))}",
             str(r.get("prefill_saw_completion", "—")), str(r.get("seconds", "—")),
             str(r.get("evidence", "-")).replace("|", "/")[:160]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def engine_evidence(r: dict[str, Any]) -> str:
+    """One line for an engine-mode row: what went wrong, or what moved over which cache."""
+    checks = r.get("checks", {})
+    parts = []
+    if r.get("evidence"):
+        parts.append(str(r["evidence"])[:320])
+    moved = checks.get("transfer") or checks.get("reload") or {}
+    if r.get("status") == "inconclusive":  # the evidence already says why
+        moved = {}
+    if moved.get("status") == "pass" and "control_zeroed_bytes" in moved:
+        parts.append(f"consumer's tokens equal the reference; zeroing "
+                     f"{moved['control_zeroed_bytes']} bytes of the producer's KV changed the "
+                     f"control prompt's tokens (the consumer read it)")
+    elif moved.get("status") == "pass":
+        parts.append(f"{moved.get('num_cached_tokens')} prompt tokens from the connector, "
+                     f"greedy tokens equal the reference")
+    elif moved.get("status") in ("fail", "skip"):
+        parts.append(str(moved.get("reason") or f"tokens {moved.get('tokens')} vs reference "
+                                                  f"{moved.get('reference')}")[:200])
+    ext = r.get("extent") or {}
+    if ext.get("reserved_bytes") and r.get("cache") == "extensible":
+        parts.append(f"reserved {ext['reserved_bytes'] / 2**30:.1f} GiB, committed "
+                     f"{ext['committed_bytes'] / 2**30:.2f} GiB ({ext.get('handle_type')})")
+    sw = checks.get("sleep_wake", {})
+    if sw.get("status") == "skip" and r.get("mode") == "reload":
+        parts.append(f"sleep/wake not checked: {sw.get('reason')}")
+    return "; ".join(parts).replace("|", "/") or "-"
+
+
+def _engine_cell(r: dict[str, Any], col: str) -> str:
+    checks = r.get("checks", {})
+    c = (checks.get("transfer") or checks.get("reload")) if col == "moves_kv" else checks.get(col)
+    return "—" if c is None else str(c.get("status", "?"))
+
+
+def render_engine_markdown(results: Sequence[dict[str, Any]], *, title: str | None,
+                           preamble: str = "") -> str:
+    """Engine-mode rows (:func:`kvconnect.vllm.conformance.engine.run_engine_conformance`)
+    as a Markdown section: connector x cache (no heading when ``title`` is None)."""
+    lines = [f"## {title}", ""] if title else []
+    if preamble:
+        lines += [preamble.rstrip(), ""]
+    lines += ["| connector | cache | mode | status | " + " | ".join(ENGINE_COLUMNS)
+              + " | seconds | evidence |", "|" + "---|" * (len(ENGINE_COLUMNS) + 6)]
+    for r in results:
+        cells = [_short(r["connector"]), r["cache"], r.get("mode", "?"), f"**{r['status']}**"]
+        cells += [_engine_cell(r, c) for c in ENGINE_COLUMNS]
+        cells += [str(r.get("seconds", "—")), engine_evidence(r)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,128 @@
+"""The kit's option checks, shared by the CLI and the pytest plugin (no vLLM, no CUDA init).
+
+Each checker returns the parsed value or raises :class:`OptionError` (a ``ValueError``)
+saying what was wrong and what to give instead; callers turn it into their usage error
+(exit 2, pytest's ``UsageError``). :func:`gpu_absent_reason` is an environment check (exit
+3): it loads the CUDA driver library and counts devices through NVML, never initialising
+CUDA in a process that will fork cases.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import tempfile
+
+from kvconnect.layout.formats import VLLM_LAYOUTS
+
+__all__ = ["OptionError", "check_output_path", "gpu_absent_reason", "parse_caches",
+           "parse_device", "parse_layouts", "parse_positive", "parse_timeout"]
+
+#: the caches engine mode runs a connector over (see :mod:`.engine`)
+ENGINE_CACHES = ("extensible", "plain")
+
+
+class OptionError(ValueError):
+    """A bad option value; the message names the option's rule."""
+
+
+def parse_layouts(text: str) -> list[str]:
+    """``"LBHNC,BLHNC"`` -> the layouts; every name must be one of vLLM's six."""
+    out = [x.strip() for x in str(text).split(",") if x.strip()]
+    bad = [x for x in out if x not in VLLM_LAYOUTS]
+    if bad or not out:
+        raise OptionError(f"unknown layouts {bad or [text]}; choose from "
+                          f"{', '.join(VLLM_LAYOUTS)}")
+    return out
+
+
+def parse_caches(text: str) -> list[str]:
+    """``"extensible,plain"`` -> the engine-mode caches (each one of :data:`ENGINE_CACHES`)."""
+    out = [x.strip() for x in str(text).split(",") if x.strip()]
+    bad = [x for x in out if x not in ENGINE_CACHES]
+    if bad or not out:
+        raise OptionError(f"unknown caches {bad or [text]}; choose from "
+                          f"{', '.join(ENGINE_CACHES)}")
+    return out
+
+
+def parse_positive(text: object, what: str = "the value") -> int:
+    """A whole number >= 1 (blocks, layers)."""
+    try:
+        value = int(str(text), 10)
+    except ValueError:
+        raise OptionError(f"{what} {text!r}: expected a whole number >= 1") from None
+    if value < 1:
+        raise OptionError(f"{what} {value}: must be >= 1")
+    return value
+
+
+def parse_timeout(text: object) -> float:
+    """Seconds per case: a finite number above 0 (``nan``, ``inf``, 0 and negatives are
+    refused)."""
+    try:
+        value = float(str(text))
+    except ValueError:
+        raise OptionError(f"timeout {text!r}: expected seconds per case (a number above 0)"
+                          ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise OptionError(f"timeout {text!r}: seconds per case must be a finite number "
+                          "above 0")
+    return value
+
+
+def parse_device(text: str) -> str:
+    """``cpu`` or ``cuda[:N]`` (see :func:`kvconnect.vllm.runtime.is_cuda_device`)."""
+    from kvconnect.vllm.runtime import is_cuda_device
+
+    try:
+        cuda = is_cuda_device(text)
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
+    if cuda and ":" in text:
+        index = text.split(":", 1)[1]
+        if not index.isdigit():
+            raise OptionError(f"device {text!r}: expected cuda:N with N a GPU index")
+    return text
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """Fail before any case runs when ``path`` cannot be written as the kit will write it
+    (a temporary file beside it, renamed into place)."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise OptionError(f"{flag} {path}: is a directory, expected a file path")
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(directory):
+        raise OptionError(f"{flag} {path}: directory {directory} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvconnect-probe-", dir=directory)
+    except OSError as exc:
+        raise OptionError(f"{flag} {path}: cannot create a file in {directory}: "
+                          f"{exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def gpu_absent_reason(device: str) -> str | None:
+    """None when ``device`` (``cuda[:N]``) names a GPU this machine has; else why not. The
+    CUDA driver is loaded, devices are counted through NVML (CUDA stays uninitialised)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return f"no GPU: {device} was asked for, but no CUDA driver is installed " \
+               "(libcuda.so.1 cannot be loaded)"
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    count = torch.cuda.device_count()
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if count == 0:
+        return f"no GPU: {device} was asked for, but torch {torch.__version__} sees no " \
+               "CUDA device"
+    if index >= count:
+        return f"no GPU {device}: this machine has {count} CUDA device(s), cuda:0 to " \
+               f"cuda:{count - 1}"
+    return None
