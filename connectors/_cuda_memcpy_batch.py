@@ -1,6 +1,8 @@
-"""``cuMemcpyBatchAsync`` through ctypes: many pointer-to-pointer copies in one driver call.
+"""Driver copy calls through ctypes: ``cuMemcpyBatchAsync`` (many pointer-to-pointer copies
+in one driver call) and ``cuMemcpyHtoDAsync`` (the block-id upload of :mod:`._kernel_launch`,
+capturable into a CUDA graph without torch's pinned-memory bookkeeping).
 
-The entry point is resolved with ``cuGetProcAddress`` at the driver's own version, so the
+The batch entry point is resolved with ``cuGetProcAddress`` at the driver's own version, so the
 CUDA 12.8 ABI (with a ``failIdx`` argument) and the CUDA 13 ABI (without) both work. The
 copies run on the copy engines; sources are read in stream order
 (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``). Arrays are passed as numpy buffers: no Python loop
@@ -63,6 +65,21 @@ def _entry() -> tuple[Any, bool, Any]:
     args.append(vp)
     fn = ctypes.CFUNCTYPE(ctypes.c_int, *args)(pfn.value)
     return fn, has_fail_index, lib
+
+
+@functools.lru_cache(maxsize=1)
+def memcpy_htod_async_entry() -> Any:
+    """``cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: void*, nbytes: size_t, stream) ->
+    CUresult`` (the context current on the calling thread must own ``dst``). Raises
+    :class:`MemcpyBatchUnavailable` when libcuda cannot be loaded."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise MemcpyBatchUnavailable(f"libcuda.so.1 cannot be loaded: {exc}") from exc
+    fn = lib.cuMemcpyHtoDAsync_v2
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def memcpy_batch_available() -> str | None:
