@@ -21,8 +21,11 @@ batch is one launch over every region and block:
 - CUDA, ``direct``: one kernel between KV memory and the pinned pool (unified addressing);
 - CUDA, ``staged``: one kernel gathers the blocks into a device staging buffer (save) or
   scatters them from it (load), and the copy engines move one contiguous copy per run of
-  consecutive slots; two staging buffers alternate so one chunk's copy overlaps the next
-  chunk's kernel.
+  consecutive slots; a batch moves in chunks of at most ``staging_chunk_bytes`` through two
+  alternating staging buffers, so one chunk's copy overlaps the next chunk's kernel.
+
+Every kernel is a replay of a CUDA graph captured per id-count bucket (:mod:`.block_copy`):
+a batch's host work is the slot bookkeeping, the id staging and a few stream operations.
 
 ``path="auto"`` takes ``staged`` when the batch's slots form at most ``max_copy_runs`` runs
 and ``direct`` otherwise (and always when the pool is not pinned: ``staged``). Kernels run
@@ -84,6 +87,9 @@ __all__ = [
 
 #: default bound on the device staging buffers of the ``staged`` path (bytes, both together)
 DEFAULT_MAX_STAGING_BYTES = 256 * 1024 * 1024
+#: default bound on the bytes of one staged chunk (smaller chunks overlap the kernel with
+#: the copy engines sooner; each costs one kernel launch and one copy per run)
+DEFAULT_STAGING_CHUNK_BYTES = 8 * 1024 * 1024
 #: with ``path="auto"``, batches whose slots form more runs than this take the direct path
 DEFAULT_MAX_COPY_RUNS = 8
 #: how a CUDA batch moves (see the module docstring)
@@ -117,8 +123,9 @@ class CPUOffloadConnector:
     ``cache``: an ``ExtensibleKVCache``; for ordinary tensors use :meth:`from_kv_caches`.
     ``num_cpu_blocks``: pool slots, each :attr:`bytes_per_block` bytes. ``pin_memory``: pin
     the pool (default: on CUDA only). ``max_staging_bytes``: bound on the device staging
-    buffers of the ``staged`` path (bytes; larger batches move in chunks). ``max_copy_runs``
-    and ``path`` choose the CUDA path (:data:`OFFLOAD_PATHS`, module docstring).
+    buffers of the ``staged`` path (bytes, both buffers together); ``staging_chunk_bytes``:
+    bound on one staged chunk (bytes; at least one block). ``max_copy_runs`` and ``path``
+    choose the CUDA path (:data:`OFFLOAD_PATHS`, module docstring).
     """
 
     def __init__(
@@ -130,15 +137,18 @@ class CPUOffloadConnector:
         max_staging_bytes: int = DEFAULT_MAX_STAGING_BYTES,
         max_copy_runs: int = DEFAULT_MAX_COPY_RUNS,
         path: str = "auto",
+        staging_chunk_bytes: int = DEFAULT_STAGING_CHUNK_BYTES,
     ) -> None:
         self._slots = LruSlots(num_cpu_blocks)
         checked_int("max_staging_bytes", max_staging_bytes)
+        checked_int("staging_chunk_bytes", staging_chunk_bytes)
         checked_int("max_copy_runs", max_copy_runs)
         if path not in OFFLOAD_PATHS:
             raise ValueError(f"path must be one of {OFFLOAD_PATHS}, got {path!r}")
         self._src: CacheSource | TensorsSource = block_source(cache)
         self._num_cpu_blocks = num_cpu_blocks
         self._max_staging_bytes = max_staging_bytes
+        self._staging_chunk_bytes = staging_chunk_bytes
         self._max_copy_runs = max_copy_runs
         self._path = path
         self._freed = False
@@ -344,7 +354,8 @@ class CPUOffloadConnector:
         """The two staging buffers (allocated on first use of the staged path)."""
         if not plans.staging:
             rows = max(1, min(self._num_cpu_blocks,
-                              self._max_staging_bytes // 2 // self._bytes_per_block))
+                              self._max_staging_bytes // 2 // self._bytes_per_block,
+                              self._staging_chunk_bytes // self._bytes_per_block))
             pool_like = [BlockRegion(r.flat, r.block_len, r.block_stride, r.num_blocks,
                                      r.sub_blocks, r.name) for r in plans.cache_regions]
             for _ in range(2):
