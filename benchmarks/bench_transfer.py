@@ -5,9 +5,11 @@ page of one block) and each request size (``--request-mib``, bytes of one transf
 layers):
 
 - ``ipc/<method>``: the library ipc transport (:class:`IpcTransport`: POSIX-fd mapping cached
-  per peer, one block-copy launch per fetch); methods ``kernel`` (Triton), ``memcpy_batch``
-  (cuMemcpyBatchAsync) and ``torch`` (index_select + index_copy_ per column: the old path's
-  shape); across GPUs each of ``push`` and ``pull``;
+  per peer, one block-copy launch per fetch); methods ``kernel`` (Triton; one CUDA graph
+  replay per fetch, and with ``--launch eager`` also ``ipc/kernel-eager``: the same upload and
+  kernel issued one by one), ``memcpy_batch`` (cuMemcpyBatchAsync), ``host`` (numpy row
+  gathers, the host backend's default) and ``torch`` (index_select + index_copy_ per column:
+  the old path's shape); across GPUs each of ``push`` and ``pull``;
 - ``nixl-vmm``: stock NIXL READs of the same VMM-backed caches;
 - ``nixl-cudamalloc``: NIXL READs between ordinary cudaMalloc allocations of the same layout
   (the control: what NIXL does on memory UCX can export);
@@ -20,8 +22,10 @@ fills them with a position-dependent pattern and serves them (an :class:`IpcExpo
 NIXL agent). Each configuration is checked byte-exact once (destination blocks against the
 source blocks read through the mapping) before it is timed. Throughput is payload bytes /
 wall seconds between synchronizations (1 GB = 1e9 bytes), median of ``--iters`` after
-``--warmup``. Results: JSON (``--json``) and a PNG plot (``--png``) of GB/s and ratio
-against request size.
+``--warmup``. ``--latency-blocks`` adds per-transfer latency for small requests (p50 / p99
+over ``--latency-iters`` fetches, interleaved with a plain copy of the same bytes timed the
+same way): the fetch's own ``seconds`` and the whole ``fetch()`` call. Results: JSON
+(``--json``) and a PNG plot (``--png``) of GB/s and ratio against request size.
 
     python benchmarks/bench_transfer.py --json out.json --png out.png
 """
@@ -238,7 +242,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for src_dev, dst_dev, kind in pairs:
             results += _measure_pair(args, block_kib, num_blocks, sizes, src_dev, dst_dev,
                                      kind, rng)
-    return {"results": results, "notes": notes}
+    latency = [r for r in results if r.get("kind") == "latency"]
+    return {"results": [r for r in results if r.get("kind") != "latency"],
+            "latency": latency, "notes": notes}
 
 
 def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, sizes: list[int],
@@ -256,12 +262,14 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
         cache.allocate()
         cache.extend_kv_cache(num_blocks, single_handle=True)
         _fill(cache, seed=2)
-        variants = [(m, "auto") for m in args.methods]
-        if kind == "cross-gpu":
-            variants = [(m, d) for m in args.methods for d in ("push", "pull")]
-        for method, direction in variants:
-            name = f"ipc/{method}" + (f"/{direction}" if kind == "cross-gpu" else "")
-            t = IpcTransport(cache, direction=direction, method=method)
+        directions = ("push", "pull") if kind == "cross-gpu" else ("auto",)
+        variants = [(m, d, "graph") for m in args.methods for d in directions]
+        variants += [("kernel", d, "eager") for d in directions
+                     if "eager" in args.launch and "kernel" in args.methods]
+        for method, direction, launch in variants:
+            name = f"ipc/{method}" + ("-eager" if launch == "eager" else "") + (
+                f"/{direction}" if kind == "cross-gpu" else "")
+            t = IpcTransport(cache, direction=direction, method=method, launch=launch)
             transports[name] = t
         nixl_readers: dict[str, tuple[Any, str]] = {}
         if args.nixl:
@@ -327,6 +335,11 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
                             "ratio": gbps / refs[ref_name], "verified": None,
                             "backend": res.backend, "descriptors": res.descriptors})
                 _print_row(out[-1])
+        if args.latency_blocks and kind != "cross-gpu" and transports \
+                and block_kib == args.latency_block_kib:
+            name = "ipc/kernel" if "ipc/kernel" in transports else next(iter(transports))
+            out += _latency(args, transports[name], name, server.offers["ipc"], num_blocks,
+                            block_kib, dd, rng)
     finally:
         for t in transports.values():
             t.close()
@@ -335,6 +348,54 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
         plain_keep.clear()
         cache.close(force=True)  # cleanup: never mask the error that got us here
         server.close()
+    return out
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {"p50": v[len(v) // 2], "p99": v[min(len(v) - 1, int(len(v) * 0.99))],
+            "min": v[0]}
+
+
+def _latency(args: argparse.Namespace, t: IpcTransport, name: str, offer: dict[str, Any],
+             num_blocks: int, block_kib: int, dev: torch.device, rng: np.random.Generator
+             ) -> list[dict[str, Any]]:
+    """p50 / p99 of small fetches and of a plain copy of the same bytes, interleaved."""
+    t.open_peer("serve", offer)
+    out = []
+    for k in args.latency_blocks:
+        nbytes = k * 2 * args.num_layers * block_kib * 1024
+        a = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(5)
+        b = torch.empty_like(a)
+        fetch_s, call_s, ref_s = [], [], []
+        for i in range(args.latency_warmup + args.latency_iters):
+            src, dst = _ids(rng, num_blocks, k)
+            _sync(dev)
+            c0 = time.perf_counter()
+            res = t.fetch("serve", src, dst)
+            c1 = time.perf_counter()
+            _sync(dev)
+            r0 = time.perf_counter()
+            b.copy_(a)
+            _sync(dev)
+            r1 = time.perf_counter()
+            if i >= args.latency_warmup:
+                fetch_s.append(res.seconds)
+                call_s.append(c1 - c0)
+                ref_s.append(r1 - r0)
+        row = {"kind": "latency", "transport": name, "block_bytes": block_kib * 1024,
+               "blocks": k, "request_bytes": nbytes, "iters": args.latency_iters,
+               "fetch_seconds": _percentiles(fetch_s), "call_seconds": _percentiles(call_s),
+               "reference_seconds": _percentiles(ref_s), "reference": "plain copy"}
+        out.append(row)
+        print(f"latency {k:3d} blocks ({nbytes / MIB:6.2f} MiB) {name}: fetch p50 "
+              f"{row['fetch_seconds']['p50'] * 1e6:6.1f} us p99 "
+              f"{row['fetch_seconds']['p99'] * 1e6:6.1f} us | call p50 "
+              f"{row['call_seconds']['p50'] * 1e6:6.1f} us p99 "
+              f"{row['call_seconds']['p99'] * 1e6:6.1f} us | plain copy p50 "
+              f"{row['reference_seconds']['p50'] * 1e6:6.1f} us p99 "
+              f"{row['reference_seconds']['p99'] * 1e6:6.1f} us", flush=True)
+        del a, b
     return out
 
 
@@ -462,6 +523,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-layers", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--methods", nargs="+", default=["kernel", "memcpy_batch", "torch"])
+    ap.add_argument("--launch", nargs="+", default=["graph"], choices=["graph", "eager"],
+                    help="kernel launch modes to measure (eager: ipc/kernel-eager)")
+    ap.add_argument("--latency-blocks", type=int, nargs="*", default=[],
+                    help="also p50/p99 latency of fetches of this many blocks (e.g. 1 4 16)")
+    ap.add_argument("--latency-block-kib", type=int, default=32,
+                    help="the layer-block size (one of --block-kib) the latency rows use")
+    ap.add_argument("--latency-iters", type=int, default=200)
+    ap.add_argument("--latency-warmup", type=int, default=20)
     ap.add_argument("--nixl", action="store_true", help="also NIXL on VMM and cudaMalloc")
     ap.add_argument("--nixl-max-mib", type=int, default=512)
     ap.add_argument("--nixl-vmm-max-mib", type=int, default=48)
