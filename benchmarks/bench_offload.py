@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--path", choices=("auto", "direct", "staged"), nargs="+",
                     default=["auto"], help="CUDA copy path(s) of the connector")
     ap.add_argument("--max-copy-runs", type=int, default=8)
-    ap.add_argument("--staging-chunk-mib", type=int, nargs="+", default=[8],
+    ap.add_argument("--staging-chunk-mib", type=int, nargs="+", default=[32],
                     help="bound on one staged chunk (MiB); several: a sweep of the staged path")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)

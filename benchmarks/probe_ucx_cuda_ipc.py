@@ -26,7 +26,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -358,23 +357,27 @@ def main(argv: list[str] | None = None) -> int:
         return initiator(args)
     table = HOST_VARIANTS if args.device == "cpu" else GPU_VARIANTS
     names = args.variants if args.variants is not None else list(table)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    report = {"schema": "kvconnect-probe-ucx/1",
+              "command": shlex.join([sys.executable, *sys.argv]), "device": args.device,
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+              "torch": torch.__version__, "rows": rows}
+
+    def save() -> None:  # after every variant: a run stopped at its limit keeps the rest
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
     for name in names:
         rows.append(run_variant(args, name, *table[name]))
         _print(rows[-1])
+        save()
     if args.debug_variant:
         small = argparse.Namespace(**{**vars(args), "mib": 1, "iters": 1})
         rows.append(run_variant(small, args.debug_variant + "-debug", *table[args.debug_variant],
                                 debug=True))
         print("debug lines:", *rows[-1].get("debug_lines", []), sep="\n  ")
-    report = {"schema": "kvconnect-probe-ucx/1",
-              "command": shlex.join([sys.executable, *sys.argv]), "device": args.device,
-              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-              "torch": torch.__version__, "rows": rows,
-              "tmpdir": tempfile.gettempdir()}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        save()
     return 0 if all("error" not in r and r.get("verified") is not False for r in rows) else 1
 
 

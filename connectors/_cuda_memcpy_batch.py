@@ -1,6 +1,7 @@
-"""Driver copy calls through ctypes: ``cuMemcpyBatchAsync`` (many pointer-to-pointer copies
-in one driver call) and ``cuMemcpyHtoDAsync`` (the block-id upload of :mod:`._kernel_launch`,
-capturable into a CUDA graph without torch's pinned-memory bookkeeping).
+"""Driver calls through ctypes: ``cuMemcpyBatchAsync`` (many pointer-to-pointer copies in
+one driver call), and for :mod:`._kernel_launch` ``cuMemcpyHtoDAsync`` (the block-id upload,
+capturable into a CUDA graph without torch's pinned-memory bookkeeping) and ``cuGraphLaunch``
+(a captured graph replayed without torch's per-replay work).
 
 The batch entry point is resolved with ``cuGetProcAddress`` at the driver's own version, so the
 CUDA 12.8 ABI (with a ``failIdx`` argument) and the CUDA 13 ABI (without) both work. The
@@ -78,6 +79,20 @@ def memcpy_htod_async_entry() -> Any:
         raise MemcpyBatchUnavailable(f"libcuda.so.1 cannot be loaded: {exc}") from exc
     fn = lib.cuMemcpyHtoDAsync_v2
     fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.lru_cache(maxsize=1)
+def graph_launch_entry() -> Any:
+    """``cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult``. Raises
+    :class:`MemcpyBatchUnavailable` when libcuda cannot be loaded."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise MemcpyBatchUnavailable(f"libcuda.so.1 cannot be loaded: {exc}") from exc
+    fn = lib.cuGraphLaunch
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
 

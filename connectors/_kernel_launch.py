@@ -16,6 +16,10 @@ has read the pinned buffer); when every slot of a bucket is busy the ring grows,
 compiles, loads and captures every bucket ahead; without it a bucket's first copy runs
 eagerly (compiling and loading the kernel outside any capture) and later ones are captured.
 
+A replay is one ``cuGraphLaunch`` on the captured executable graph where torch exposes it
+(``CUDAGraph.raw_cuda_graph_exec``): torch's own ``replay()`` also refreshes its RNG state
+with small kernels of its own, which these graphs never use.
+
 Modes (:data:`LAUNCH_MODES`): ``graph`` (default) as above; ``eager``: the same upload and
 kernel issued one by one (a driver memcpy, then Triton's launcher, tens of microseconds of
 Python); kept for measurements and used when graph capture fails (logged once). Where the
@@ -27,6 +31,7 @@ Units: bytes for sizes, logical blocks for ids and buckets, seconds for deadline
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +42,8 @@ import numpy as np
 import torch
 
 from kvconnect.polling import poll_until
+
+from ._cuda_streams import current_device, current_stream, raw_stream
 
 logger = logging.getLogger(__name__)
 
@@ -83,15 +90,14 @@ def wait_events(events: Sequence[Any], timeout: float, what: str = "copy") -> No
             return
 
 
-def _driver_upload() -> Callable[[int, int, int, int], int] | None:
-    """``cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream)`` through ctypes, or None."""
+def _driver_call(name: str) -> Callable[..., int] | None:
+    """A ctypes driver entry of :mod:`._cuda_memcpy_batch` by function name, or None where
+    libcuda cannot be loaded."""
+    from . import _cuda_memcpy_batch as drv
+
     try:
-        from ._cuda_memcpy_batch import MemcpyBatchUnavailable, memcpy_htod_async_entry
-    except ImportError:  # pragma: no cover - the module is part of this package
-        return None
-    try:
-        return memcpy_htod_async_entry()
-    except MemcpyBatchUnavailable:
+        return getattr(drv, name)()
+    except drv.MemcpyBatchUnavailable:
         return None
 
 
@@ -104,6 +110,7 @@ class _Slot:
     device: torch.Tensor  # int64 on the launch device, same length
     event: Any  # recorded after the last use; the slot is free once it completed
     graph: Any = None
+    graph_exec: int = 0  # the graph's CUgraphExec where torch exposes it (0: use replay())
     used: bool = False
 
     def free(self) -> bool:
@@ -134,6 +141,7 @@ class KernelLauncher:
         from .copy_ops import WORD_DTYPES
 
         self.device = device
+        self._index = device.index if device.index is not None else current_device()
         self.mode = mode
         self.options = dict(options)
         self.buckets = bucket_sizes(max_blocks)
@@ -146,7 +154,8 @@ class KernelLauncher:
             if np.any(rel % word):  # word_size() chose a word dividing every value
                 raise AssertionError("descriptor table is not word-aligned")
             self.table = torch.from_numpy(rel // word).to(device)
-        self._upload = _driver_upload()
+        self._upload = _driver_call("memcpy_htod_async_entry")
+        self._graph_launch = _driver_call("graph_launch_entry")
         self._pool: Any = None
         self._capture_stream: Any = None
         self._warned = False
@@ -169,7 +178,7 @@ class KernelLauncher:
                 slot = self._slot(self._bucket[b], timeout=60.0)
                 slot.words[0] = 0  # no live blocks: every program returns at once
                 self._enqueue(slot, b, launch_block_copy)
-                slot.event.record()
+                slot.event.record(current_stream(self._index))
                 slot.used = True
                 self._bucket[b].loaded = True
             torch.cuda.synchronize(self.device)
@@ -185,7 +194,7 @@ class KernelLauncher:
         n = int(src.size)
         b = self.bucket_for(n)
         bucket = self._bucket[b]
-        with torch.cuda.device(self.device):
+        with self._on_device():
             slot = self._slot(bucket, timeout)
             w = slot.words
             w[0] = n
@@ -194,14 +203,18 @@ class KernelLauncher:
             pairs[1::2] = dst
             if self.mode == "graph" and slot.graph is None and bucket.loaded:
                 self._capture(slot, b)  # first use of this slot (the kernel is loaded)
-            if self.mode == "graph" and slot.graph is not None:
+            if self.mode == "graph" and slot.graph_exec:
+                rc = self._graph_launch(slot.graph_exec, self._stream_handle())
+                if rc != 0:
+                    raise RuntimeError(f"cuGraphLaunch of a block copy failed with CUresult {rc}")
+            elif self.mode == "graph" and slot.graph is not None:
                 slot.graph.replay()
             else:  # eager mode, or a bucket's first copy: compile and load it uncaptured
                 from ._triton_block_copy import launch_block_copy
 
                 self._enqueue(slot, b, launch_block_copy)
                 bucket.loaded = True
-            slot.event.record()
+            slot.event.record(current_stream(self._index))
             slot.used = True
 
     def describe(self) -> dict[str, Any]:
@@ -209,9 +222,20 @@ class KernelLauncher:
         slots = [s for bk in self._bucket.values() for s in bk.slots]
         return {"launch": self.mode, "buckets": len(self.buckets),
                 "max_blocks": self.buckets[-1], "slots": len(slots),
-                "graphs": sum(s.graph is not None for s in slots)}
+                "graphs": sum(s.graph is not None for s in slots),
+                "driver_replays": sum(bool(s.graph_exec) for s in slots)}
 
     # -- internals ---------------------------------------------------------------------
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """The launch device made current for the block (a no-op when it already is)."""
+        if current_device() == self._index:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self._index)
+
+    def _stream_handle(self) -> int:
+        """The launch device's current stream as a raw handle."""
+        return raw_stream(self._index)
+
     def _slot(self, bucket: _Bucket, timeout: float) -> _Slot:
         for s in bucket.slots:
             if s.free():
@@ -230,10 +254,9 @@ class KernelLauncher:
 
     def _enqueue(self, slot: _Slot, blocks: int, launch: Callable[..., None]) -> None:
         """Upload the slot's ids and launch the kernel over ``blocks`` on the current stream."""
-        stream = torch.cuda.current_stream(self.device)
         if self._upload is not None:
             rc = self._upload(slot.device.data_ptr(), slot.host.data_ptr(),
-                              slot.host.numel() * 8, stream.cuda_stream)
+                              slot.host.numel() * 8, self._stream_handle())
             if rc != 0:
                 raise RuntimeError(f"cuMemcpyHtoDAsync of block ids failed with CUresult {rc}")
         else:
@@ -264,4 +287,10 @@ class KernelLauncher:
                                "launching eagerly", self.device, type(exc).__name__, exc)
             return False
         slot.graph = graph
+        raw = getattr(graph, "raw_cuda_graph_exec", None)
+        if self._graph_launch is not None and raw is not None:
+            try:
+                slot.graph_exec = int(raw())
+            except (RuntimeError, TypeError, ValueError):
+                slot.graph_exec = 0
         return True

@@ -66,6 +66,7 @@ import torch
 from kvconnect.checks import checked_int
 from kvconnect.views import CommittedRegion
 
+from ._cuda_streams import current_stream, use_stream
 from .block_copy import BlockCopyPlan, BlockRegion, as_block_ids, block_runs
 from .copy_ops import contiguous_runs
 from .errors import KVConnectorError, KVTransferError
@@ -89,7 +90,7 @@ __all__ = [
 DEFAULT_MAX_STAGING_BYTES = 256 * 1024 * 1024
 #: default bound on the bytes of one staged chunk (smaller chunks overlap the kernel with
 #: the copy engines sooner; each costs one kernel launch and one copy per run)
-DEFAULT_STAGING_CHUNK_BYTES = 8 * 1024 * 1024
+DEFAULT_STAGING_CHUNK_BYTES = 32 * 1024 * 1024
 #: with ``path="auto"``, batches whose slots form more runs than this take the direct path
 DEFAULT_MAX_COPY_RUNS = 8
 #: how a CUDA batch moves (see the module docstring)
@@ -467,7 +468,7 @@ class CPUOffloadConnector:
             else:
                 plans.load.copy(slots, ids, validate=False)
             return
-        current = torch.cuda.current_stream(self._device)
+        current = current_stream(self._device.index)
         compute, copy = self._stream, self._copy_stream
         # Start after the caller's queued work and after every earlier offload operation
         # (so a slot reused after eviction is never written before an earlier read of it).
@@ -475,7 +476,7 @@ class CPUOffloadConnector:
         compute.wait_stream(copy)
         copy.wait_stream(compute)
         if self.path_for(slots) == "direct":
-            with torch.cuda.stream(compute):
+            with use_stream(compute):
                 if to_cpu:
                     plans.save.copy(ids, slots, validate=False)
                 else:
@@ -512,23 +513,23 @@ class CPUOffloadConnector:
             ready = torch.cuda.Event()
             done = torch.cuda.Event()
             if to_cpu:
-                with torch.cuda.stream(compute):
+                with use_stream(compute):
                     st.gather.copy(c_ids, positions, validate=False)
                     ready.record(compute)
                 copy.wait_event(ready)
-                with torch.cuda.stream(copy):
+                with use_stream(copy):
                     for pos, first, length in runs:
                         pool[first * row:(first + length) * row].copy_(
                             st.buffer[pos * row:(pos + length) * row], non_blocking=True)
                     done.record(copy)
             else:
-                with torch.cuda.stream(copy):
+                with use_stream(copy):
                     for pos, first, length in runs:
                         st.buffer[pos * row:(pos + length) * row].copy_(
                             pool[first * row:(first + length) * row], non_blocking=True)
                     ready.record(copy)
                 compute.wait_event(ready)
-                with torch.cuda.stream(compute):
+                with use_stream(compute):
                     st.scatter.copy(positions, c_ids, validate=False)
                     done.record(compute)
             st.free_event = done

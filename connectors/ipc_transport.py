@@ -56,6 +56,7 @@ from kvconnect.framing import (
 from kvconnect.ipc import PeerMapping, export_message, import_message
 from kvconnect.views import block_span, page_holders
 
+from ._cuda_streams import current_stream, synchronize
 from ._kernel_launch import wait_events
 from .block_copy import LAUNCH_MODES, BlockCopyPlan, BlockRegion, as_block_ids
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
@@ -232,7 +233,7 @@ class PendingFetch:
 
     peer: str
     entry: _Peer
-    local_ids: list[int]
+    local_ids: np.ndarray
     nbytes: int
     started: float
     events: list[Any]
@@ -253,7 +254,7 @@ class PendingFetch:
                 wait_events(self.events, self.timeout if timeout is None else float(timeout),
                             f"copy of {len(self.local_ids)} blocks from {self.peer}")
             except Exception as exc:
-                raise KVTransferError(self.peer, self.local_ids, exc) from exc
+                raise KVTransferError(self.peer, self.local_ids.tolist(), exc) from exc
             self.finished = time.perf_counter()
         entry = self.entry
         setup, entry.unreported_setup = entry.unreported_setup, 0.0
@@ -425,7 +426,7 @@ class IpcTransport:
         entry = self._entry(peer)
         for d in {entry.launch, torch.device(self.cache.device)}:
             if d.type == "cuda":
-                torch.cuda.synchronize(d)
+                synchronize(d.index)
         return self._launch(peer, entry, requests).wait(timeout)
 
     def start(self, peer: str, requests: Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -447,18 +448,17 @@ class IpcTransport:
         events: list[Any] = []
         try:
             if cross:
-                torch.cuda.current_stream(entry.launch).wait_stream(
-                    torch.cuda.current_stream(local))
+                current_stream(entry.launch.index).wait_stream(current_stream(local.index))
             nbytes = entry.plan.copy(src, dst, validate=False)
             if entry.launch.type == "cuda":
                 ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(entry.launch))
+                ev.record(current_stream(entry.launch.index))
                 events.append(ev)
                 if cross:
-                    torch.cuda.current_stream(local).wait_event(ev)
+                    current_stream(local.index).wait_event(ev)
         except Exception as exc:
             raise KVTransferError(peer, dst.tolist(), exc) from exc
-        pending = PendingFetch(peer, entry, dst.tolist(), nbytes, started, events, self.timeout)
+        pending = PendingFetch(peer, entry, dst, nbytes, started, events, self.timeout)
         entry.inflight = [p for p in entry.inflight if not p.done()]
         if events:
             entry.inflight.append(pending)
