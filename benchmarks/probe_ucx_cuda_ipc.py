@@ -35,8 +35,10 @@ MIB = 1024 * 1024
 TAG = "KVC-PROBE "
 #: how many bytes of each process log the JSON keeps (the rest stays in --logs)
 LOG_TAIL = 4000
-_TABLE_TITLE = re.compile(r"remote memory (read|write) by ucp_(get|put)\S*(?:\s+(?:into|from) "
-                          r"(\S+) memory (?:from|to) ([^\s|]+))?")
+#: "remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1]" (UCX 1.23), or
+#: "... into host memory from host"
+_TABLE_TITLE = re.compile(r"remote memory (read|write) by ucp_(get|put)\S*(?:\s+(?:into|from)\s+"
+                          r"(\S+)(?:\s+memory)?\s+(?:from|to)\s+([^\s|]+))?")
 _DEBUG_KEEP = re.compile(r"cuda.ipc|nvlink|get.zcopy|cuda_ipc|rma_bw|VMM|fabric", re.I)
 
 #: name -> (memory, operation, extra environment, NIXL UCX backend parameters)

@@ -124,9 +124,15 @@ def test_torch_method_is_byte_exact(ids: str) -> None:
     _check(src, dst, before, s_ids, d_ids, n)
 
 
+@pytest.mark.parametrize("engine", ["memmove", "numpy"])
 @pytest.mark.parametrize("ids", ["runs", "scattered", "single"])
 @pytest.mark.parametrize("direction", ["to_pool", "from_pool"])
-def test_host_method_is_byte_exact(ids: str, direction: str) -> None:
+def test_host_method_is_byte_exact(ids: str, direction: str, engine: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both host copies (a memmove per merged run; numpy gather + scatter) byte-exact."""
+    import kvconnect.connectors._host_block_copy as hb
+
+    monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 0 if engine == "memmove" else 1 << 40)
     n = 24
     src, dst, _keep = _row_layouts(n)
     if direction == "from_pool":
@@ -146,10 +152,13 @@ def test_host_method_is_byte_exact(ids: str, direction: str) -> None:
     _check(src, dst, before, s_ids, d_ids, n)
 
 
-def test_host_method_threads_a_large_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over the parallel threshold the rows are split over the worker threads, byte-exact."""
+@pytest.mark.parametrize("engine", ["memmove", "numpy"])
+def test_host_method_threads_a_large_batch(engine: str, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """Over the parallel threshold the work is split over the worker threads, byte-exact."""
     import kvconnect.connectors._host_block_copy as hb
 
+    monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 0 if engine == "memmove" else 1 << 40)
     monkeypatch.setattr(hb, "PARALLEL_MIN_BYTES", 1)
     monkeypatch.setattr(hb, "CHUNK_BYTES", 8192)  # many chunks per task
     n = 40
