@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transfer_timing import back_to_back, latency_rows
 
 from kvconnect.connectors.ipc_transport import IpcExportServer, IpcTransport
 from kvconnect.kv_cache import ExtensibleKVCache
@@ -296,32 +297,9 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
                     "request_bytes": nbytes, "blocks": k, "references_gbps": refs,
                     "reference": ref_name}
             for name, t in transports.items():
-                t0 = time.perf_counter()
-                first = t.open_peer("serve", server.offers["ipc"])
-                again = t.open_peer("serve", server.offers["ipc"])
-                open_s = time.perf_counter() - t0
-                plan = t.plan_for("serve")
-                # poison: other source blocks into the destination, so a no-op fetch fails
-                t.fetch("serve", src_ids[1:] + src_ids[:1] if k > 1
-                        else [(src_ids[0] + 1) % num_blocks], dst_ids)
-                before = plan.read_blocks("dst", dst_ids, dd)
-                want = plan.read_blocks("src", src_ids, dd)
-                res = t.fetch("serve", src_ids, dst_ids)
-                got = plan.read_blocks("dst", dst_ids, dd)
-                verified = bool(torch.equal(got, want)) and not torch.equal(before, want)
-                del before, want, got
-                for _ in range(args.warmup):
-                    t.fetch("serve", src_ids, dst_ids)
-                sec = statistics.median(t.fetch("serve", src_ids, dst_ids).seconds
-                                        for _ in range(args.iters))
-                gbps = nbytes / sec / 1e9
-                out.append({**base, "transport": name, "gbps": gbps, "seconds": sec,
-                            "ratio": gbps / refs[ref_name], "verified": verified,
-                            "setup_seconds_first": first, "setup_seconds_cached": again,
-                            "open_seconds": open_s, "backend": res.backend,
-                            "plan": plan.describe(),
-                            "copies_back_to_back_seconds": _back_to_back(plan, src_ids,
-                                                                         dst_ids)})
+                out.append({**base, **_ipc_row(args, t, name, server.offers["ipc"], src_ids,
+                                               dst_ids, num_blocks, dd, nbytes,
+                                               refs[ref_name])})
                 _print_row(out[-1])
             for name, (w, engine) in nixl_readers.items():
                 if nbytes > (args.nixl_vmm_max_mib if name == "nixl-vmm"
@@ -340,8 +318,8 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
         if args.latency_blocks and kind != "cross-gpu" and transports \
                 and block_kib == args.latency_block_kib:
             name = "ipc/kernel" if "ipc/kernel" in transports else next(iter(transports))
-            out += _latency(args, transports[name], name, server.offers["ipc"], num_blocks,
-                            block_kib, dd, rng)
+            out += latency_rows(args, transports[name], name, server.offers["ipc"],
+                                num_blocks, block_kib, dd, rng, _ids)
     finally:
         for t in transports.values():
             t.close()
@@ -353,70 +331,34 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
     return out
 
 
-def _back_to_back(plan: Any, src: list[int], dst: list[int], reps: int = 5) -> float | None:
-    """Seconds per copy of the same plan and ids issued ``reps`` times back to back between
-    two CUDA events (host work hidden behind the copies): what the copy itself costs."""
-    if plan.device.type != "cuda":
-        return None
-    s, d = np.asarray(src), np.asarray(dst)
-    with torch.cuda.device(plan.device):
-        for _ in range(reps):  # untimed: the staging ring grows to what back-to-back needs
-            plan.copy(s, d, validate=False)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            plan.copy(s, d, validate=False)
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3 / reps
-
-
-def _percentiles(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    return {"p50": v[len(v) // 2], "p99": v[min(len(v) - 1, int(len(v) * 0.99))],
-            "min": v[0]}
-
-
-def _latency(args: argparse.Namespace, t: IpcTransport, name: str, offer: dict[str, Any],
-             num_blocks: int, block_kib: int, dev: torch.device, rng: np.random.Generator
-             ) -> list[dict[str, Any]]:
-    """p50 / p99 of small fetches and of a plain copy of the same bytes, interleaved."""
-    t.open_peer("serve", offer)
-    out = []
-    for k in args.latency_blocks:
-        nbytes = k * 2 * args.num_layers * block_kib * 1024
-        a = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(5)
-        b = torch.empty_like(a)
-        fetch_s, call_s, ref_s = [], [], []
-        for i in range(args.latency_warmup + args.latency_iters):
-            src, dst = _ids(rng, num_blocks, k)
-            _sync(dev)
-            c0 = time.perf_counter()
-            res = t.fetch("serve", src, dst)
-            c1 = time.perf_counter()
-            _sync(dev)
-            r0 = time.perf_counter()
-            b.copy_(a)
-            _sync(dev)
-            r1 = time.perf_counter()
-            if i >= args.latency_warmup:
-                fetch_s.append(res.seconds)
-                call_s.append(c1 - c0)
-                ref_s.append(r1 - r0)
-        row = {"kind": "latency", "transport": name, "block_bytes": block_kib * 1024,
-               "blocks": k, "request_bytes": nbytes, "iters": args.latency_iters,
-               "fetch_seconds": _percentiles(fetch_s), "call_seconds": _percentiles(call_s),
-               "reference_seconds": _percentiles(ref_s), "reference": "plain copy"}
-        out.append(row)
-        print(f"latency {k:3d} blocks ({nbytes / MIB:6.2f} MiB) {name}: fetch p50 "
-              f"{row['fetch_seconds']['p50'] * 1e6:6.1f} us p99 "
-              f"{row['fetch_seconds']['p99'] * 1e6:6.1f} us | call p50 "
-              f"{row['call_seconds']['p50'] * 1e6:6.1f} us p99 "
-              f"{row['call_seconds']['p99'] * 1e6:6.1f} us | plain copy p50 "
-              f"{row['reference_seconds']['p50'] * 1e6:6.1f} us p99 "
-              f"{row['reference_seconds']['p99'] * 1e6:6.1f} us", flush=True)
-        del a, b
-    return out
+def _ipc_row(args: argparse.Namespace, t: IpcTransport, name: str, offer: dict[str, Any],
+             src_ids: list[int], dst_ids: list[int], num_blocks: int, dd: torch.device,
+             nbytes: int, ref_gbps: float) -> dict[str, Any]:
+    """One ipc transport at one request size (``nbytes``): checked byte-exact once, then
+    timed."""
+    t0 = time.perf_counter()
+    first = t.open_peer("serve", offer)
+    again = t.open_peer("serve", offer)
+    open_s = time.perf_counter() - t0
+    plan = t.plan_for("serve")
+    # poison: other source blocks into the destination, so a no-op fetch fails
+    t.fetch("serve", src_ids[1:] + src_ids[:1] if len(src_ids) > 1
+            else [(src_ids[0] + 1) % num_blocks], dst_ids)
+    before = plan.read_blocks("dst", dst_ids, dd)
+    want = plan.read_blocks("src", src_ids, dd)
+    res = t.fetch("serve", src_ids, dst_ids)
+    got = plan.read_blocks("dst", dst_ids, dd)
+    verified = bool(torch.equal(got, want)) and not torch.equal(before, want)
+    del before, want, got
+    for _ in range(args.warmup):
+        t.fetch("serve", src_ids, dst_ids)
+    sec = statistics.median(t.fetch("serve", src_ids, dst_ids).seconds
+                            for _ in range(args.iters))
+    gbps = nbytes / sec / 1e9
+    return {"transport": name, "gbps": gbps, "seconds": sec, "ratio": gbps / ref_gbps,
+            "verified": verified, "setup_seconds_first": first, "setup_seconds_cached": again,
+            "open_seconds": open_s, "backend": res.backend, "plan": plan.describe(),
+            "copies_back_to_back_seconds": back_to_back(plan, src_ids, dst_ids)}
 
 
 def _print_row(r: dict[str, Any]) -> None:

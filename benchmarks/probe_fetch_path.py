@@ -207,7 +207,49 @@ def _percentile(v: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(len(v) * q))]
 
 
+def _time_one_copy(plan: BlockCopyPlan, nb: int, k: int, rng: np.random.Generator,
+                   iters: int) -> dict[str, float]:
+    """p50 microseconds of the pieces of ``iters`` whole copies of ``k`` random blocks (ids
+    -> array + checks, ``plan.copy``, event + completion wait) and of a plain copy of the same
+    bytes, interleaved; plus the p99 of the whole and of the plain copy."""
+    from kvconnect.connectors._kernel_launch import wait_events
+    from kvconnect.connectors.block_copy import as_block_ids
+
+    a = torch.empty(k * plan.bytes_per_block, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    times: dict[str, list[float]] = {n: [] for n in ("whole", "ids", "submit", "wait",
+                                                     "plain_copy")}
+    for i in range(iters + 20):
+        s_ids = rng.permutation(nb)[:k].tolist()
+        d_ids = rng.permutation(nb)[:k].tolist()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        s_arr, d_arr = as_block_ids(s_ids, "s"), as_block_ids(d_ids, "d")
+        plan.check_ids(s_arr, d_arr)
+        t1 = time.perf_counter()
+        plan.copy(s_arr, d_arr, validate=False)
+        t2 = time.perf_counter()
+        ev = torch.cuda.Event()
+        ev.record()
+        wait_events([ev], 10.0)
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        r0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        r1 = time.perf_counter()
+        if i >= 20:  # warm-up: ring growth, first replays
+            for n, v in (("whole", t3 - t0), ("ids", t1 - t0), ("submit", t2 - t1),
+                         ("wait", t3 - t2), ("plain_copy", r1 - r0)):
+                times[n].append(v)
+    out = {f"{n}_us_p50": statistics.median(v) * 1e6 for n, v in times.items()}
+    out["whole_us_p99"] = _percentile(times["whole"], 0.99) * 1e6
+    out["plain_copy_us_p99"] = _percentile(times["plain_copy"], 0.99) * 1e6
+    return out
+
+
 def part_host(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Host work of whole small copies, per launch mode, and a cProfile of many."""
     from kvconnect.connectors._kernel_launch import wait_events
 
     rows = []
@@ -221,49 +263,14 @@ def part_host(args: argparse.Namespace) -> list[dict[str, Any]]:
         plan = BlockCopyPlan(src, dst, device=DEV, method="kernel",
                              launch="eager" if mode == "eager" else "graph")
         plan.warm_up()
-        if mode == "torch-replay":
+        if mode == "torch-replay":  # replay() instead of cuGraphLaunch
             for bk in plan.launcher()._bucket.values():
                 for s in bk.slots:
                     s.graph_exec = 0
         for k in (1, 16):
-            a = torch.empty(k * REGIONS * blen, dtype=torch.uint8, device=DEV)
-            b = torch.empty_like(a)
-            t_all, t_ids, t_submit, t_wait, t_ref = [], [], [], [], []
-            for i in range(args.host_iters + 20):
-                s_ids = rng.permutation(nb)[:k].tolist()
-                d_ids = rng.permutation(nb)[:k].tolist()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                from kvconnect.connectors.block_copy import as_block_ids
-
-                s_arr, d_arr = as_block_ids(s_ids, "s"), as_block_ids(d_ids, "d")
-                plan.check_ids(s_arr, d_arr)
-                t1 = time.perf_counter()
-                plan.copy(s_arr, d_arr, validate=False)
-                t2 = time.perf_counter()
-                ev = torch.cuda.Event()
-                ev.record()
-                wait_events([ev], 10.0)
-                t3 = time.perf_counter()
-                torch.cuda.synchronize()
-                r0 = time.perf_counter()
-                b.copy_(a)
-                torch.cuda.synchronize()
-                r1 = time.perf_counter()
-                if i >= 20:
-                    t_all.append(t3 - t0)
-                    t_ids.append(t1 - t0)
-                    t_submit.append(t2 - t1)
-                    t_wait.append(t3 - t2)
-                    t_ref.append(r1 - r0)
-            row = {"part": "host", "mode": mode, "blocks": k,
-                   **{f"{n}_us_p50": statistics.median(v) * 1e6 for n, v in (
-                       ("whole", t_all), ("ids", t_ids), ("submit", t_submit),
-                       ("wait", t_wait), ("plain_copy", t_ref))},
-                   "whole_us_p99": _percentile(t_all, 0.99) * 1e6,
-                   "plain_copy_us_p99": _percentile(t_ref, 0.99) * 1e6}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append({"part": "host", "mode": mode, "blocks": k,
+                         **_time_one_copy(plan, nb, k, rng, args.host_iters)})
+            print(json.dumps(rows[-1]), flush=True)
     plan = BlockCopyPlan(src, dst, device=DEV, method="kernel")
     plan.warm_up()
     prof = cProfile.Profile()
