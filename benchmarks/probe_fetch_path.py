@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transfer_timing import events_ms as _events_ms  # benchmarks/ is sys.path[0]
 
 from kvconnect.connectors.block_copy import BlockCopyPlan, BlockRegion
 
@@ -136,21 +137,6 @@ def _ipc_peer_plan(nb: int, block_kib: int, keep: list[Any]) -> BlockCopyPlan:
     return t.plan_for("serve")
 
 
-def _events_ms(fn: Any, reps: int, rounds: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return statistics.median(out)
-
-
 def part_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     blen = args.block_kib * 1024
@@ -161,7 +147,7 @@ def part_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
         nbytes = k * REGIONS * blen
         a = torch.empty(nbytes, dtype=torch.uint8, device=DEV).fill_(3)
         b = torch.empty_like(a)
-        ref = _events_ms(lambda a=a, b=b: b.copy_(a), args.reps)
+        ref = _events_ms(lambda a=a, b=b: b.copy_(a), args.reps, 5)
         s_ids = np.sort(rng.permutation(nb)[:k])
         d_ids = rng.permutation(nb)[:k]
         for kind in args.kinds:
@@ -183,7 +169,7 @@ def part_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
                     plan = BlockCopyPlan(src, dst, device=DEV, method="kernel")
                     plan.warm_up()
                 ms = _events_ms(lambda p=plan, s=s_ids, d=d_ids: p.copy(s, d, validate=False),
-                                args.reps)
+                                args.reps, 5)
                 ok = bool(torch.equal(plan.read_blocks("src", s_ids),
                                       plan.read_blocks("dst", d_ids)))
                 row = {"part": "memory", "kind": kind, "request_bytes": nbytes,

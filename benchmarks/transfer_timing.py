@@ -1,5 +1,6 @@
-"""Timing helpers of benchmarks/bench_transfer.py: copies back to back, and per-transfer
-latency of small fetches (p50 / p99) against a plain copy of the same bytes.
+"""Timing helpers of the transfer benchmarks and probes: copies back to back between CUDA
+events, and per-transfer latency of small fetches (p50 / p99) against a plain copy of the
+same bytes.
 
 Units: seconds, bytes, logical blocks.
 """
@@ -15,6 +16,23 @@ import numpy as np
 import torch
 
 MIB = 1024 * 1024
+
+
+def events_ms(fn: Callable[[], Any], batch: int, iters: int) -> float:
+    """Median milliseconds per call of ``fn`` over ``iters`` rounds of ``batch`` calls back to
+    back between two CUDA events (after one untimed call): host work hidden."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(batch):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / batch)
+    return float(np.median(times))
 
 
 def sync(dev: torch.device) -> None:

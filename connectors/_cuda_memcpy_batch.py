@@ -68,33 +68,31 @@ def _entry() -> tuple[Any, bool, Any]:
     return fn, has_fail_index, lib
 
 
-@functools.lru_cache(maxsize=1)
-def memcpy_htod_async_entry() -> Any:
-    """``cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: void*, nbytes: size_t, stream) ->
-    CUresult`` (the context current on the calling thread must own ``dst``). Raises
+def _bound(name: str, argtypes: list[Any]) -> Any:
+    """libcuda's ``name`` with ``argtypes`` and a CUresult return; raises
     :class:`MemcpyBatchUnavailable` when libcuda cannot be loaded."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         raise MemcpyBatchUnavailable(f"libcuda.so.1 cannot be loaded: {exc}") from exc
-    fn = lib.cuMemcpyHtoDAsync_v2
-    fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn = getattr(lib, name)
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
+
+
+@functools.lru_cache(maxsize=1)
+def memcpy_htod_async_entry() -> Any:
+    """``cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: void*, nbytes: size_t, stream) ->
+    CUresult`` (the context current on the calling thread must own ``dst``)."""
+    return _bound("cuMemcpyHtoDAsync_v2",
+                  [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
 
 
 @functools.lru_cache(maxsize=1)
 def graph_launch_entry() -> Any:
-    """``cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult``. Raises
-    :class:`MemcpyBatchUnavailable` when libcuda cannot be loaded."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise MemcpyBatchUnavailable(f"libcuda.so.1 cannot be loaded: {exc}") from exc
-    fn = lib.cuGraphLaunch
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+    """``cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult``."""
+    return _bound("cuGraphLaunch", [ctypes.c_void_p, ctypes.c_void_p])
 
 
 def memcpy_batch_available() -> str | None:

@@ -99,6 +99,17 @@ def _row_layouts(num_blocks: int, seed: int = 0
     return src, dst, keep
 
 
+def _id_sets(kind: str, n: int, seed: int) -> tuple[list[int], list[int]]:
+    """Source and destination ids of ``n`` blocks: ``runs`` (consecutive on both sides),
+    ``scattered`` (12 random on both) or ``single`` (one block)."""
+    if kind == "runs":
+        return list(range(3, 13)), list(range(10, 20))
+    if kind == "scattered":
+        rng = np.random.default_rng(seed)
+        return rng.permutation(n)[:12].tolist(), rng.permutation(n)[:12].tolist()
+    return [n - 1], [0]
+
+
 def test_block_runs_merge_consecutive_pairs() -> None:
     assert block_runs([], []) == []
     assert block_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
@@ -111,14 +122,7 @@ def test_torch_method_is_byte_exact(ids: str) -> None:
     src, dst, _keep = _layouts(n)
     plan = BlockCopyPlan(src, dst, method="torch")
     assert plan.bytes_per_block == sum(r.width for r in src)
-    rng = np.random.default_rng(1)
-    if ids == "runs":
-        s_ids, d_ids = list(range(3, 13)), list(range(10, 20))
-    elif ids == "scattered":
-        s_ids = rng.permutation(n)[:12].tolist()
-        d_ids = rng.permutation(n)[:12].tolist()
-    else:
-        s_ids, d_ids = [n - 1], [0]
+    s_ids, d_ids = _id_sets(ids, n, seed=1)
     before = [_block_bytes(dst, b) for b in range(n)]
     assert plan.copy(s_ids, torch.tensor(d_ids)) == len(s_ids) * plan.bytes_per_block
     _check(src, dst, before, s_ids, d_ids, n)
@@ -139,14 +143,7 @@ def test_host_method_is_byte_exact(ids: str, direction: str, engine: str,
         src, dst = dst, src
     plan = BlockCopyPlan(src, dst)
     assert plan.method == "host" and plan.describe()["row_bytes"] == 4096
-    rng = np.random.default_rng(3)
-    if ids == "runs":
-        s_ids, d_ids = list(range(3, 13)), list(range(10, 20))
-    elif ids == "scattered":
-        s_ids = rng.permutation(n)[:12].tolist()
-        d_ids = rng.permutation(n)[:12].tolist()
-    else:
-        s_ids, d_ids = [n - 1], [0]
+    s_ids, d_ids = _id_sets(ids, n, seed=3)
     before = [_block_bytes(dst, b) for b in range(n)]
     assert plan.copy(np.array(s_ids), d_ids) == len(s_ids) * plan.bytes_per_block
     _check(src, dst, before, s_ids, d_ids, n)
