@@ -127,14 +127,16 @@ def _gbps(nbytes: int, seconds: list[float]) -> dict[str, float]:
 
 
 def _one(cache: ExtensibleKVCache, device: torch.device, n: int, path: str, slots: str,
-         args: argparse.Namespace) -> dict[str, Any]:
-    """Save + load of ``n`` random non-contiguous blocks over ``path``, and the references."""
+         args: argparse.Namespace, chunk_mib: int) -> dict[str, Any]:
+    """Save + load of ``n`` random non-contiguous blocks over ``path`` (staged chunks of at most
+    ``chunk_mib``), and the references."""
     gen = torch.Generator().manual_seed(n)
     perm = torch.randperm(args.num_blocks, generator=gen).tolist()
     src_ids, dst_ids = perm[:n], perm[n:2 * n]  # non-contiguous, unordered block sets
     keys = [f"blk{b}" for b in src_ids]
     pool_blocks = 2 * n if slots == "scattered" else n
-    conn = CPUOffloadConnector(cache, pool_blocks, max_copy_runs=args.max_copy_runs, path=path)
+    conn = CPUOffloadConnector(cache, pool_blocks, max_copy_runs=args.max_copy_runs, path=path,
+                               staging_chunk_bytes=chunk_mib << 20)
     try:
         if slots == "scattered":  # leave every other slot free
             conn.save(list(range(2 * n)), keys=[("pad", i) for i in range(2 * n)]).wait()
@@ -164,6 +166,7 @@ def _one(cache: ExtensibleKVCache, device: torch.device, n: int, path: str, slot
         in_t = _time(lambda: dev.copy_(host, non_blocking=True), device, args.iters,
                      args.warmup)
         r = {"batch_blocks": n, "path": taken, "asked_path": path, "slots": slots,
+             "staging_chunk_bytes": (chunk_mib << 20) if taken == "staged" else None,
              "correct": ok, "payload_bytes": nbytes, "bytes_per_block": conn.bytes_per_block,
              "regions": len(conn.row_layout), "plan": conn.copy_plan.describe(),
              "save": _gbps(nbytes, save_t), "load": _gbps(nbytes, load_t),
@@ -193,8 +196,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not 0 < n <= args.num_blocks // 2:
                 raise SystemExit(f"--batch must be in 1..num_blocks/2 ({args.num_blocks // 2})")
         paths = args.path if device.type == "cuda" else ["auto"]
-        results = [_one(cache, device, n, path, slots, args)
-                   for n in args.batch for path in paths for slots in args.slots]
+        results = [_one(cache, device, n, path, slots, args, chunk)
+                   for n in args.batch for path in paths for slots in args.slots
+                   for chunk in (args.staging_chunk_mib if path == "staged"
+                                 else args.staging_chunk_mib[:1])]
         return {
             "benchmark": "cpu_offload",
             "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -213,6 +218,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cache.close(force=True)  # cleanup: never mask the error that got us here
 
 
+def _chunk(r: dict[str, Any]) -> str:
+    return "-" if r.get("staging_chunk_bytes") is None else f"{r['staging_chunk_bytes'] >> 20}"
+
+
 def _markdown(report: dict[str, Any]) -> str:
     p, m, v = report["parameters"], report["machine"], report["versions"]
     lines = [
@@ -226,14 +235,14 @@ def _markdown(report: dict[str, Any]) -> str:
         "- reference: one contiguous copy of the same bytes between the same memories "
         "(device <-> pinned host), same run; GB/s = 1e9 bytes/s, medians",
         "",
-        "| batch | MiB | slots | path | save GB/s | ref -> CPU | save ratio | load GB/s | "
-        "ref <- CPU | load ratio | correct |",
-        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| batch | MiB | slots | path | chunk MiB | save GB/s | ref -> CPU | save ratio | "
+        "load GB/s | ref <- CPU | load ratio | correct |",
+        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in report["results"]:
         lines.append(
             f"| {r['batch_blocks']} | {r['payload_bytes'] / 2**20:.0f} | {r['slots']} | "
-            f"{r['path']} | {r['save']['median_gbps']:.1f} | "
+            f"{r['path']} | {_chunk(r)} | {r['save']['median_gbps']:.1f} | "
             f"{r['reference_to_cpu']['median_gbps']:.1f} | {r['save_vs_reference']:.2f} | "
             f"{r['load']['median_gbps']:.1f} | {r['reference_from_cpu']['median_gbps']:.1f} | "
             f"{r['load_vs_reference']:.2f} | {r['correct']} |")
@@ -247,7 +256,7 @@ def _print(report: dict[str, Any]) -> None:
           f"{p['preset']} {p['layout']}, {p['num_layers']} layers")
     for r in report["results"]:
         print(f"  {r['batch_blocks']:5d} blocks {r['payload_bytes'] / 2**20:7.0f} MiB "
-              f"{r['slots']:9s} {r['path']:6s} save {r['save']['median_gbps']:7.1f} GB/s "
+              f"{r['slots']:9s} {r['path']:6s} {_chunk(r):>3s} save {r['save']['median_gbps']:7.1f} GB/s "
               f"({r['save_vs_reference']:.2f} of {r['reference_to_cpu']['median_gbps']:.1f}) "
               f"load {r['load']['median_gbps']:7.1f} GB/s ({r['load_vs_reference']:.2f} of "
               f"{r['reference_from_cpu']['median_gbps']:.1f}) correct={r['correct']}")
@@ -270,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--path", choices=("auto", "direct", "staged"), nargs="+",
                     default=["auto"], help="CUDA copy path(s) of the connector")
     ap.add_argument("--max-copy-runs", type=int, default=8)
+    ap.add_argument("--staging-chunk-mib", type=int, nargs="+", default=[32],
+                    help="bound on one staged chunk (MiB); several: a sweep of the staged path")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default="",

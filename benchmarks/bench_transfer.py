@@ -5,9 +5,11 @@ page of one block) and each request size (``--request-mib``, bytes of one transf
 layers):
 
 - ``ipc/<method>``: the library ipc transport (:class:`IpcTransport`: POSIX-fd mapping cached
-  per peer, one block-copy launch per fetch); methods ``kernel`` (Triton), ``memcpy_batch``
-  (cuMemcpyBatchAsync) and ``torch`` (index_select + index_copy_ per column: the old path's
-  shape); across GPUs each of ``push`` and ``pull``;
+  per peer, one block-copy launch per fetch); methods ``kernel`` (Triton; one CUDA graph
+  replay per fetch, and with ``--launch eager`` also ``ipc/kernel-eager``: the same upload and
+  kernel issued one by one), ``memcpy_batch`` (cuMemcpyBatchAsync), ``host`` (numpy row
+  gathers, the host backend's default) and ``torch`` (index_select + index_copy_ per column:
+  the old path's shape); across GPUs each of ``push`` and ``pull``;
 - ``nixl-vmm``: stock NIXL READs of the same VMM-backed caches;
 - ``nixl-cudamalloc``: NIXL READs between ordinary cudaMalloc allocations of the same layout
   (the control: what NIXL does on memory UCX can export);
@@ -20,8 +22,10 @@ fills them with a position-dependent pattern and serves them (an :class:`IpcExpo
 NIXL agent). Each configuration is checked byte-exact once (destination blocks against the
 source blocks read through the mapping) before it is timed. Throughput is payload bytes /
 wall seconds between synchronizations (1 GB = 1e9 bytes), median of ``--iters`` after
-``--warmup``. Results: JSON (``--json``) and a PNG plot (``--png``) of GB/s and ratio
-against request size.
+``--warmup``. ``--latency-blocks`` adds per-transfer latency for small requests (p50 / p99
+over ``--latency-iters`` fetches, interleaved with a plain copy of the same bytes timed the
+same way): the fetch's own ``seconds`` and the whole ``fetch()`` call. Results: JSON
+(``--json``) and a PNG plot (``--png``) of GB/s and ratio against request size.
 
     python benchmarks/bench_transfer.py --json out.json --png out.png
 """
@@ -44,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transfer_timing import back_to_back, latency_rows
 
 from kvconnect.connectors.ipc_transport import IpcExportServer, IpcTransport
 from kvconnect.kv_cache import ExtensibleKVCache
@@ -238,7 +243,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for src_dev, dst_dev, kind in pairs:
             results += _measure_pair(args, block_kib, num_blocks, sizes, src_dev, dst_dev,
                                      kind, rng)
-    return {"results": results, "notes": notes}
+    latency = [r for r in results if r.get("kind") == "latency"]
+    return {"results": [r for r in results if r.get("kind") != "latency"],
+            "latency": latency, "notes": notes}
 
 
 def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, sizes: list[int],
@@ -256,12 +263,14 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
         cache.allocate()
         cache.extend_kv_cache(num_blocks, single_handle=True)
         _fill(cache, seed=2)
-        variants = [(m, "auto") for m in args.methods]
-        if kind == "cross-gpu":
-            variants = [(m, d) for m in args.methods for d in ("push", "pull")]
-        for method, direction in variants:
-            name = f"ipc/{method}" + (f"/{direction}" if kind == "cross-gpu" else "")
-            t = IpcTransport(cache, direction=direction, method=method)
+        directions = ("push", "pull") if kind == "cross-gpu" else ("auto",)
+        variants = [(m, d, "graph") for m in args.methods for d in directions]
+        variants += [("kernel", d, "eager") for d in directions
+                     if "eager" in args.launch and "kernel" in args.methods]
+        for method, direction, launch in variants:
+            name = f"ipc/{method}" + ("-eager" if launch == "eager" else "") + (
+                f"/{direction}" if kind == "cross-gpu" else "")
+            t = IpcTransport(cache, direction=direction, method=method, launch=launch)
             transports[name] = t
         nixl_readers: dict[str, tuple[Any, str]] = {}
         if args.nixl:
@@ -288,30 +297,9 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
                     "request_bytes": nbytes, "blocks": k, "references_gbps": refs,
                     "reference": ref_name}
             for name, t in transports.items():
-                t0 = time.perf_counter()
-                first = t.open_peer("serve", server.offers["ipc"])
-                again = t.open_peer("serve", server.offers["ipc"])
-                open_s = time.perf_counter() - t0
-                plan = t.plan_for("serve")
-                # poison: other source blocks into the destination, so a no-op fetch fails
-                t.fetch("serve", src_ids[1:] + src_ids[:1] if k > 1
-                        else [(src_ids[0] + 1) % num_blocks], dst_ids)
-                before = plan.read_blocks("dst", dst_ids, dd)
-                want = plan.read_blocks("src", src_ids, dd)
-                res = t.fetch("serve", src_ids, dst_ids)
-                got = plan.read_blocks("dst", dst_ids, dd)
-                verified = bool(torch.equal(got, want)) and not torch.equal(before, want)
-                del before, want, got
-                for _ in range(args.warmup):
-                    t.fetch("serve", src_ids, dst_ids)
-                sec = statistics.median(t.fetch("serve", src_ids, dst_ids).seconds
-                                        for _ in range(args.iters))
-                gbps = nbytes / sec / 1e9
-                out.append({**base, "transport": name, "gbps": gbps, "seconds": sec,
-                            "ratio": gbps / refs[ref_name], "verified": verified,
-                            "setup_seconds_first": first, "setup_seconds_cached": again,
-                            "open_seconds": open_s, "backend": res.backend,
-                            "plan": plan.describe()})
+                out.append({**base, **_ipc_row(args, t, name, server.offers["ipc"], src_ids,
+                                               dst_ids, num_blocks, dd, nbytes,
+                                               refs[ref_name])})
                 _print_row(out[-1])
             for name, (w, engine) in nixl_readers.items():
                 if nbytes > (args.nixl_vmm_max_mib if name == "nixl-vmm"
@@ -327,6 +315,11 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
                             "ratio": gbps / refs[ref_name], "verified": None,
                             "backend": res.backend, "descriptors": res.descriptors})
                 _print_row(out[-1])
+        if args.latency_blocks and kind != "cross-gpu" and transports \
+                and block_kib == args.latency_block_kib:
+            name = "ipc/kernel" if "ipc/kernel" in transports else next(iter(transports))
+            out += latency_rows(args, transports[name], name, server.offers["ipc"],
+                                num_blocks, block_kib, dd, rng, _ids)
     finally:
         for t in transports.values():
             t.close()
@@ -338,8 +331,41 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
     return out
 
 
+def _ipc_row(args: argparse.Namespace, t: IpcTransport, name: str, offer: dict[str, Any],
+             src_ids: list[int], dst_ids: list[int], num_blocks: int, dd: torch.device,
+             nbytes: int, ref_gbps: float) -> dict[str, Any]:
+    """One ipc transport at one request size (``nbytes``): checked byte-exact once, then
+    timed."""
+    t0 = time.perf_counter()
+    first = t.open_peer("serve", offer)
+    again = t.open_peer("serve", offer)
+    open_s = time.perf_counter() - t0
+    plan = t.plan_for("serve")
+    # poison: other source blocks into the destination, so a no-op fetch fails
+    t.fetch("serve", src_ids[1:] + src_ids[:1] if len(src_ids) > 1
+            else [(src_ids[0] + 1) % num_blocks], dst_ids)
+    before = plan.read_blocks("dst", dst_ids, dd)
+    want = plan.read_blocks("src", src_ids, dd)
+    res = t.fetch("serve", src_ids, dst_ids)
+    got = plan.read_blocks("dst", dst_ids, dd)
+    verified = bool(torch.equal(got, want)) and not torch.equal(before, want)
+    del before, want, got
+    for _ in range(args.warmup):
+        t.fetch("serve", src_ids, dst_ids)
+    sec = statistics.median(t.fetch("serve", src_ids, dst_ids).seconds
+                            for _ in range(args.iters))
+    gbps = nbytes / sec / 1e9
+    return {"transport": name, "gbps": gbps, "seconds": sec, "ratio": gbps / ref_gbps,
+            "verified": verified, "setup_seconds_first": first, "setup_seconds_cached": again,
+            "open_seconds": open_s, "backend": res.backend, "plan": plan.describe(),
+            "copies_back_to_back_seconds": back_to_back(plan, src_ids, dst_ids)}
+
+
 def _print_row(r: dict[str, Any]) -> None:
     ok = {True: "exact", False: "MISMATCH", None: "-"}[r["verified"]]
+    if r.get("copies_back_to_back_seconds"):
+        ok += (f"  (back to back: {r['request_bytes'] / r['copies_back_to_back_seconds'] / 1e9:.0f}"
+               " GB/s)")
     print(f"{r['pair']:9s} {r['block_bytes'] // 1024:5d} KiB {r['request_bytes'] / MIB:8.0f} MiB "
           f"{r['transport']:26s} {r['gbps']:8.1f} GB/s  ratio {r['ratio']:5.2f} vs "
           f"{r['reference']} {r['references_gbps'][r['reference']]:7.1f}  {ok}", flush=True)
@@ -462,6 +488,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-layers", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--methods", nargs="+", default=["kernel", "memcpy_batch", "torch"])
+    ap.add_argument("--launch", nargs="+", default=["graph"], choices=["graph", "eager"],
+                    help="kernel launch modes to measure (eager: ipc/kernel-eager)")
+    ap.add_argument("--latency-blocks", type=int, nargs="*", default=[],
+                    help="also p50/p99 latency of fetches of this many blocks (e.g. 1 4 16)")
+    ap.add_argument("--latency-block-kib", type=int, default=32,
+                    help="the layer-block size (one of --block-kib) the latency rows use")
+    ap.add_argument("--latency-iters", type=int, default=200)
+    ap.add_argument("--latency-warmup", type=int, default=20)
     ap.add_argument("--nixl", action="store_true", help="also NIXL on VMM and cudaMalloc")
     ap.add_argument("--nixl-max-mib", type=int, default=512)
     ap.add_argument("--nixl-vmm-max-mib", type=int, default=48)

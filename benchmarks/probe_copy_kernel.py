@@ -14,31 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import numpy as np
 import torch
+from transfer_timing import events_ms as _events_ms  # benchmarks/ is sys.path[0]
 
 from kvconnect.connectors._triton_block_copy import launch_block_copy
 from kvconnect.connectors.block_copy import BlockCopyPlan, BlockRegion
 
 MIB = 1024 * 1024
-
-
-def _events_ms(fn, batch: int, iters: int) -> float:  # noqa: ANN001
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(batch):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / batch)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,14 +6,16 @@
 - :class:`CPUOffloadConnector`: a (pinned, on CUDA) CPU pool sized from committed per-block
   bytes, batched save/load with LRU slots.
 - :class:`BlockCopyPlan`: the block-copy engine (one launch per transfer over every layer,
-  region and block) under the CPU offload and the ipc transport.
+  region and block; on CUDA one CUDA graph replay) under the CPU offload and the ipc
+  transport; several requests merge into one launch (``copy_many``,
+  :meth:`IpcTransport.fetch_many`, :meth:`IpcTransport.start` -> :class:`PendingFetch`).
 - :class:`Transport` and its registry (:func:`get_transport`): ``ipc``
   (:class:`IpcTransport`, :class:`IpcExportServer`) and ``nixl`` (:class:`NixlTransport`).
 """
 
 from __future__ import annotations
 
-from .block_copy import COPY_METHODS, BlockCopyPlan, BlockRegion, block_runs
+from .block_copy import COPY_METHODS, LAUNCH_MODES, BlockCopyPlan, BlockRegion, block_runs
 from .cpu_offload import (
     CPUOffloadConnector,
     OffloadHandle,
@@ -23,7 +25,11 @@ from .cpu_offload import (
 )
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .handshake import HandshakeMetadata, LayoutFingerprint, MetadataError
-from .ipc_transport import IpcExportServer, IpcTransport  # registers "ipc" (transport.py)
+from .ipc_transport import (  # registers "ipc" (transport.py)
+    IpcExportServer,
+    IpcTransport,
+    PendingFetch,
+)
 from .nixl import (
     NixlConnectorWorker,
     NixlUnavailableError,
@@ -36,7 +42,7 @@ from .nixl import (
     registration_extents,
     transfer_regions,
 )
-from .nixl_transport import NixlTransport  # registers "nixl"
+from .nixl_transport import NixlTransport, slow_gpu_lane_advice  # registers "nixl"
 from .slot_allocator import LruSlots
 from .transport import (
     Exporter,
@@ -51,6 +57,7 @@ from .transport import (
 
 __all__ = [
     "COPY_METHODS",
+    "LAUNCH_MODES",
     "BlockCopyPlan",
     "BlockRegion",
     "CPUOffloadConnector",
@@ -60,6 +67,7 @@ __all__ = [
     "IpcTransport",
     "LruSlots",
     "NixlTransport",
+    "PendingFetch",
     "Transport",
     "TransportContext",
     "TransportSpec",
@@ -86,5 +94,6 @@ __all__ = [
     "offload_row_layout",
     "region_descriptors",
     "registration_extents",
+    "slow_gpu_lane_advice",
     "transfer_regions",
 ]

@@ -1,6 +1,9 @@
-"""``cuMemcpyBatchAsync`` through ctypes: many pointer-to-pointer copies in one driver call.
+"""Driver calls through ctypes: ``cuMemcpyBatchAsync`` (many pointer-to-pointer copies in
+one driver call), and for :mod:`._kernel_launch` ``cuMemcpyHtoDAsync`` (the block-id upload,
+capturable into a CUDA graph without torch's pinned-memory bookkeeping) and ``cuGraphLaunch``
+(a captured graph replayed without torch's per-replay work).
 
-The entry point is resolved with ``cuGetProcAddress`` at the driver's own version, so the
+The batch entry point is resolved with ``cuGetProcAddress`` at the driver's own version, so the
 CUDA 12.8 ABI (with a ``failIdx`` argument) and the CUDA 13 ABI (without) both work. The
 copies run on the copy engines; sources are read in stream order
 (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``). Arrays are passed as numpy buffers: no Python loop
@@ -63,6 +66,33 @@ def _entry() -> tuple[Any, bool, Any]:
     args.append(vp)
     fn = ctypes.CFUNCTYPE(ctypes.c_int, *args)(pfn.value)
     return fn, has_fail_index, lib
+
+
+def _bound(name: str, argtypes: list[Any]) -> Any:
+    """libcuda's ``name`` with ``argtypes`` and a CUresult return; raises
+    :class:`MemcpyBatchUnavailable` when libcuda cannot be loaded."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise MemcpyBatchUnavailable(f"libcuda.so.1 cannot be loaded: {exc}") from exc
+    fn = getattr(lib, name)
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.lru_cache(maxsize=1)
+def memcpy_htod_async_entry() -> Any:
+    """``cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: void*, nbytes: size_t, stream) ->
+    CUresult`` (the context current on the calling thread must own ``dst``)."""
+    return _bound("cuMemcpyHtoDAsync_v2",
+                  [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+
+
+@functools.lru_cache(maxsize=1)
+def graph_launch_entry() -> Any:
+    """``cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult``."""
+    return _bound("cuGraphLaunch", [ctypes.c_void_p, ctypes.c_void_p])
 
 
 def memcpy_batch_available() -> str | None:

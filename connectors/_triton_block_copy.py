@@ -4,12 +4,18 @@ One program copies one column of one block. Programs are numbered column-major b
 (``COLUMN_MAJOR``): program ``p`` takes column ``j = p // blocks`` and block ``i = p %
 blocks``, so programs running at the same time work on few regions and, with sorted source
 ids, on nearby addresses (few pages, few TLB misses); block-major numbering (``i = p //
-columns``) is kept for measurements. A program reads row ``j`` of the descriptor table (source word offset of
-block 0, source stride, destination offset, destination stride, length; all in words from
-the *anchor*) and the pair ``ids[2i], ids[2i + 1]``, and copies ``length`` words. Addresses
-are anchor-relative offsets, so the only pointer argument Triton checks is the anchor (a
-small allocation on the launch device); the copied memory may be a VMM mapping of another
-process, a peer GPU's memory or pinned host memory, anything the launch device can address.
+columns``) is kept for measurements. A program reads row ``j`` of the descriptor table
+(source word offset of block 0, source stride, destination offset, destination stride,
+length; all in words from the *anchor*) and the pair of block ids ``i``, and copies
+``length`` words. Addresses are anchor-relative offsets, so the only pointer argument Triton
+checks is the anchor (a small allocation on the launch device); the copied memory may be a
+VMM mapping of another process, a peer GPU's memory or pinned host memory, anything the
+launch device can address.
+
+The ids buffer (int64): ``[live, 0, src0, dst0, src1, dst1, ...]``. The grid covers
+``num_blocks`` blocks (an id-count *bucket*, :mod:`._kernel_launch`), of which the first
+``live`` are copied; programs of the others return at once. So one compiled launch, or one
+captured CUDA graph, serves every batch of up to ``num_blocks`` blocks.
 
 Importing this module imports Triton; :mod:`.block_copy` imports it only on CUDA.
 """
@@ -36,29 +42,31 @@ def _block_copy_kernel(anchor, table, ids, num_blocks, num_columns, COLUMN: tl.c
     else:
         i = pid // num_columns
         j = pid - i * num_columns
-    row = table + j * 5
-    src0 = tl.load(row)
-    src_stride = tl.load(row + 1)
-    dst0 = tl.load(row + 2)
-    dst_stride = tl.load(row + 3)
-    length = tl.load(row + 4)
-    sid = tl.load(ids + 2 * i)
-    did = tl.load(ids + 2 * i + 1)
-    so = tl.multiple_of(src0 + sid * src_stride, VEC)
-    do = tl.multiple_of(dst0 + did * dst_stride, VEC)
-    offs = tl.arange(0, BLOCK)
-    for k in tl.static_range(0, COLUMN, BLOCK):
-        if EVEN and STREAMING:  # evict early: every byte is touched once
-            v = tl.load(anchor + so + k + offs, eviction_policy="evict_first")
-            tl.store(anchor + do + k + offs, v, cache_modifier=".cs")
-        elif EVEN:
-            v = tl.load(anchor + so + k + offs)
-            tl.store(anchor + do + k + offs, v)
-        else:
-            n = tl.multiple_of(length, VEC)
-            m = k + offs < n
-            v = tl.load(anchor + so + k + offs, mask=m)
-            tl.store(anchor + do + k + offs, v, mask=m)
+    live = tl.load(ids)  # blocks of this batch; the rest of the grid is the bucket's slack
+    if i < live:
+        row = table + j * 5
+        src0 = tl.load(row)
+        src_stride = tl.load(row + 1)
+        dst0 = tl.load(row + 2)
+        dst_stride = tl.load(row + 3)
+        length = tl.load(row + 4)
+        sid = tl.load(ids + 2 + 2 * i)
+        did = tl.load(ids + 3 + 2 * i)
+        so = tl.multiple_of(src0 + sid * src_stride, VEC)
+        do = tl.multiple_of(dst0 + did * dst_stride, VEC)
+        offs = tl.arange(0, BLOCK)
+        for k in tl.static_range(0, COLUMN, BLOCK):
+            if EVEN and STREAMING:  # evict early: every byte is touched once
+                v = tl.load(anchor + so + k + offs, eviction_policy="evict_first")
+                tl.store(anchor + do + k + offs, v, cache_modifier=".cs")
+            elif EVEN:
+                v = tl.load(anchor + so + k + offs)
+                tl.store(anchor + do + k + offs, v)
+            else:
+                n = tl.multiple_of(length, VEC)
+                m = k + offs < n
+                v = tl.load(anchor + so + k + offs, mask=m)
+                tl.store(anchor + do + k + offs, v, mask=m)
 
 
 def launch_block_copy(anchor: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, *,
@@ -67,7 +75,8 @@ def launch_block_copy(anchor: torch.Tensor, table: torch.Tensor, ids: torch.Tens
                       block_words: int = BLOCK_WORDS, streaming: bool = False,
                       compile_only: bool = False) -> None:
     """Launch one kernel over ``num_blocks x num_columns`` programs on ``anchor``'s device
-    (its current stream). ``column_words``: the longest column; ``vec``: a word count that
+    (its current stream); ``ids`` holds the live block count and the id pairs (module
+    docstring). ``column_words``: the longest column; ``vec``: a word count that
     divides every offset, stride and length (2 for 16-byte aligned int64 words); ``even``:
     every column has exactly ``column_words`` words (no masks); ``column_major``: program
     numbering (module docstring); ``num_warps`` / ``block_words``: launch shape;

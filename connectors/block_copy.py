@@ -11,23 +11,31 @@ A transfer only supplies block ids: ``copy(src_ids, dst_ids)`` moves logical blo
 
 Methods (:data:`COPY_METHODS`), chosen per plan or per call:
 
-- ``kernel``: one Triton kernel launch over ``len(ids) x columns`` programs, each copying one
+- ``kernel``: one Triton kernel launch over ``bucket x columns`` programs, each copying one
   column of one block (:mod:`._triton_block_copy`). Addresses are anchor-relative word
   offsets, so the kernel reaches any memory the launch device can address (VMM mappings of
   another process, a peer GPU's memory with access granted, pinned host memory by unified
-  addressing). The table lives on the launch device; a call uploads only the ids.
+  addressing). The table lives on the launch device; a call stages only the ids, through
+  pinned memory, and replays one CUDA graph (upload + kernel) captured per id-count bucket
+  (:mod:`._kernel_launch`; ``launch="eager"`` issues the same two steps one by one).
 - ``memcpy_batch``: one ``cuMemcpyBatchAsync`` call (copy engines) with one descriptor per
   column and *run* of consecutive blocks (:func:`block_runs`): merged runs mean fewer,
   larger copies (:mod:`._cuda_memcpy_batch`).
-- ``torch``: the host fallback, and the reference: per column, one strided ``copy_`` per run
-  when a batch has at most two runs, else one ``index_select`` + one ``index_copy_``. Never one
-  copy per block. This is the only method without CUDA and is byte-exact tested here.
+- ``host``: host memory on both sides (the host VMM backend): every column of a batch as one
+  numpy row gather over the sides' address spans, chunked and threaded
+  (:mod:`._host_block_copy`). ``auto``'s choice on the host where the geometry allows it.
+- ``torch``: the portable fallback, and the reference shape: per column, one strided
+  ``copy_`` per run when a batch has at most two runs, else one ``index_select`` + one
+  ``index_copy_``. Never one copy per block.
+
+``copy_many`` merges several requests into one launch (one copy for the host method).
 
 Units: bytes for lengths, offsets, strides and addresses; logical blocks for ids.
 """
 
 from __future__ import annotations
 
+import array
 import logging
 import operator
 from collections.abc import Iterable, Sequence
@@ -39,6 +47,8 @@ import torch
 
 from kvconnect.views import block_span
 
+from ._host_block_copy import HostRowCopier, host_row_copier
+from ._kernel_launch import LAUNCH_MODES, KernelLauncher
 from .copy_ops import WORD_DTYPES, word_size
 
 logger = logging.getLogger(__name__)
@@ -46,6 +56,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "COPY_METHODS",
     "DEFAULT_CHUNK_BYTES",
+    "LAUNCH_MODES",
     "BlockCopyPlan",
     "BlockRegion",
     "as_block_ids",
@@ -54,7 +65,7 @@ __all__ = [
 ]
 
 #: ways a plan can move blocks (see the module docstring)
-COPY_METHODS = ("kernel", "memcpy_batch", "torch")
+COPY_METHODS = ("kernel", "memcpy_batch", "host", "torch")
 #: longest column one kernel program copies (bytes); longer block pieces are split
 DEFAULT_CHUNK_BYTES = 32 * 1024
 #: table row: src address (words from the anchor), src block stride (words), dst address,
@@ -164,8 +175,13 @@ def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -
                             f"{tuple(values.shape)}")
         return values.detach().cpu().numpy().astype(np.int64, copy=False)
     if not isinstance(values, np.ndarray) and isinstance(values, (list, tuple)):
+        if values and type(values[0]) is not bool:
+            try:  # plain ints: the fastest conversion (no per-element Python code)
+                return np.frombuffer(array.array("q", values), dtype=np.int64)
+            except (TypeError, OverflowError):
+                pass  # a float, a huge value, ...: the checks below name it
         fast = np.asarray(values) if values else np.zeros(0, dtype=np.int64)
-        if fast.ndim == 1 and fast.dtype.kind in "iu":  # plain ints: no per-element Python
+        if fast.ndim == 1 and fast.dtype.kind in "iu":
             values = fast
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iu":
@@ -215,25 +231,29 @@ def _pair_columns(si: int, s: BlockRegion, di: int, d: BlockRegion) -> list[_Col
 class BlockCopyPlan:
     """Copies logical blocks from ``src`` regions to ``dst`` regions (paired by position).
 
-    ``device``: where kernels and copy-engine batches run (``None`` or a CPU device: only the
-    ``torch`` method). For a cross-GPU copy this decides push (the source's GPU writes into
-    the peer) or pull (the destination's GPU reads). ``method``: the default of
-    :meth:`copy` (``"auto"``: ``kernel`` where Triton and CUDA are present, else ``torch``).
-    ``chunk_bytes``: the longest column (kernel work item); ``kernel_options``: launch shape
-    overrides (``num_warps``, ``block_words``, ``column_major``) for measurements.
-    Validation happens here, once:
-    the regions must pair up with equal bytes per logical block; every view is bounded.
+    ``device``: where kernels and copy-engine batches run (``None`` or a CPU device: the
+    ``host`` and ``torch`` methods). For a cross-GPU copy this decides push (the source's GPU
+    writes into the peer) or pull (the destination's GPU reads). ``method``: the default of
+    :meth:`copy` (``"auto"``: ``kernel`` where Triton and CUDA are present, else ``host``
+    where the geometry allows it, else ``torch``). ``chunk_bytes``: the longest column
+    (kernel work item); ``kernel_options``: launch shape overrides (``num_warps``,
+    ``block_words``, ``column_major``, ``streaming``) for measurements; ``launch``: how the
+    kernel is issued (:data:`LAUNCH_MODES`). Validation happens here, once: the regions must
+    pair up with equal bytes per logical block; every view is bounded. Not thread-safe: one
+    plan is driven by one thread at a time.
     """
 
     def __init__(self, src: Sequence[BlockRegion], dst: Sequence[BlockRegion], *,
                  device: torch.device | str | None = None, method: str = "auto",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 kernel_options: dict[str, Any] | None = None) -> None:
+                 kernel_options: dict[str, Any] | None = None, launch: str = "graph") -> None:
         if len(src) != len(dst) or not src:
             raise ValueError(f"a plan pairs regions one to one: got {len(src)} source and "
                              f"{len(dst)} destination regions")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if launch not in LAUNCH_MODES:
+            raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {launch!r}")
         self.src = list(src)
         self.dst = list(dst)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -249,6 +269,7 @@ class BlockCopyPlan:
         self._merged = np.zeros((0, _ROW), dtype=np.int64)
         self._table = self._kernel_table(chunk_bytes)
         self.chunk_bytes = chunk_bytes
+        self.launch = launch
         aligned = self.word < 16 and not np.any(self._table % 16)
         #: launch options of the kernel method (:func:`._triton_block_copy.launch_block_copy`)
         self._kernel_options: dict[str, Any] = {
@@ -257,9 +278,10 @@ class BlockCopyPlan:
             "vec": 16 // self.word if aligned else 1,
             "even": bool(np.all(self._table[:, 4] == self._table[0, 4])),
             "column_major": True, **(kernel_options or {})}
+        self._host: HostRowCopier | str | None = None  # built on first need
+        self._seen = np.zeros(self.dst_blocks, dtype=bool)  # check_ids' scratch marks
         self.method = self._resolve(method)
-        self._dev_table: torch.Tensor | None = None
-        self._anchor: torch.Tensor | None = None
+        self._launcher: KernelLauncher | None = None
         self._stream: Any = None
 
     # -- the descriptor table --------------------------------------------------------------
@@ -291,15 +313,28 @@ class BlockCopyPlan:
         """Work items per block of the kernel (descriptor table rows)."""
         return int(self._table.shape[0])
 
+    def _host_copier(self) -> HostRowCopier | str:
+        """The host method's copier, or why this plan has none."""
+        if self._host is None:
+            self._host = host_row_copier(self._merged, [r.flat for r in self.src],
+                                         [r.flat for r in self.dst], (self.src, self.dst))
+        return self._host
+
     def _resolve(self, method: str) -> str:
         if method == "auto":
-            return "kernel" if kernel_available(self.device) is None else "torch"
+            if kernel_available(self.device) is None:
+                return "kernel"
+            if self.device.type == "cpu" and isinstance(self._host_copier(), HostRowCopier):
+                return "host"
+            return "torch"
         if method not in COPY_METHODS:
             raise ValueError(f"unknown copy method {method!r}; choose from {COPY_METHODS}")
         if method == "kernel" and (why := kernel_available(self.device)):
             raise ValueError(f"copy method 'kernel' is unavailable on {self.device}: {why}")
         if method == "memcpy_batch" and self.device.type != "cuda":
             raise ValueError("copy method 'memcpy_batch' needs a CUDA launch device")
+        if method == "host" and isinstance(why := self._host_copier(), str):
+            raise ValueError(f"copy method 'host' is unavailable for this plan: {why}")
         return method
 
     # -- copies ----------------------------------------------------------------------------
@@ -321,23 +356,51 @@ class BlockCopyPlan:
         if src.size == 0:
             return 0
         if validate:
-            self._check_ids(src, dst)
+            self.check_ids(src, dst)
         how = self.method if method is None else self._resolve(method)
         if how == "kernel":
             self._copy_kernel(src, dst)
         elif how == "memcpy_batch":
             self._copy_memcpy_batch(src, dst)
+        elif how == "host":
+            copier = self._host_copier()
+            assert isinstance(copier, HostRowCopier)
+            copier.copy(src, dst)
         else:
             self._copy_torch(src, dst)
         return int(src.size) * self.bytes_per_block
 
-    def _check_ids(self, src: np.ndarray, dst: np.ndarray) -> None:
+    def copy_many(self, requests: Sequence[tuple[Any, Any]], *, method: str | None = None
+                  ) -> int:
+        """Several ``(src_ids, dst_ids)`` requests merged into **one** copy (one launch):
+        destination ids must be distinct across all of them. Returns the bytes moved."""
+        if not requests:
+            return 0
+        pairs = [(as_block_ids(s, "src_ids"), as_block_ids(d, "dst_ids")) for s, d in requests]
+        for i, (s, d) in enumerate(pairs):
+            if s.size != d.size:
+                raise ValueError(f"request {i}: {s.size} source ids but {d.size} destination "
+                                 "ids")
+        return self.copy(np.concatenate([s for s, _ in pairs]),
+                         np.concatenate([d for _, d in pairs]), method=method)
+
+    def check_ids(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """``ValueError`` unless every id is in range and no destination id repeats."""
+        small = dst.size <= 32  # plain Python is faster than numpy's per-call cost here
         for ids, limit, side in ((src, self.src_blocks, "source"),
                                  (dst, self.dst_blocks, "destination")):
-            lo, hi = int(ids.min()), int(ids.max())
+            values = ids.tolist() if small else ids
+            lo, hi = (min(values), max(values)) if small else (int(ids.min()), int(ids.max()))
             if lo < 0 or hi >= limit:
                 raise ValueError(f"{side} block ids must lie in [0, {limit}), got {lo}..{hi}")
-        if np.unique(dst).size != dst.size:
+        if small:
+            repeated = len(set(dst.tolist())) != dst.size
+        else:  # mark the ids in a scratch array: linear, no sort (np.unique costs 100+ us)
+            seen = self._seen
+            seen[dst] = True
+            repeated = int(np.count_nonzero(seen)) != dst.size
+            seen[dst] = False
+        if repeated:
             raise ValueError("a destination block id appears twice in one copy")
 
     def _copy_torch(self, src: np.ndarray, dst: np.ndarray) -> None:
@@ -361,49 +424,42 @@ class BlockCopyPlan:
     def kernel_arguments(self, src: np.ndarray, dst: np.ndarray, device: torch.device
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
         """``(anchor, table, ids, options)`` for :func:`._triton_block_copy.launch_block_copy`
-        on ``device``: the table as anchor-relative words (cached per device), the ids
-        interleaved ``[src0, dst0, src1, dst1, ...]``. Public for tests that run the kernel
-        in Triton's interpreter on the host."""
-        if self._dev_table is None or self._dev_table.device != device:
-            dtype = WORD_DTYPES[self.word]
-            anchor = torch.empty(64, dtype=dtype, device=device)
-            table = self._table.copy()
-            base = anchor.data_ptr()
-            table[:, 0] -= base
-            table[:, 2] -= base
-            if np.any(table % self.word):  # word_size() chose a word dividing every value
-                raise AssertionError("descriptor table is not word-aligned")
-            self._dev_table = torch.from_numpy(table // self.word).to(device)
-            self._anchor = anchor
-        assert self._anchor is not None
-        # a pageable upload: no pinned allocation and no event per call (the ids are bytes)
-        ids = torch.from_numpy(np.stack([src, dst], axis=1).reshape(-1))
-        if device.type == "cuda":
-            ids = ids.to(device, non_blocking=True)
-        return self._anchor, self._dev_table, ids, {**self._kernel_options,
-                                                    "num_blocks": int(src.size)}
+        on ``device`` without the launcher (for tests that run the kernel in Triton's
+        interpreter on the host): the table as anchor-relative words, ``ids`` as the kernel
+        reads them (``[live, 0, src0, dst0, ...]``), a grid of exactly ``len(src)`` blocks."""
+        dtype = WORD_DTYPES[self.word]
+        anchor = torch.empty(64, dtype=dtype, device=device)
+        table = self._table.copy()
+        table[:, 0] -= anchor.data_ptr()
+        table[:, 2] -= anchor.data_ptr()
+        if np.any(table % self.word):  # word_size() chose a word dividing every value
+            raise AssertionError("descriptor table is not word-aligned")
+        words = np.zeros(2 + 2 * src.size, dtype=np.int64)
+        words[0] = src.size
+        words[2::2], words[3::2] = src, dst
+        ids = torch.from_numpy(words).to(device)
+        return anchor, torch.from_numpy(table // self.word).to(device), ids, {
+            **self._kernel_options, "num_blocks": int(src.size)}
 
-    def warm_up(self) -> None:
-        """Compile the kernel for this plan and upload its table now (a launch over zero
-        programs), so the first :meth:`copy` pays neither. No-op for other methods."""
+    def launcher(self) -> KernelLauncher:
+        """The kernel method's launcher (device table, pinned id staging, CUDA graphs per
+        id-count bucket), created on first use."""
+        if self._launcher is None:
+            self._launcher = KernelLauncher(self._table, self.word,
+                                            dict(self._kernel_options), self.device,
+                                            self.dst_blocks, self.launch)
+        return self._launcher
+
+    def warm_up(self, capture_all: bool = True) -> None:
+        """Compile and load the kernel for this plan, upload its table and (``graph`` launch,
+        ``capture_all``) capture every id-count bucket's graph now, so no later :meth:`copy`
+        pays for any of it. No-op for other methods."""
         if self.method != "kernel":
             return
-        from ._triton_block_copy import launch_block_copy
-
-        with torch.cuda.device(self.device):
-            zero = np.zeros(1, dtype=np.int64)
-            anchor, table, ids, options = self.kernel_arguments(zero, zero, self.device)
-            for n in (1, 16, 17):  # Triton's integer classes: == 1, % 16 == 0, other
-                launch_block_copy(anchor, table, ids, **{**options, "num_blocks": n},
-                                  compile_only=True)
-        torch.cuda.synchronize(self.device)
+        self.launcher().warm_up(capture_all)
 
     def _copy_kernel(self, src: np.ndarray, dst: np.ndarray) -> None:
-        from ._triton_block_copy import launch_block_copy
-
-        with torch.cuda.device(self.device):
-            anchor, table, ids, options = self.kernel_arguments(src, dst, self.device)
-            launch_block_copy(anchor, table, ids, **options)
+        self.launcher().submit(src, dst)
 
     def batch_descriptors(self, src: np.ndarray, dst: np.ndarray
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -458,11 +514,17 @@ class BlockCopyPlan:
     def describe(self) -> dict[str, Any]:
         """JSON-able facts of the plan (for reports)."""
         lengths = self._table[:, 4]
-        return {"regions": len(self.src), "columns": self.num_columns,
-                "bytes_per_block": self.bytes_per_block, "word": self.word,
-                "chunk_bytes": self.chunk_bytes, "method": self.method,
-                "device": str(self.device),
-                "column_bytes": [int(lengths.min()), int(lengths.max())]}
+        out = {"regions": len(self.src), "columns": self.num_columns,
+               "bytes_per_block": self.bytes_per_block, "word": self.word,
+               "chunk_bytes": self.chunk_bytes, "method": self.method,
+               "device": str(self.device),
+               "column_bytes": [int(lengths.min()), int(lengths.max())]}
+        if self.method == "kernel":
+            out.update(self._launcher.describe() if self._launcher is not None
+                       else {"launch": self.launch})
+        elif self.method == "host" and isinstance(self._host, HostRowCopier):
+            out["row_bytes"] = self._host.row_bytes
+        return out
 
 
 def _column_view(r: BlockRegion, offset: int, length: int, dtype: torch.dtype) -> torch.Tensor:

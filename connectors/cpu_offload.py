@@ -21,8 +21,11 @@ batch is one launch over every region and block:
 - CUDA, ``direct``: one kernel between KV memory and the pinned pool (unified addressing);
 - CUDA, ``staged``: one kernel gathers the blocks into a device staging buffer (save) or
   scatters them from it (load), and the copy engines move one contiguous copy per run of
-  consecutive slots; two staging buffers alternate so one chunk's copy overlaps the next
-  chunk's kernel.
+  consecutive slots; a batch moves in chunks of at most ``staging_chunk_bytes`` through two
+  alternating staging buffers, so one chunk's copy overlaps the next chunk's kernel.
+
+Every kernel is a replay of a CUDA graph captured per id-count bucket (:mod:`.block_copy`):
+a batch's host work is the slot bookkeeping, the id staging and a few stream operations.
 
 ``path="auto"`` takes ``staged`` when the batch's slots form at most ``max_copy_runs`` runs
 and ``direct`` otherwise (and always when the pool is not pinned: ``staged``). Kernels run
@@ -63,6 +66,7 @@ import torch
 from kvconnect.checks import checked_int
 from kvconnect.views import CommittedRegion
 
+from ._cuda_streams import current_stream, use_stream
 from .block_copy import BlockCopyPlan, BlockRegion, as_block_ids, block_runs
 from .copy_ops import contiguous_runs
 from .errors import KVConnectorError, KVTransferError
@@ -84,6 +88,9 @@ __all__ = [
 
 #: default bound on the device staging buffers of the ``staged`` path (bytes, both together)
 DEFAULT_MAX_STAGING_BYTES = 256 * 1024 * 1024
+#: default bound on the bytes of one staged chunk (smaller chunks overlap the kernel with
+#: the copy engines sooner; each costs one kernel launch and one copy per run)
+DEFAULT_STAGING_CHUNK_BYTES = 32 * 1024 * 1024
 #: with ``path="auto"``, batches whose slots form more runs than this take the direct path
 DEFAULT_MAX_COPY_RUNS = 8
 #: how a CUDA batch moves (see the module docstring)
@@ -117,8 +124,9 @@ class CPUOffloadConnector:
     ``cache``: an ``ExtensibleKVCache``; for ordinary tensors use :meth:`from_kv_caches`.
     ``num_cpu_blocks``: pool slots, each :attr:`bytes_per_block` bytes. ``pin_memory``: pin
     the pool (default: on CUDA only). ``max_staging_bytes``: bound on the device staging
-    buffers of the ``staged`` path (bytes; larger batches move in chunks). ``max_copy_runs``
-    and ``path`` choose the CUDA path (:data:`OFFLOAD_PATHS`, module docstring).
+    buffers of the ``staged`` path (bytes, both buffers together); ``staging_chunk_bytes``:
+    bound on one staged chunk (bytes; at least one block). ``max_copy_runs`` and ``path``
+    choose the CUDA path (:data:`OFFLOAD_PATHS`, module docstring).
     """
 
     def __init__(
@@ -130,15 +138,18 @@ class CPUOffloadConnector:
         max_staging_bytes: int = DEFAULT_MAX_STAGING_BYTES,
         max_copy_runs: int = DEFAULT_MAX_COPY_RUNS,
         path: str = "auto",
+        staging_chunk_bytes: int = DEFAULT_STAGING_CHUNK_BYTES,
     ) -> None:
         self._slots = LruSlots(num_cpu_blocks)
         checked_int("max_staging_bytes", max_staging_bytes)
+        checked_int("staging_chunk_bytes", staging_chunk_bytes)
         checked_int("max_copy_runs", max_copy_runs)
         if path not in OFFLOAD_PATHS:
             raise ValueError(f"path must be one of {OFFLOAD_PATHS}, got {path!r}")
         self._src: CacheSource | TensorsSource = block_source(cache)
         self._num_cpu_blocks = num_cpu_blocks
         self._max_staging_bytes = max_staging_bytes
+        self._staging_chunk_bytes = staging_chunk_bytes
         self._max_copy_runs = max_copy_runs
         self._path = path
         self._freed = False
@@ -344,7 +355,8 @@ class CPUOffloadConnector:
         """The two staging buffers (allocated on first use of the staged path)."""
         if not plans.staging:
             rows = max(1, min(self._num_cpu_blocks,
-                              self._max_staging_bytes // 2 // self._bytes_per_block))
+                              self._max_staging_bytes // 2 // self._bytes_per_block,
+                              self._staging_chunk_bytes // self._bytes_per_block))
             pool_like = [BlockRegion(r.flat, r.block_len, r.block_stride, r.num_blocks,
                                      r.sub_blocks, r.name) for r in plans.cache_regions]
             for _ in range(2):
@@ -456,7 +468,7 @@ class CPUOffloadConnector:
             else:
                 plans.load.copy(slots, ids, validate=False)
             return
-        current = torch.cuda.current_stream(self._device)
+        current = current_stream(self._device.index)
         compute, copy = self._stream, self._copy_stream
         # Start after the caller's queued work and after every earlier offload operation
         # (so a slot reused after eviction is never written before an earlier read of it).
@@ -464,7 +476,7 @@ class CPUOffloadConnector:
         compute.wait_stream(copy)
         copy.wait_stream(compute)
         if self.path_for(slots) == "direct":
-            with torch.cuda.stream(compute):
+            with use_stream(compute):
                 if to_cpu:
                     plans.save.copy(ids, slots, validate=False)
                 else:
@@ -501,23 +513,23 @@ class CPUOffloadConnector:
             ready = torch.cuda.Event()
             done = torch.cuda.Event()
             if to_cpu:
-                with torch.cuda.stream(compute):
+                with use_stream(compute):
                     st.gather.copy(c_ids, positions, validate=False)
                     ready.record(compute)
                 copy.wait_event(ready)
-                with torch.cuda.stream(copy):
+                with use_stream(copy):
                     for pos, first, length in runs:
                         pool[first * row:(first + length) * row].copy_(
                             st.buffer[pos * row:(pos + length) * row], non_blocking=True)
                     done.record(copy)
             else:
-                with torch.cuda.stream(copy):
+                with use_stream(copy):
                     for pos, first, length in runs:
                         st.buffer[pos * row:(pos + length) * row].copy_(
                             pool[first * row:(first + length) * row], non_blocking=True)
                     ready.record(copy)
                 compute.wait_event(ready)
-                with torch.cuda.stream(compute):
+                with use_stream(compute):
                     st.scatter.copy(positions, c_ids, validate=False)
                     done.record(compute)
             st.free_event = done

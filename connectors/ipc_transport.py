@@ -14,8 +14,12 @@ Receiving side: :class:`IpcTransport` maps a peer's chunks once
 the block ids and runs **one** copy launch over every layer, region and block. The mapping
 and the plan are cached across fetches and rebuilt when the peer's generation changes, when
 this cache's committed state changes, or on :meth:`~IpcTransport.invalidate` (call it after
-this worker's own sleep / wake). The set-up (connect, map, plan) is reported apart from the
-copy, in the first fetch after it.
+this worker's own sleep / wake). The set-up (connect, map, plan, and on CUDA the kernel's
+compilation and one captured graph per id-count bucket) is reported apart from the copy, in
+the first fetch after it. A fetch then stages the ids in pinned memory and replays one graph
+(:mod:`.block_copy`); :meth:`~IpcTransport.start` returns without waiting (a
+:class:`PendingFetch`), and several requests to one peer merge into one launch
+(:meth:`~IpcTransport.fetch_many`).
 
 GPUs: on one GPU the copy runs there. Across GPUs, ``direction="push"`` launches on the
 exporter's GPU (reading its own memory, writing into ours through a peer mapping: access to
@@ -38,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvconnect.framing import (
@@ -49,16 +54,17 @@ from kvconnect.framing import (
     send_message,
 )
 from kvconnect.ipc import PeerMapping, export_message, import_message
-from kvconnect.polling import poll_until
 from kvconnect.views import block_span, page_holders
 
-from .block_copy import BlockCopyPlan, BlockRegion
+from ._cuda_streams import current_stream, synchronize
+from ._kernel_launch import wait_events
+from .block_copy import LAUNCH_MODES, BlockCopyPlan, BlockRegion, as_block_ids
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .transport import FetchResult, TransportContext, TransportSpec, register_transport
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DIRECTIONS", "IpcExportServer", "IpcTransport", "device_uuid"]
+__all__ = ["DIRECTIONS", "IpcExportServer", "IpcTransport", "PendingFetch", "device_uuid"]
 
 #: where a cross-GPU copy runs: the exporter's GPU (push), ours (pull), or push when possible
 DIRECTIONS = ("auto", "push", "pull")
@@ -202,27 +208,81 @@ class _Peer:
     chunks: int
     unreported_setup: float
     extra_devices: list[int] = field(default_factory=list)
+    inflight: list[PendingFetch] = field(default_factory=list)
 
-    def close(self) -> None:
+    def close(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) for copies still reading the mappings, then
+        unmap them."""
+        pending = [p for p in self.inflight if not p.done()]
+        self.inflight.clear()
+        if pending:
+            try:
+                wait_events([ev for p in pending for ev in p.events], timeout,
+                            f"{len(pending)} copies from {self.key[0]}")
+            except TimeoutError as exc:
+                log.warning("ipc: unmapping a peer while copies still run: %s", exc)
         while self.mappings:
             self.mappings.pop().close()
+
+
+@dataclass
+class PendingFetch:
+    """A copy started by :meth:`IpcTransport.start`; :meth:`wait` returns its
+    :class:`FetchResult`. ``seconds`` there runs from the start of :meth:`IpcTransport.start`
+    to the moment :meth:`wait` (or :meth:`done`) saw the copy complete."""
+
+    peer: str
+    entry: _Peer
+    local_ids: np.ndarray
+    nbytes: int
+    started: float
+    events: list[Any]
+    timeout: float
+    finished: float | None = None
+
+    def done(self) -> bool:
+        """True once the copy has completed (never blocks)."""
+        if self.finished is None and all(ev.query() for ev in self.events):
+            self.finished = time.perf_counter()
+        return self.finished is not None
+
+    def wait(self, timeout: float | None = None) -> FetchResult:
+        """Block until the copy is done (at most ``timeout`` seconds, default the
+        transport's); raises :class:`KVTransferError` when it fails or runs out of time."""
+        if self.finished is None:
+            try:
+                wait_events(self.events, self.timeout if timeout is None else float(timeout),
+                            f"copy of {len(self.local_ids)} blocks from {self.peer}")
+            except Exception as exc:
+                raise KVTransferError(self.peer, self.local_ids.tolist(), exc) from exc
+            self.finished = time.perf_counter()
+        entry = self.entry
+        setup, entry.unreported_setup = entry.unreported_setup, 0.0
+        return FetchResult(self.nbytes, self.finished - self.started,
+                           f"{entry.plan.method}:{entry.launch}", setup, len(self.local_ids),
+                           f"{entry.chunks} chunks of {len(entry.mappings)} tensors mapped, "
+                           f"{entry.plan.num_columns} columns per block")
 
 
 class IpcTransport:
     """The receiving half of ``ipc`` for ``cache`` (an ExtensibleKVCache); see the module
     docstring. ``direction``: one of :data:`DIRECTIONS`; ``method``: the block-copy method
-    (``"auto"``: the kernel on CUDA, torch on the host)."""
+    (``"auto"``: the kernel on CUDA, the host method on the host); ``launch``: how the kernel
+    is issued (``"graph"`` or ``"eager"``, :data:`.block_copy.LAUNCH_MODES`)."""
 
     name = "ipc"
 
     def __init__(self, cache: Any, *, timeout: float = 60.0, direction: str = "auto",
-                 method: str = "auto") -> None:
+                 method: str = "auto", launch: str = "graph") -> None:
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if launch not in LAUNCH_MODES:
+            raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {launch!r}")
         self.cache = cache
         self.timeout = float(timeout)
         self.direction = direction
         self.method = method
+        self.launch = launch
         self._peers: dict[str, _Peer] = {}
         self._closed = False
 
@@ -346,38 +406,72 @@ class IpcTransport:
                                    name="+".join(members)))
         if diffs:
             raise IncompatiblePeerError(diffs, peer)
-        return BlockCopyPlan(src, dst, device=launch, method=self.method)
+        return BlockCopyPlan(src, dst, device=launch, method=self.method, launch=self.launch)
 
     # -- transfers -----------------------------------------------------------------------
     def fetch(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int], *,
               timeout: float | None = None) -> FetchResult:
         """Copy ``peer``'s logical blocks ``remote_ids[i]`` into our ``local_ids[i]`` with one
         launch and wait (at most ``timeout`` seconds) until they are in place. Raises
-        :class:`KVConnectorError` when :meth:`open_peer` was not called (or the cache
-        changed since), :class:`KVTransferError` when the copy fails or times out."""
+        ``ValueError`` / ``TypeError`` for bad ids, :class:`KVConnectorError` when
+        :meth:`open_peer` was not called (or the cache changed since),
+        :class:`KVTransferError` when the copy fails or times out."""
+        return self.fetch_many(peer, [(remote_ids, local_ids)], timeout=timeout)
+
+    def fetch_many(self, peer: str, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+                   *, timeout: float | None = None) -> FetchResult:
+        """Several ``(remote_ids, local_ids)`` requests to ``peer`` as **one** launch (local
+        ids distinct across all of them), waited for like :meth:`fetch`. Work already queued
+        on the devices finishes first and is not part of the result's ``seconds``."""
+        entry = self._entry(peer)
+        for d in {entry.launch, torch.device(self.cache.device)}:
+            if d.type == "cuda":
+                synchronize(d.index)
+        return self._launch(peer, entry, requests).wait(timeout)
+
+    def start(self, peer: str, requests: Sequence[tuple[Sequence[int], Sequence[int]]]
+              ) -> PendingFetch:
+        """Launch the copy of every ``(remote_ids, local_ids)`` request to ``peer`` as one
+        launch and return at once (on CUDA; the host copies synchronously). The copy is
+        ordered after work queued on this cache's current stream, and that stream's later
+        work after it. Errors as :meth:`fetch`."""
+        return self._launch(peer, self._entry(peer), requests)
+
+    def _launch(self, peer: str, entry: _Peer,
+                requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> PendingFetch:
+        started = time.perf_counter()
+        src, dst = _merged_ids(requests)
+        if src.size:
+            entry.plan.check_ids(src, dst)
+        local = torch.device(self.cache.device)
+        cross = entry.launch != local and local.type == "cuda"
+        events: list[Any] = []
+        try:
+            if cross:
+                current_stream(entry.launch.index).wait_stream(current_stream(local.index))
+            nbytes = entry.plan.copy(src, dst, validate=False)
+            if entry.launch.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record(current_stream(entry.launch.index))
+                events.append(ev)
+                if cross:
+                    current_stream(local.index).wait_event(ev)
+        except Exception as exc:
+            raise KVTransferError(peer, dst.tolist(), exc) from exc
+        pending = PendingFetch(peer, entry, dst, nbytes, started, events, self.timeout)
+        entry.inflight = [p for p in entry.inflight if not p.done()]
+        if events:
+            entry.inflight.append(pending)
+        return pending
+
+    def _entry(self, peer: str) -> _Peer:
         entry = self._peers.get(peer)
         if entry is None:
             raise KVConnectorError(f"ipc: no open peer {peer!r}; call open_peer() first")
         if entry.local_token != self._local_token():
             raise KVConnectorError(f"ipc: this KV cache changed since {peer!r} was opened; "
                                    "call open_peer() again")
-        deadline = self.timeout if timeout is None else float(timeout)
-        devices = {entry.launch, torch.device(self.cache.device)}
-        for d in devices:
-            _sync(d)
-        t0 = time.perf_counter()
-        try:
-            nbytes = entry.plan.copy(remote_ids, local_ids)
-            _wait(devices, deadline)
-        except (ValueError, TypeError):
-            raise
-        except Exception as exc:
-            raise KVTransferError(peer, local_ids, exc) from exc
-        seconds = time.perf_counter() - t0
-        setup, entry.unreported_setup = entry.unreported_setup, 0.0
-        return FetchResult(nbytes, seconds, f"{entry.plan.method}:{entry.launch}", setup,
-                           len(local_ids), f"{entry.chunks} chunks of {len(entry.mappings)} "
-                           f"tensors mapped, {entry.plan.num_columns} columns per block")
+        return entry
 
     def invalidate(self, peer: str | None = None) -> None:
         """Drop the mappings and plans of ``peer`` (all peers when None); the next
@@ -386,7 +480,7 @@ class IpcTransport:
         for name in names:
             entry = self._peers.pop(name, None)
             if entry is not None:
-                entry.close()
+                entry.close(self.timeout)
 
     def plan_for(self, peer: str) -> BlockCopyPlan:
         """The copy plan of an open peer (for reports and benchmarks)."""
@@ -409,31 +503,19 @@ class IpcTransport:
         self.close()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _wait(devices: set[torch.device], timeout: float) -> None:
-    """Wait for the devices' current streams, at most ``timeout`` seconds (no hang): spin
-    for the first 0.1 s (copies take microseconds to milliseconds), then back off."""
-    events = []
-    for d in devices:
-        if d.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(d))
-            events.append(ev)
-    start = time.monotonic()
-
-    def done() -> bool:
-        return all(ev.query() for ev in events)
-
-    while not done():
-        if time.monotonic() - start > 0.1:
-            poll_until(done, max(0.0, timeout - (time.monotonic() - start)), max_pause=1e-2,
-                       on_timeout=lambda _s: TimeoutError(
-                           f"copy not done after {timeout:.3g} s"))
-            return
+def _merged_ids(requests: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """Every request's ids as two int64 arrays, in request order."""
+    src, dst = [], []
+    for i, (r, lo) in enumerate(requests):
+        a, b = as_block_ids(r, "remote_ids"), as_block_ids(lo, "local_ids")
+        if a.size != b.size:
+            raise ValueError(f"request {i}: {a.size} remote ids but {b.size} local ids")
+        src.append(a)
+        dst.append(b)
+    if len(src) == 1:
+        return src[0], dst[0]
+    empty = np.zeros(0, dtype=np.int64)
+    return (np.concatenate(src) if src else empty), (np.concatenate(dst) if dst else empty)
 
 
 def _receiver(ctx: TransportContext) -> IpcTransport:

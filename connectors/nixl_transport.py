@@ -6,7 +6,9 @@ created it; this adapter only loads peers and READs. A peer's offer is
 ``{"metadata": <the peer's metadata_json()>}``; :meth:`NixlTransport.open_peer` loads or
 refreshes it (``update_peer``) when it changed. ``attribution(engine_id)`` may name the UCX
 lanes a READ used (the harness passes its lane tracker); without it the backend is what
-NIXL reports.
+NIXL reports. When those lanes show GPU memory moved by UCX's TCP software emulation, the
+fetch's note says why and what changes it (:func:`slow_gpu_lane_advice`, measured in
+docs/backends.md, "UCX and cuda_ipc on one node").
 
 Units: bytes, seconds, logical blocks for block ids.
 """
@@ -20,7 +22,21 @@ from typing import Any
 from .errors import KVConnectorError
 from .transport import FetchResult, TransportContext, TransportSpec, register_transport
 
-__all__ = ["NixlMetadataExporter", "NixlTransport"]
+__all__ = ["NixlMetadataExporter", "NixlTransport", "slow_gpu_lane_advice"]
+
+
+def slow_gpu_lane_advice(lanes: Sequence[str]) -> str:
+    """Why UCX moved GPU memory through TCP software emulation and what changes it, or ""
+    when ``lanes`` (``"<config> <description> (<into><-<from>)"``, harness/ucx_lanes.py)
+    show no such READ."""
+    slow = [lane for lane in lanes if "software emulation" in lane and "cuda" in lane]
+    if not slow:
+        return ""
+    return ("UCX read GPU memory through TCP software emulation. With the UCX of nixl-cu13 "
+            "1.5.1 no setting gives VMM memory (kvconnect's caches) a cuda_ipc lane: it "
+            "exports VMM memory only as FABRIC handles, which need IMEX; use the ipc "
+            "transport. cudaMalloc memory gets cuda_ipc READs on a GPU without active "
+            "NVLink only with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (docs/backends.md)")
 
 
 class NixlTransport:
@@ -68,9 +84,11 @@ class NixlTransport:
         used = self.attribution(engine) if self.attribution is not None else []
         if used:
             via = f"{via} " + ", ".join(used)
+        note = f"{res.descriptors} descriptors"
+        if advice := slow_gpu_lane_advice(used):
+            note = f"{note}; {advice}"
         return FetchResult(int(res.bytes), float(res.seconds), via,
-                           self._unreported_setup.pop(peer, 0.0), int(res.num_blocks),
-                           f"{res.descriptors} descriptors")
+                           self._unreported_setup.pop(peer, 0.0), int(res.num_blocks), note)
 
     def invalidate(self, peer: str | None = None) -> None:
         """Forget loaded metadata so the next :meth:`open_peer` loads it again."""

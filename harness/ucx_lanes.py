@@ -22,7 +22,10 @@ import re
 import stat
 
 PROTO_INFO_ENV = "UCX_PROTO_INFO"
-_TITLE = re.compile(r"remote memory read by ucp_get\S*(?:\s+into (\S+) memory from ([^\s|]+))?")
+# "... into host memory from host" and, for GPU memory in UCX 1.23, "... into cuda/GPU0 from
+# cuda/dev[1]" (no "memory")
+_TITLE = re.compile(r"remote memory read by ucp_get\S*"
+                    r"(?:\s+into (\S+)(?: memory)? from ([^\s|]+))?")
 _ENDPOINT = re.compile(r"\b(self|intra-node|inter-node)\s+cfg#(\d+)")
 #: bytes of new log text parsed at most per transfer
 _MAX_READ = 4 * 1024 * 1024

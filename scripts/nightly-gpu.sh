@@ -99,6 +99,7 @@ if [ -n "${KVC_QUICK:-}" ]; then
 else
   BT=(--block-kib 16 32 64 256 2048 --request-mib 32 48 128 512 2048 --iters 9)
 fi
+BT+=(--latency-blocks 1 4 16)  # decode-sized fetches: p50 / p99 against a plain copy
 if [ -n "${KVC_SWEEP:-}" ]; then BT+=(--sweep); fi
 step bench-transfer 420 $PY benchmarks/bench_transfer.py --nixl "${BT[@]}" \
   --json "$ART/bench_transfer.json" --png "$ART/bench_transfer.png"

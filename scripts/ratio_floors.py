@@ -22,14 +22,16 @@ from typing import Any
 
 MIB = 1024 * 1024
 #: default floors: (source, name) -> lowest ratio to the same-run reference. Regression
-#: floors below what a healthy 1 x H200 run measured (benchmarks/results/nightly-h200.md), not
-#: the goals (0.85 / 0.9), which the summary reports separately.
+#: floors below what a healthy 1 x H200 run measured, not the goals (0.85 / 0.9), which the
+#: summary reports separately. transfer / offload: benchmarks/results/transfer-h200-graphs.md
+#: (ipc/kernel 0.79-0.88 from 512 MiB; offload 0.86-0.96 from 128 MiB); validate stays low
+#: for 2P2D, where pairs share the GPU (nightly-h200.md: 0.25..1.10); push: not yet measured.
 DEFAULT_FLOORS = {
     ("validate", "ipc"): 0.15,
-    ("transfer", "ipc/kernel"): 0.35,
+    ("transfer", "ipc/kernel"): 0.6,
     ("transfer", "ipc/kernel/push"): 0.35,
-    ("offload", "save"): 0.7,
-    ("offload", "load"): 0.7,
+    ("offload", "save"): 0.75,
+    ("offload", "load"): 0.75,
 }
 #: per source, transfers smaller than this (MiB) are reported but not held to a floor: launch
 #: and synchronization latency dominate them, and one-shot harness transfers are noisy

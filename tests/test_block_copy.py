@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvconnect.connectors._host_block_copy import HostRowCopier
+from kvconnect.connectors._kernel_launch import bucket_sizes
 from kvconnect.connectors.block_copy import BlockCopyPlan, BlockRegion, block_runs
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -73,6 +75,41 @@ def _check(src: list[BlockRegion], dst: list[BlockRegion], before: list[list[byt
         assert got == want, f"destination block {b} differs"
 
 
+def _row_layouts(num_blocks: int, seed: int = 0
+                 ) -> tuple[list[BlockRegion], list[BlockRegion], list[torch.Tensor]]:
+    """Host regions with 4 KiB-multiple pieces (rows for the ``host`` method): two K/V-split
+    regions, one with 2 kernel blocks per logical block at a padded stride, one of two
+    contiguous 8 KiB regions sharing a tensor; destination: a slot-major pool row."""
+    shapes = [(8192, 8192, 1), (4096, 12288, 2), (16384, 16384, 1)]
+    spans = [(num_blocks * sub - 1) * stride + blen for blen, stride, sub in shapes]
+    gap = 3 * 4096  # regions 4 KiB-aligned relative to each other, with unused bytes between
+    base = _random_bytes(sum(spans) + gap * len(spans), seed)
+    keep, src, off = [base], [], 0
+    for i, ((blen, stride, sub), span) in enumerate(zip(shapes, spans, strict=True)):
+        src.append(BlockRegion(base[off:off + span], blen, stride, num_blocks, sub,
+                               name=f"r{i}"))
+        off += span + gap
+    row = sum(r.width for r in src)
+    pool = torch.zeros(num_blocks * row, dtype=torch.uint8)
+    keep.append(pool)
+    dst, col = [], 0
+    for r in src:
+        dst.append(BlockRegion(pool[col:], r.width, row, num_blocks, 1, name=f"pool:{r.name}"))
+        col += r.width
+    return src, dst, keep
+
+
+def _id_sets(kind: str, n: int, seed: int) -> tuple[list[int], list[int]]:
+    """Source and destination ids of ``n`` blocks: ``runs`` (consecutive on both sides),
+    ``scattered`` (12 random on both) or ``single`` (one block)."""
+    if kind == "runs":
+        return list(range(3, 13)), list(range(10, 20))
+    if kind == "scattered":
+        rng = np.random.default_rng(seed)
+        return rng.permutation(n)[:12].tolist(), rng.permutation(n)[:12].tolist()
+    return [n - 1], [0]
+
+
 def test_block_runs_merge_consecutive_pairs() -> None:
     assert block_runs([], []) == []
     assert block_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
@@ -85,17 +122,88 @@ def test_torch_method_is_byte_exact(ids: str) -> None:
     src, dst, _keep = _layouts(n)
     plan = BlockCopyPlan(src, dst, method="torch")
     assert plan.bytes_per_block == sum(r.width for r in src)
-    rng = np.random.default_rng(1)
-    if ids == "runs":
-        s_ids, d_ids = list(range(3, 13)), list(range(10, 20))
-    elif ids == "scattered":
-        s_ids = rng.permutation(n)[:12].tolist()
-        d_ids = rng.permutation(n)[:12].tolist()
-    else:
-        s_ids, d_ids = [n - 1], [0]
+    s_ids, d_ids = _id_sets(ids, n, seed=1)
     before = [_block_bytes(dst, b) for b in range(n)]
     assert plan.copy(s_ids, torch.tensor(d_ids)) == len(s_ids) * plan.bytes_per_block
     _check(src, dst, before, s_ids, d_ids, n)
+
+
+@pytest.mark.parametrize("engine", ["memmove", "numpy"])
+@pytest.mark.parametrize("ids", ["runs", "scattered", "single"])
+@pytest.mark.parametrize("direction", ["to_pool", "from_pool"])
+def test_host_method_is_byte_exact(ids: str, direction: str, engine: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both host copies (a memmove per merged run; numpy gather + scatter) byte-exact."""
+    import kvconnect.connectors._host_block_copy as hb
+
+    monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 0 if engine == "memmove" else 1 << 40)
+    n = 24
+    src, dst, _keep = _row_layouts(n)
+    if direction == "from_pool":
+        src, dst = dst, src
+    plan = BlockCopyPlan(src, dst)
+    assert plan.method == "host" and plan.describe()["row_bytes"] == 4096
+    s_ids, d_ids = _id_sets(ids, n, seed=3)
+    before = [_block_bytes(dst, b) for b in range(n)]
+    assert plan.copy(np.array(s_ids), d_ids) == len(s_ids) * plan.bytes_per_block
+    _check(src, dst, before, s_ids, d_ids, n)
+
+
+@pytest.mark.parametrize("engine", ["memmove", "numpy"])
+def test_host_method_threads_a_large_batch(engine: str, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """Over the parallel threshold the work is split over the worker threads, byte-exact."""
+    import kvconnect.connectors._host_block_copy as hb
+
+    monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 0 if engine == "memmove" else 1 << 40)
+    monkeypatch.setattr(hb, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(hb, "CHUNK_BYTES", 8192)  # many chunks per task
+    n = 40
+    src, dst, _keep = _row_layouts(n, seed=4)
+    plan = BlockCopyPlan(src, dst, method="host")
+    s_ids = np.random.default_rng(5).permutation(n)[:30]
+    d_ids = np.random.default_rng(6).permutation(n)[:30]
+    before = [_block_bytes(dst, b) for b in range(n)]
+    plan.copy(s_ids, d_ids)
+    _check(src, dst, before, s_ids.tolist(), d_ids.tolist(), n)
+
+
+def test_copy_many_is_one_copy_and_checks_ids_across_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 16
+    src, dst, _keep = _row_layouts(n, seed=8)
+    plan = BlockCopyPlan(src, dst)
+    calls = []
+    real = HostRowCopier.copy
+    monkeypatch.setattr(HostRowCopier, "copy",
+                        lambda self, s, d: (calls.append(len(s)), real(self, s, d)))
+    before = [_block_bytes(dst, b) for b in range(n)]
+    moved = plan.copy_many([([1, 2], [5, 6]), (np.array([9]), [0]), ([], [])])
+    assert moved == 3 * plan.bytes_per_block and calls == [3]
+    _check(src, dst, before, [1, 2, 9], [5, 6, 0], n)
+    with pytest.raises(ValueError, match="appears twice"):
+        plan.copy_many([([1], [3]), ([2], [3])])
+    with pytest.raises(ValueError, match="request 1"):
+        plan.copy_many([([1], [3]), ([2, 4], [5])])
+    assert plan.copy_many([]) == 0
+
+
+def test_host_method_is_refused_for_narrow_rows_and_auto_falls_back() -> None:
+    src, dst, _keep = _layouts(8)  # a 48-byte region: rows of 16 bytes at most
+    with pytest.raises(ValueError, match="'host' is unavailable.*16-byte rows"):
+        BlockCopyPlan(src, dst, method="host")
+    assert BlockCopyPlan(src, dst).method == "torch"
+
+
+def test_id_count_buckets() -> None:
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(16) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert bucket_sizes(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
+    b = bucket_sizes(4096)
+    assert b[-1] == 4096 and b == sorted(set(b)) and len(b) <= 2 * 12 + 1
+    assert all(nxt <= 1.5 * cur + 1e-9 for cur, nxt in zip(b[2:], b[3:], strict=False))
+    with pytest.raises(ValueError, match="positive"):
+        bucket_sizes(0)
 
 
 def test_table_merges_contiguous_columns_and_chunks_long_ones() -> None:
@@ -182,6 +290,18 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         launch_block_copy(anchor, table, ids, **options)
         _check(src, dst, before, s_ids.tolist(), d_ids.tolist(), n)
         print("columns", plan.num_columns, "ok")
+    # a bucket's grid over 8 blocks with 3 live: the slack pairs (here 11 -> 1) stay uncopied
+    src, dst, keep = _layouts(n, seed=9)
+    plan = BlockCopyPlan(src, dst, method="torch")
+    s_ids, d_ids = np.array([4, 8, 2]), np.array([7, 0, 5])
+    before = [_block_bytes(dst, b) for b in range(n)]
+    anchor, table, ids, options = plan.kernel_arguments(np.array([4, 8, 2] + [11] * 5),
+                                                        np.array([7, 0, 5] + [1] * 5),
+                                                        torch.device("cpu"))
+    ids[0] = 3
+    launch_block_copy(anchor, table, ids, **options)
+    _check(src, dst, before, s_ids.tolist(), d_ids.tolist(), n)
+    print("slack ok")
 """)
 
 
@@ -194,7 +314,7 @@ def test_kernel_in_triton_interpreter_is_byte_exact() -> None:
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == 3
+    assert proc.stdout.count("ok") == 4 and "slack ok" in proc.stdout
 
 
 # -- on a GPU ------------------------------------------------------------------------------
@@ -251,3 +371,77 @@ def test_gpu_vmm_to_pinned_pool_and_back(method: str) -> None:
         torch.cuda.synchronize()
         for b, w in zip([10, 11, 12, 20, 21], want, strict=True):
             assert torch.equal(flat[b * blen:(b + 1) * blen].cpu(), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", ["graph", "eager"])
+def test_gpu_kernel_launches_are_byte_exact_across_buckets(launch: str) -> None:
+    """Counts inside, at and just past id-count buckets, one plan, each copy checked."""
+    from kvconnect.connectors.block_copy import kernel_available
+
+    if why := kernel_available("cuda:0"):
+        pytest.skip(why)
+    n = 64
+    src, dst, _keep = _layouts(n, "cuda:0", seed=13)
+    plan = BlockCopyPlan(src, dst, device="cuda:0", method="kernel", launch=launch)
+    plan.warm_up()
+    facts = plan.describe()
+    assert facts["launch"] == launch and facts["max_blocks"] == n
+    assert (facts["graphs"] == facts["buckets"]) if launch == "graph" else facts["graphs"] == 0
+    rng = np.random.default_rng(4)
+    for k in (1, 2, 3, 5, 16, 17, 40, 64):
+        s_ids = rng.permutation(n)[:k].tolist()
+        d_ids = rng.permutation(n)[:k].tolist()
+        before = [_block_bytes(dst, b) for b in range(n)]
+        plan.copy(s_ids, d_ids)
+        torch.cuda.synchronize()
+        _check(src, dst, before, s_ids, d_ids, n)
+
+
+@pytest.mark.gpu
+def test_gpu_copies_in_flight_never_share_a_staging_slot() -> None:
+    """Many copies of one bucket queued behind a slow kernel, never waited for one by one:
+    each keeps its own ids (the ring grows, then the oldest slot is waited for)."""
+    from kvconnect.connectors._kernel_launch import MAX_SLOTS
+    from kvconnect.connectors.block_copy import kernel_available
+
+    if why := kernel_available("cuda:0"):
+        pytest.skip(why)
+    n = 48
+    src, dst, _keep = _layouts(n, "cuda:0", seed=17)
+    plan = BlockCopyPlan(src, dst, device="cuda:0", method="kernel")
+    plan.warm_up()
+    before = [_block_bytes(dst, b) for b in range(n)]
+    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda:0")
+    big.fill_(1)  # keeps the stream busy while the copies are queued
+    pairs = [([3 * i, 3 * i + 1], [47 - 2 * i, 46 - 2 * i]) for i in range(12)]
+    for s_ids, d_ids in pairs:
+        plan.copy(s_ids, d_ids)
+    torch.cuda.synchronize()
+    _check(src, dst, before, [s for p in pairs for s in p[0]], [d for p in pairs for d in p[1]],
+           n)
+    assert plan.describe()["slots"] <= len(plan.launcher().buckets) + MAX_SLOTS
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from kvconnect.connectors.block_copy import kernel_available
+
+    if why := kernel_available("cuda:0"):
+        pytest.skip(why)
+
+    def refuse(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise RuntimeError("capture refused for this test")
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", refuse)
+    n = 16
+    src, dst, _keep = _layouts(n, "cuda:0", seed=19)
+    plan = BlockCopyPlan(src, dst, device="cuda:0", method="kernel")
+    with caplog.at_level("WARNING"):
+        plan.warm_up()
+    assert plan.describe()["launch"] == "eager" and "capture failed" in caplog.text
+    before = [_block_bytes(dst, b) for b in range(n)]
+    plan.copy([1, 2, 3], [9, 8, 7])
+    torch.cuda.synchronize()
+    _check(src, dst, before, [1, 2, 3], [9, 8, 7], n)

@@ -115,7 +115,7 @@ def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: JsonLi
         remote, local = [20, 3, 4, 5, 11], [0, 7, 8, 9, 23]
         res = ipc.fetch("child", remote, local)
         assert res.bytes == len(remote) * dst.bytes_per_block and res.blocks == len(remote)
-        assert res.backend == "torch:cpu" and res.setup_seconds == first
+        assert res.backend == "host:cpu" and res.setup_seconds == first
         for r, lo in zip(remote, local, strict=True):
             assert _same(_block(dst, lo), _block(want, r)), (r, lo)
         for b in set(range(NUM_BLOCKS)) - set(local):
@@ -138,6 +138,35 @@ def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: JsonLi
     with pytest.raises(KVConnectorError, match="after close"):
         ipc.open_peer("child", offer)
     ipc.close()  # idempotent
+
+
+def test_requests_merge_into_one_copy_and_start_returns_a_pending_fetch(
+        child: JsonLinePeer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvconnect.connectors.block_copy import BlockCopyPlan
+
+    copies: list[int] = []
+    real = BlockCopyPlan.copy
+    monkeypatch.setattr(BlockCopyPlan, "copy", lambda self, s, d, **kw: (
+        copies.append(len(s)), real(self, s, d, **kw))[1])
+    with _cache() as dst, _cache() as want, IpcTransport(dst, timeout=30) as ipc:
+        fill_cache(dst, seed=98)
+        fill_cache(want, seed=1)
+        ipc.open_peer("child", child.hello["offer"])
+        res = ipc.fetch_many("child", [([20, 3], [0, 7]), ([4], [8]), ([], [])])
+        assert copies == [3] and res.blocks == 3 and res.bytes == 3 * dst.bytes_per_block
+        for r, lo in ((20, 0), (3, 7), (4, 8)):
+            assert _same(_block(dst, lo), _block(want, r)), (r, lo)
+        pending = ipc.start("child", [([5, 6], [9, 10])])
+        assert pending.done()  # the host method copies synchronously
+        got = pending.wait()
+        assert got.blocks == 2 and got.seconds >= 0 and got.backend == "host:cpu"
+        assert _same(_block(dst, 9), _block(want, 5)) and _same(_block(dst, 10), _block(want, 6))
+        with pytest.raises(ValueError, match="appears twice"):
+            ipc.fetch_many("child", [([1], [2]), ([3], [2])])
+        with pytest.raises(ValueError, match="request 0: 2 remote ids but 1 local"):
+            ipc.start("child", [([1, 2], [3])])
+        with pytest.raises(ValueError, match="launch must be one of"):
+            IpcTransport(dst, launch="later")
 
 
 def test_incompatible_layout_is_refused_before_any_copy(child: JsonLinePeer) -> None:
