@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -41,7 +40,9 @@ from .faults import (
 from .lifetime import InterruptSignals, exit_now
 from .rendezvous import Membership, membership_from_env, parse_hostport
 from .report import EXIT_USAGE, Report
+from .report_files import ReportPathError, check_report_path, same_report_file
 from .store_auth import TOKEN_ENV, TokenError, load_token
+from .streams import safe_std_streams
 
 log = logging.getLogger("kvconnect.harness")
 
@@ -166,22 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_output_path(flag: str, path: str | None) -> None:
-    """Fail now, not after the run, when ``path`` cannot be written: try what the report
-    writer will do (create a temporary file beside it, then rename it into place)."""
+    """Fail now, not after the run, when a report cannot be written to ``path``: try what
+    the report writer will do (:mod:`.report_files`)."""
     if path is None:
         return
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory, expected a file path")
-    if not os.path.isdir(directory):
-        raise UsageError(f"{flag} {path}: directory {directory} does not exist")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".kvconnect-probe-", dir=directory)
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: cannot create a file in {directory}: "
-                         f"{exc.strerror or exc}") from None
-    os.close(fd)
-    os.unlink(probe)
+        check_report_path(flag, path)
+    except ReportPathError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_layout(cfg: RunConfig) -> None:
@@ -216,7 +209,7 @@ def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None
                          f"got {transfer}")
     _check_output_path("--json", args.json)
     _check_output_path("--junit", args.junit)
-    if args.json and args.junit and os.path.abspath(args.json) == os.path.abspath(args.junit):
+    if args.json and args.junit and same_report_file(args.json, args.junit):
         raise UsageError("--json and --junit name the same file")
     membership = _membership(args)
     faults: list[FaultSpec] = list(args.inject or [])
@@ -295,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    with InterruptSignals() as signals:
+    with safe_std_streams(), InterruptSignals() as signals:
         return _run(argv, signals)
 
 

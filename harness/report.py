@@ -9,12 +9,12 @@ Units: ``bytes`` are bytes, ``seconds`` are wall seconds, ``gbps`` is 1e9 bytes 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .report_files import write_report
 
 #: identifies the JSON layout; bump when a field changes meaning
 SCHEMA = "kvconnect-validate/1"
@@ -242,7 +242,8 @@ class Report:
         }
 
     def write_json(self, path: str) -> None:
-        _atomic_write(path, json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
+        """Write the JSON report (see :mod:`.report_files` for what ``path`` may be)."""
+        write_report(path, json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
 
     def to_junit(self) -> ET.Element:
         """JUnit XML: one ``testsuite``, one ``testcase`` per check (``skipped``/``failure``)."""
@@ -281,7 +282,7 @@ class Report:
         root = self.to_junit()
         ET.indent(root)
         text = ET.tostring(root, encoding="unicode", xml_declaration=False)
-        _atomic_write(path, '<?xml version="1.0" encoding="utf-8"?>\n' + text + "\n")
+        write_report(path, '<?xml version="1.0" encoding="utf-8"?>\n' + text + "\n")
 
 
 def signal_name(signum: int) -> str:
@@ -295,22 +296,3 @@ def signal_name(signum: int) -> str:
 def _first_line(text: str, limit: int = 200) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line[:limit]
-
-
-def _atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".kvconnect-", dir=directory)
-    try:
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

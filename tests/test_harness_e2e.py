@@ -290,34 +290,36 @@ def _wait_for_line(proc: subprocess.Popen, suffix: str, timeout: float) -> list[
     raise AssertionError(f"no line ending {suffix!r} within {timeout} s:\n" + "\n".join(seen))
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_stops_the_run_as_sigint_does_reports_written_workers_stopped(
-        tmp_path: Path) -> None:
-    """What a CI timeout or Kubernetes does: SIGTERM while prefill0 hangs serving round 1."""
+        tmp_path: Path, signum: signal.Signals) -> None:
+    """What a CI timeout or Kubernetes does (SIGTERM), or a closed terminal (SIGHUP: before
+    issue 16 it killed the coordinator with no report), while prefill0 hangs in round 1."""
     proc, tmpdir, out, junit = _start(
         tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
         "--timeout", "60", "--inject", "stop-prefill@transfer")
     try:
         _wait_for_line(proc, "prefill0: transfer:round1", timeout=PROCESS_TIMEOUT)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         code = proc.wait(timeout=60)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert code == 143  # 128 + SIGTERM, as SIGINT gives 130
+    assert code == 128 + signum  # 143 for SIGTERM, 129 for SIGHUP, as SIGINT gives 130
     report = json.loads(out.read_text())
-    assert report["exit_code"] == 143 and report["passed"] is False
+    assert report["exit_code"] == code and report["passed"] is False
     interrupted = report["interrupted"]
-    assert (interrupted["signal"], interrupted["stage"]) == ("SIGTERM", "run")
+    assert (interrupted["signal"], interrupted["stage"]) == (signum.name, "run")
     assert interrupted["phases"]["prefill0"] == "transfer:round1"
     assert set(interrupted["phases"]) == {"prefill0", "decode0"}
     suite = ET.parse(junit).getroot().find("testsuite")
     assert suite is not None and int(suite.get("failures", "0")) >= 1
     run = Run(code, "", "", report, ET.parse(junit).getroot(), took, tmpdir)
     assert_clean_exit(run)  # the stopped worker was killed and reaped, the directory removed
-    assert took < 20, f"SIGTERM took {took:.1f} s to stop the run"
+    assert took < 20, f"{signum.name} took {took:.1f} s to stop the run"
 
 
 def test_a_killed_coordinator_leaves_no_worker_and_no_run_directory(tmp_path: Path) -> None:
