@@ -70,12 +70,31 @@ def test_the_registry_holds_every_fault_the_issue_names() -> None:
      "needs the nixl transport"),
     (["--inject", "restart-prefill@transfer", "--rendezvous", "h:1234", "--role", "decode",
       "--rank", "0"], "needs a local run"),
+    # issue 16: combinations that were accepted, then ended in not_fired
+    (["--inject", "kill-prefill@handshake", "--inject", "kill-prefill@transfer"],
+     "kill-prefill@transfer can never fire: kill-prefill@handshake ends prefill0 first"),
+    (["--inject", "restart-prefill@wake", "--inject", "restart-prefill@transfer"],
+     "restart-prefill@wake can never fire: restart-prefill@transfer ends prefill0 first"),
+    (["--inject", "kill-decode@transfer", "--inject", "drop-notification@notification"],
+     "drop-notification@notification can never fire: kill-decode@transfer fails the run"),
+    (["--prefill", "2", "--inject", "stop-prefill1@transfer", "--inject",
+      "kill-prefill@transfer"], "fails the run first"),
 ])
 def test_bad_inject_specs_exit_2_with_a_message(argv: list[str], message: str,
                                                 run_validate_cli: Any) -> None:
     code, text = run_validate_cli(argv)
     assert code == 2, text
     assert message in text
+
+
+def test_combinations_that_can_all_fire_are_accepted() -> None:
+    from kvconnect.harness.faults import check_faults
+
+    for texts in (["restart-prefill@transfer", "kill-decode@wake"],
+                  ["drop-notification@transfer", "kill-prefill@sleep"],
+                  ["restart-prefill@transfer", "restart-prefill1@transfer"],
+                  ["drop-notification@transfer", "kill-decode@notification"]):
+        check_faults([parse_fault(t) for t in texts], 2, 1, multi_host=False)
 
 
 def test_the_help_lists_the_faults_and_phases(run_validate_cli: Any) -> None:
