@@ -240,7 +240,7 @@ def _membership(args: argparse.Namespace) -> Membership | None:
                              "the variables torchrun / srun set)")
         return None
     try:
-        token = load_token(args.rendezvous_token_file, os.environ)
+        token = load_token(args.rendezvous_token_file, os.environ, timeout=args.timeout)
     except TokenError as exc:
         raise UsageError(str(exc)) from None
     return dataclasses.replace(m, token=token)
