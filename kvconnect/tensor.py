@@ -267,7 +267,8 @@ class ExtensibleTensor(Closeable):
         return len(self._state.views)
 
     def segment_base(self, segment: int) -> int:
-        """Address of segment ``segment``'s first byte."""
+        """Address of segment ``segment``'s first byte (RuntimeError after :meth:`close`)."""
+        self._check_alive()
         self._check_segment(segment)
         return self.base_ptr + segment * self._segment_capacity
 
@@ -519,7 +520,12 @@ class ExtensibleTensor(Closeable):
         if self._state.closed:
             raise RuntimeError("ExtensibleTensor used after close()")
 
-    def _check_segment(self, segment: int) -> None:
+    def _check_segment(self, segment: object) -> None:
+        """TypeError unless ``segment`` is an ``int`` (not a bool: ``True`` is no index),
+        IndexError unless it is in range."""
+        if isinstance(segment, bool) or not isinstance(segment, int):
+            raise TypeError(f"segment must be an int in [0, {self._num_segments}), got "
+                            f"{type(segment).__name__} {segment!r:.40}")
         if not 0 <= segment < self._num_segments:
             raise IndexError(f"segment {segment} out of range (tensor has {self._num_segments})")
 

@@ -134,9 +134,17 @@ def test_bad_input_raises_clear_errors() -> None:
         t.export_handles()
     with pytest.raises(IndexError):
         t.segment_view(2)
+    t.commit(G)
+    # issue 16: a float, a string or None raised a raw TypeError from a comparison, and True
+    # was taken as segment 1
+    for bad in (1.0, "0", None, True, False):
+        for call in (t.segment_view, t.segment_base):
+            with pytest.raises(TypeError, match=r"segment must be an int in \[0, 2\), got"):
+                call(bad)
     t.close()
     t.close()  # idempotent
-    for call in (lambda: t.commit(G), t.full_view, t.release_physical, t.recommit_single_handle):
+    for call in (lambda: t.commit(G), t.full_view, t.release_physical, t.recommit_single_handle,
+                 lambda: t.segment_base(0)):  # segment_base worked after close (issue 16)
         with pytest.raises(RuntimeError, match="after close"):
             call()
 

@@ -181,6 +181,15 @@ def test_handshake_documents_parse_or_raise_metadata_error() -> None:
     assert tally.tried >= n and tally.outcomes["MetadataError"] > 0
 
 
+def test_handshake_metadata_that_is_not_text_is_a_metadata_error() -> None:
+    """Issue 16: ``from_json(None)`` raised a TypeError from ``len``."""
+    from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
+
+    for bad in (None, 17, 1.5, [b"{}"], {"schema": 1}):
+        with pytest.raises(MetadataError, match="must be JSON bytes or text"):
+            HandshakeMetadata.from_json(bad)  # type: ignore[arg-type]
+
+
 needs_nixl = pytest.mark.skipif(
     not importlib.util.find_spec("nixl_cu13") and not importlib.util.find_spec("nixl_cu12")
     and not importlib.util.find_spec("nixl"), reason="NIXL Python bindings not installed")
