@@ -48,12 +48,12 @@ from .launch import (
     launch_method,
     log_tail,
     preload_worker_modules,
-    proc_state,
     start_worker,
 )
 from .lifetime import InterruptSignals
 from .report import FAIL, PASS, SKIP, Check, Report, Transfer, signal_name
 from .rundir import process_start_ticks, run_dir
+from .watchdog import UNRESPONSIVE, Judge, StallClock
 from .workerset import (
     EXIT_GRACE_S,
     LocalWorker,
@@ -121,6 +121,9 @@ class Coordinator:
         #: workers a ``restart-*`` fault replaces (once each) by a standby
         self.restartable = restarted_workers(cfg.faults)
         self.peer_queries: list[PeerQuery] = []
+        #: who is to blame for a silent worker; the coordinator's own stalls (:mod:`.watchdog`)
+        self.judge = Judge(cfg.heartbeat_timeout, self._progress_deadline)
+        self.clock = StallClock(time.monotonic())
 
     # -- top level -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -281,6 +284,7 @@ class Coordinator:
 
     # -- the event loop --------------------------------------------------------------------------
     def _event_loop(self) -> None:
+        self.clock.last = time.monotonic()
         while True:
             if all(w.finished or w.state == "standby" for w in self.workers):
                 return
@@ -290,6 +294,9 @@ class Coordinator:
                 kind, w, payload = self.events.get(timeout=0.1)
             except queue.Empty:
                 kind = ""
+            gap = self.clock.turn(time.monotonic())  # before any watchdog looks
+            if gap:
+                self._stalled(gap)
             if kind == "msg":
                 self._on_message(w, payload)
             elif kind == "eof":
@@ -418,6 +425,20 @@ class Coordinator:
         self._fail_worker(w, f"{w.who} died in phase {w.phase}: {how}", state="dead",
                           cause="died")
 
+    def _stalled(self, gap: float) -> None:
+        """The coordinator did not run for ``gap`` seconds: what workers sent meanwhile is
+        still unread, so every watchdog and deadline moves on by ``gap`` (a stall of ours
+        is never charged to a worker)."""
+        for w in self.workers:
+            w.last_seen += gap
+            w.last_progress += gap
+        for wt in self.waiters:
+            wt.deadline += gap
+        for q in self.peer_queries:
+            q.answer_by += gap
+        if self.abort_deadline is not None:
+            self.abort_deadline += gap
+
     def _tick(self) -> None:
         now = time.monotonic()
         expired = [wt for wt in self.waiters if now > wt.deadline]
@@ -440,17 +461,17 @@ class Coordinator:
         for w in self.workers:
             if w.state != "running":
                 continue
-            silent = now - w.last_seen
-            if silent > self.cfg.heartbeat_timeout:
-                state = proc_state(w.proc.pid)
+            verdict = self.judge(w, now)
+            if verdict is not None and verdict.cause == UNRESPONSIVE:
                 self._fail_worker(
                     w, f"{w.who} stopped responding in phase {w.phase}: no heartbeat for "
-                       f"{silent:.1f} s (process state: {state}); killed it",
-                    state="dead", kill=True, cause="unresponsive",
-                    data={"process_state": state, "silent_seconds": round(silent, 3)})
-            elif w.waiting == 0 and now - w.last_progress > self._progress_deadline:
+                       f"{verdict.silent:.1f} s (process state: {verdict.process_state}); "
+                       "killed it", state="dead", kill=True, cause="unresponsive",
+                    data={"process_state": verdict.process_state,
+                          "silent_seconds": round(verdict.silent, 3)})
+            elif verdict is not None:
                 self._fail_worker(
-                    w, f"{w.who} made no progress for {now - w.last_progress:.0f} s in phase "
+                    w, f"{w.who} made no progress for {verdict.idle:.0f} s in phase "
                        f"{w.phase} (its own steps time out after --timeout "
                        f"{self.cfg.timeout:g} s); killed it", state="dead", kill=True,
                     cause="no_progress")
@@ -582,6 +603,12 @@ class Coordinator:
 
     def _summarise(self) -> None:
         self.report.workers.extend(describe_workers(self.workers, self.store))
+        stalls = self.clock.summary()
+        if stalls:
+            self._add_check("coordinator/stalls", PASS,
+                            f"the coordinator did not run {stalls['count']} times, for "
+                            f"{stalls['max_seconds']:.1f} s at most (stopped or starved of "
+                            "CPU); no worker was blamed for it", data=stalls)
         counted = [w for w in self.workers if w.counted]
         bad = [w for w in counted if w.state != "done" or w.proc.returncode != 0]
         if not bad and counted:

@@ -381,3 +381,50 @@ def test_the_fd_limit_is_raised_to_the_hard_limit_or_the_run_refused_with_the_nu
         ("fds", "RLIMIT_NOFILE", 256)
     assert problem["needed"] == report["resources"]["needed"]["fds_per_process"] > 256
     assert report["workers"] == []  # refused before any worker started
+
+
+def test_a_stalled_coordinator_blames_no_worker(tmp_path: Path) -> None:
+    """Issue 16 defect 9: SIGSTOP the coordinator past the heartbeat limit, then SIGCONT.
+    Before, the first worker it looked at was "stopped responding ... killed it"; now the
+    stall is the coordinator's own (``coordinator/stalls``) and the run passes."""
+    proc, tmpdir, out, junit = _start(
+        tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
+        "--timeout", "8")  # heartbeat limit: 4 s
+    try:
+        _wait_for_line(proc, "decode0: allocate", timeout=PROCESS_TIMEOUT)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(7)
+        proc.send_signal(signal.SIGCONT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    report = json.loads(out.read_text())
+    failed = [(c["worker"], c["name"], c["detail"][:300]) for c in report["checks"]
+              if c["status"] == "fail"]
+    assert code == 0 and report["passed"], failed
+    stalls = [c for c in report["checks"] if c["name"] == "coordinator/stalls"]
+    assert stalls and stalls[0]["data"]["max_seconds"] >= 6, stalls
+    assert_clean_exit(Run(code, "", "", report, ET.parse(junit).getroot(), 0.0, tmpdir))
+
+
+def test_more_workers_than_the_cpus_can_carry_are_refused_before_any_starts(
+        tmp_path: Path) -> None:
+    """Issue 16 defect 9: ``--prefill 64 --decode 64`` on a 2-core machine started 128
+    workers, then blamed a running one ("stopped responding ... state R"). The pre-check
+    refuses it with the CPUs it needs, before any worker starts."""
+    cpus = len(os.sched_getaffinity(0))
+    if cpus >= 32:
+        pytest.skip(f"{cpus} CPUs carry 128 workers")
+    out = tmp_path / "r.json"
+    t0 = time.monotonic()
+    proc = subprocess.run([str(VALIDATE), "--device", "host", "--prefill", "64", "--decode",
+                           "64", "-q", "--json", str(out)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TMPDIR": str(_run_tmpdir())})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    problems = json.loads(out.read_text())["resources"]["problems"]
+    assert [p["resource"] for p in problems] == ["cpus"] and problems[0]["needed"] == 32
+    assert "128 workers need at least 32 CPUs" in proc.stderr
