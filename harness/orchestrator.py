@@ -51,7 +51,7 @@ from .launch import (
     start_worker,
 )
 from .lifetime import InterruptSignals
-from .report import FAIL, PASS, SKIP, Check, Report, Transfer, signal_name
+from .report import FAIL, PASS, SKIP, Check, Report, SweepPoint, Transfer, signal_name
 from .rundir import process_start_ticks, run_dir
 from .watchdog import UNRESPONSIVE, Judge, StallClock
 from .workerset import (
@@ -335,6 +335,12 @@ class Coordinator:
                 t = Transfer.from_json(msg["transfer"])
                 self.report.transfers.append(t)
                 self.display.transfer(t)
+            elif op == "sweep":
+                point = SweepPoint.from_json(msg["point"])
+                self.report.sweep.append(point)
+                self.display.sweep(point)
+            elif op == "progress":
+                pass  # last_progress moved on above
             elif op == "set":
                 key = str(msg["key"])
                 if not key.startswith(w.name + "/"):

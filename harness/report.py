@@ -108,6 +108,62 @@ class Transfer:
 
 
 @dataclass
+class SweepPoint:
+    """One size of a ``--sizes`` sweep (nccl-tests / nixlbench style) over one pair and
+    transport: ``warmup`` untimed fetches, then ``iters`` timed ones of ``blocks`` blocks
+    (``bytes`` each). Seconds are per fetch; ``verified`` is True when the destination held
+    exactly the source's blocks after the last one. GB/s are 1e9 bytes per second: ``avg``
+    from the mean time, ``peak`` from the fastest fetch, ``low`` from the slowest."""
+
+    pair: str
+    transport: str
+    bytes: int
+    blocks: int
+    warmup: int
+    iters: int
+    avg_seconds: float
+    min_seconds: float
+    max_seconds: float
+    verified: bool
+    backend: str = ""
+
+    @property
+    def avg_gbps(self) -> float:
+        return self.bytes / self.avg_seconds / 1e9 if self.avg_seconds > 0 else 0.0
+
+    @property
+    def peak_gbps(self) -> float:
+        return self.bytes / self.min_seconds / 1e9 if self.min_seconds > 0 else 0.0
+
+    @property
+    def low_gbps(self) -> float:
+        return self.bytes / self.max_seconds / 1e9 if self.max_seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "avg_gbps": self.avg_gbps, "peak_gbps": self.peak_gbps,
+                "low_gbps": self.low_gbps}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SweepPoint:
+        return cls(pair=str(obj["pair"]), transport=str(obj["transport"]),
+                   bytes=int(obj["bytes"]), blocks=int(obj["blocks"]),
+                   warmup=int(obj["warmup"]), iters=int(obj["iters"]),
+                   avg_seconds=float(obj["avg_seconds"]),
+                   min_seconds=float(obj["min_seconds"]),
+                   max_seconds=float(obj["max_seconds"]), verified=bool(obj["verified"]),
+                   backend=str(obj.get("backend", "")))
+
+
+def sweep_averages(points: list[SweepPoint]) -> dict[str, float]:
+    """Per transport, the mean of the per-size average GB/s over every size and pair (the
+    closing line of nccl-tests, ``# Avg bus bandwidth``)."""
+    by: dict[str, list[float]] = {}
+    for p in points:
+        by.setdefault(p.transport, []).append(p.avg_gbps)
+    return {t: sum(v) / len(v) for t, v in by.items()}
+
+
+@dataclass
 class Report:
     """Everything a run found. ``passed`` is True when no check failed and nothing is missing."""
 
@@ -136,6 +192,10 @@ class Report:
     recovery: list[dict[str, Any]] = field(default_factory=list)
     #: what the coordinator checked was given back after the run (see :mod:`.cleanup`)
     cleanup: dict[str, Any] = field(default_factory=dict)
+    #: ``--sizes``: one point per pair, transport and size
+    sweep: list[SweepPoint] = field(default_factory=list)
+    #: leftover run directories of killed runs removed before this one started
+    stale_run_dirs: list[str] = field(default_factory=list)
 
     # -- building ----------------------------------------------------------------
     def add_check(self, name: str, status: str, detail: str = "", worker: str = "coordinator",
@@ -239,6 +299,9 @@ class Report:
             "workers": self.workers,
             "checks": [asdict(c) for c in self.checks],
             "transfers": [asdict(t) for t in self.transfers],
+            "sweep": [p.to_json() for p in self.sweep],
+            "sweep_average_gbps": sweep_averages(self.sweep),
+            "stale_run_dirs": self.stale_run_dirs,
         }
 
     def write_json(self, path: str) -> None:

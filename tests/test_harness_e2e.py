@@ -247,15 +247,16 @@ def test_a_hung_worker_is_reported_within_seconds(tmp_path: Path) -> None:
 def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
            preexec_fn: Callable[[], None] | None = None,
            ) -> tuple[subprocess.Popen, Path, Path, Path]:
-    """Start ``kvconnect-validate`` (host backend, plain output, --json and --junit) with
+    """Start ``kvconnect-validate`` (host backend, plain output with every phase (``-v``),
+    --json and --junit) with
     its own TMPDIR; returns the process, the tmpdir and both report paths."""
     tmpdir = _run_tmpdir()
     out, junit = tmp_path / "report.json", tmp_path / "junit.xml"
     full_env = {**os.environ, "TMPDIR": str(tmpdir), **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         full_env.pop(k, None)
-    proc = subprocess.Popen([str(VALIDATE), "--device", "host", "--plain", "--json", str(out),
-                             "--junit", str(junit), *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(VALIDATE), "--device", "host", "--plain", "-v", "--json",
+                             str(out), "--junit", str(junit), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=full_env,
                             preexec_fn=preexec_fn)
     return proc, tmpdir, out, junit
@@ -428,3 +429,26 @@ def test_more_workers_than_the_cpus_can_carry_are_refused_before_any_starts(
     problems = json.loads(out.read_text())["resources"]["problems"]
     assert [p["resource"] for p in problems] == ["cpus"] and problems[0]["needed"] == 32
     assert "128 workers need at least 32 CPUs" in proc.stderr
+
+
+def test_a_size_sweep_reports_nccl_tests_figures_per_size_in_the_json(tmp_path: Path) -> None:
+    """``--sizes``: per pair, transport and size, warm-up then timed fetches; avg/min/max
+    latency and GB/s, a closing average per transport, byte-exact at every size, and the
+    NIXL READ notifications of the sweep counted too."""
+    run = validate(tmp_path, "--num-layers", "1", "--sizes", "64K:256K", "--warmup", "1",
+                   "--iters", "3")
+    assert run.code == 0, run.stdout[-4000:]
+    points = run.report["sweep"]
+    per_block = 2 * 32 * 1024  # llama3-8b-like, one layer: K and V pages of 32 KiB
+    assert sorted((p["transport"], p["bytes"]) for p in points) == sorted(
+        (t, b * per_block) for t in ("ipc", "nixl") for b in (1, 2, 4))
+    for p in points:
+        assert p["verified"] and (p["warmup"], p["iters"]) == (1, 3)
+        assert p["min_seconds"] <= p["avg_seconds"] <= p["max_seconds"]
+        assert p["avg_gbps"] == pytest.approx(p["bytes"] / p["avg_seconds"] / 1e9)
+    avg = run.report["sweep_average_gbps"]
+    assert set(avg) == {"ipc", "nixl"} and avg["ipc"] == pytest.approx(
+        sum(p["avg_gbps"] for p in points if p["transport"] == "ipc") / 3)
+    assert "# Avg bandwidth ipc:" in run.stdout and "avg(us)" in run.stdout
+    notes = run.check("prefill0", "nixl/notifications/round1")
+    assert notes["status"] == "pass" and notes["data"]["expected"]["decode0"] == 1 + 3 * 4
