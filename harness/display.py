@@ -204,13 +204,13 @@ def sweep_lines(points: list[SweepPoint]) -> list[tuple[str, str]]:
     out = [("", "Sweep (per fetch: warm-up untimed, then timed iterations):"),
            ("", f"#  {'pair':<20} {'transport':<9} {'size(B)':>12} {'blocks':>7} "
                 f"{'iters':>5} {'avg(us)':>11} {'min(us)':>11} {'max(us)':>11} "
-                f"{'avg GB/s':>9} {'peak GB/s':>9}  verified")]
+                f"{'avg GB/s':>9} {'peak GB/s':>9} {'ref GB/s':>9}  verified")]
     for p in sorted(points, key=lambda p: (p.pair, p.transport, p.bytes)):
         out.append(("" if p.verified else _STYLE[FAIL],
                     f"   {p.pair:<20} {p.transport:<9} {p.bytes:>12} {p.blocks:>7} "
                     f"{p.iters:>5} {p.avg_seconds * 1e6:>11.1f} {p.min_seconds * 1e6:>11.1f} "
-                    f"{p.max_seconds * 1e6:>11.1f} {p.avg_gbps:>9.3f} {p.peak_gbps:>9.3f}  "
-                    f"{str(p.verified).lower()}"))
+                    f"{p.max_seconds * 1e6:>11.1f} {p.avg_gbps:>9.3f} {p.peak_gbps:>9.3f} "
+                    f"{_ref(p):>9}  {str(p.verified).lower()}"))
     for transport, gbps in sweep_averages(points).items():
         sizes = len({p.bytes for p in points if p.transport == transport})
         out.append(("bold", f"# Avg bandwidth {transport}: {gbps:.3f} GB/s (mean of the "
@@ -239,6 +239,6 @@ def _grouped(checks: list[Check]) -> list[Check]:
     return sorted(checks, key=key)
 
 
-def _ref(t: Transfer) -> str:
+def _ref(t: Transfer | SweepPoint) -> str:
     """The same-run reference copy's GB/s, or '-' where none was measured."""
     return "-" if t.reference_gbps is None else f"{t.reference_gbps:.3f}"

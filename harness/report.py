@@ -126,6 +126,9 @@ class SweepPoint:
     max_seconds: float
     verified: bool
     backend: str = ""
+    #: same-run reference: GB/s of one contiguous torch copy of the same bytes between
+    #: ordinary allocations on the same two devices (None where it was not measured)
+    reference_gbps: float | None = None
 
     @property
     def avg_gbps(self) -> float:
@@ -151,7 +154,9 @@ class SweepPoint:
                    avg_seconds=float(obj["avg_seconds"]),
                    min_seconds=float(obj["min_seconds"]),
                    max_seconds=float(obj["max_seconds"]), verified=bool(obj["verified"]),
-                   backend=str(obj.get("backend", "")))
+                   backend=str(obj.get("backend", "")),
+                   reference_gbps=(None if obj.get("reference_gbps") is None
+                                   else float(obj["reference_gbps"])))
 
 
 def sweep_averages(points: list[SweepPoint]) -> dict[str, float]:

@@ -9,7 +9,8 @@ Per worker process, from the layout plan (units: bytes, counts):
   warm-up chunks are released before the final allocation, so this is the peak), plus a
   working set of :data:`WORKING_TRANSFERS` transfers (``transfer_blocks`` blocks each: the
   CPU offload pool and the four snapshots of the offloaded blocks on prefill; the reference
-  copy's source and target, the gather and the poison on decode), plus a process baseline
+  copy's source and target, the gather and the poison on decode; with ``--sizes`` also the
+  reference copy of the largest size), plus a process baseline
   (small for workers forked from the coordinator, larger for fresh interpreters). On CUDA the
   KV cache and working set live in device memory: reported per GPU, not compared (the
   coordinator does not initialise CUDA to ask); host memory then needs the baseline and the
@@ -195,8 +196,10 @@ def estimate_worker_needs(cfg: RunConfig, *, forked: bool) -> WorkerNeeds:
         fds = BASE_FDS + 2 * segments  # exported / imported handles only
     else:  # own chunks at their peak, or own + a peer's received and imported while mapping
         fds = BASE_FDS + max(chunk_fds, 3 * segments)
+    # --sizes: the same-run reference copy of the largest size (source and target)
+    sweep = 2 * max(cfg.sweep_sizes) if cfg.sweep_sizes else 0
     return WorkerNeeds(segments=segments, kv_cache_bytes=kv_bytes,
-                       working_bytes=WORKING_TRANSFERS * transfer,
+                       working_bytes=WORKING_TRANSFERS * transfer + sweep,
                        baseline_bytes=FORKED_BASELINE if forked else FRESH_BASELINE,
                        fds=fds, mappings=BASE_MAPS + MAPS_PER_SEGMENT * segments,
                        on_device=on_device)

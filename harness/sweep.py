@@ -5,7 +5,8 @@ that prefill's blocks byte-exact, for every size of the sweep (smallest first): 
 rounded up to whole KV blocks (a seeded random set of that many blocks, fetched into another
 random set of its own), ``--warmup`` untimed fetches, then ``--iters`` timed ones, each one
 launch / one NIXL READ of the whole set. Per size it reports the average, fastest and slowest
-fetch (:class:`~.report.SweepPoint`), and checks the destination holds exactly the prefill's
+fetch (:class:`~.report.SweepPoint`) beside a same-run reference (one plain torch copy of the
+same bytes between ordinary allocations on the same devices), and checks the destination holds exactly the prefill's
 blocks afterwards (its blocks are overwritten with the decode's own pattern before the
 warm-up, so a fetch that moved nothing cannot pass).
 
@@ -29,7 +30,7 @@ from .config import DECODE, PREFILL, RunConfig, pair_name, worker_name
 from .content import RegionSpec, cache_rows, content_key, generate, owners
 from .report import SweepPoint
 from .steps import mib
-from .transports import notifies_exporter
+from .transports import notifies_exporter, reference_copy_gbps
 
 #: blocks regenerated at once when a sweep point is verified (bounds the scratch memory)
 _VERIFY_BATCH = 64
@@ -59,11 +60,15 @@ def run_sweep(worker: Any, prefill_rank: int, info: dict[str, Any],
         if blocks in seen or blocks > cfg.num_blocks:
             continue
         seen.add(blocks)
+        reference = reference_copy_gbps(blocks * worker.cache.bytes_per_block,
+                                        worker.reference_source(prefill_rank, info),
+                                        worker.device)
         for transport in transports:
-            _one_size(worker, prefill_rank, info, transport, blocks)
+            _one_size(worker, prefill_rank, info, transport, blocks, reference)
 
 
-def _one_size(worker: Any, p: int, info: dict[str, Any], transport: str, blocks: int) -> None:
+def _one_size(worker: Any, p: int, info: dict[str, Any], transport: str, blocks: int,
+              reference: float) -> None:
     ctl, cfg = worker.ctl, worker.cfg
     prefill = worker_name(PREFILL, p)
     pair = pair_name(p, worker.rank)
@@ -92,7 +97,7 @@ def _one_size(worker: Any, p: int, info: dict[str, Any], transport: str, blocks:
     point = SweepPoint(pair=pair, transport=transport, bytes=int(result.bytes), blocks=blocks,
                        warmup=warm, iters=len(times), avg_seconds=sum(times) / len(times),
                        min_seconds=min(times), max_seconds=max(times), verified=verified,
-                       backend=str(result.backend))
+                       backend=str(result.backend), reference_gbps=reference)
     ctl.sweep(point)
     if not verified:
         ctl.failed(f"sweep/{pair}/{transport}/{point.bytes}",

@@ -446,6 +446,7 @@ def test_a_size_sweep_reports_nccl_tests_figures_per_size_in_the_json(tmp_path: 
         assert p["verified"] and (p["warmup"], p["iters"]) == (1, 3)
         assert p["min_seconds"] <= p["avg_seconds"] <= p["max_seconds"]
         assert p["avg_gbps"] == pytest.approx(p["bytes"] / p["avg_seconds"] / 1e9)
+        assert p["reference_gbps"] > 0  # the same-run plain copy of the same bytes
     avg = run.report["sweep_average_gbps"]
     assert set(avg) == {"ipc", "nixl"} and avg["ipc"] == pytest.approx(
         sum(p["avg_gbps"] for p in points if p["transport"] == "ipc") / 3)

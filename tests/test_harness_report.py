@@ -147,7 +147,7 @@ def test_a_sweep_prints_nccl_tests_columns_and_the_average_line() -> None:
     text = [t for _, t in sweep_lines(points)]
     assert text[1].split()[1:] == ["pair", "transport", "size(B)", "blocks", "iters", "avg(us)",
                                    "min(us)", "max(us)", "avg", "GB/s", "peak", "GB/s",
-                                   "verified"]
+                                   "ref", "GB/s", "verified"]
     assert text[2].split()[2:4] == ["1048576", "4"] and text[2].split()[5] == "1000.0"
     assert text[-1].startswith(f"# Avg bandwidth ipc: {avg:.3f} GB/s")
     r = _report()
