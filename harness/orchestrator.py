@@ -52,6 +52,7 @@ from .launch import (
 )
 from .lifetime import InterruptSignals
 from .report import FAIL, PASS, SKIP, Check, Report, SweepPoint, Transfer, signal_name
+from .restarts import Restarts
 from .rundir import process_start_ticks, run_dir
 from .watchdog import UNRESPONSIVE, Judge, StallClock
 from .workerset import (
@@ -95,7 +96,7 @@ def run_local(cfg: RunConfig, report: Report, display: Display,
     coordinator.watch.finish(report)
 
 
-class Coordinator:
+class Coordinator(Restarts):
     """One local run. Single-threaded except one reader thread per worker socket."""
 
     def __init__(self, cfg: RunConfig, report: Report, display: Display,
@@ -311,69 +312,86 @@ class Coordinator:
             return
         w.last_progress = now
         try:
-            if op == "phase":
-                w.phase = str(msg["phase"])
-                self.display.phase(w.name, w.phase)
-            elif op == "check":
-                check = Check.from_json(msg["check"])
-                check.worker = w.name
-                self.report.checks.append(check)
-                self.watch.observe(check, now)
-                self.display.check(check)
-            elif op == "fault":
-                record = msg["fault"]
-                if self.watch.fired(w.name, record) is None:
-                    raise ValueError(f"no such fault aimed at {w.name}: {record!r}")
-                self.display.message(f"{w.name}: --inject {record['fault']} fires in phase "
-                                     f"{record['in_phase']}")
-            elif op == "peer":
-                self.peer_queries.append(PeerQuery(
-                    w, int(msg["id"]), str(msg["peer"]), int(msg["incarnation"]),
-                    now + min(PEER_QUERY_GRACE_S, max(0.0, float(msg["timeout"])))))
-                self._answer_peer_queries()
-            elif op == "transfer":
-                t = Transfer.from_json(msg["transfer"])
-                self.report.transfers.append(t)
-                self.display.transfer(t)
-            elif op == "sweep":
-                point = SweepPoint.from_json(msg["point"])
-                self.report.sweep.append(point)
-                self.display.sweep(point)
-            elif op == "progress":
-                pass  # last_progress moved on above
-            elif op == "set":
-                key = str(msg["key"])
-                if not key.startswith(w.name + "/"):
-                    raise ValueError(f"{w.name} may only publish its own keys, not {key!r}")
-                self.store[key] = msg.get("value")
-                self._resolve(key)
-            elif op == "get":
-                self._on_get(w, int(msg["id"]), str(msg["key"]), float(msg["timeout"]))
-            elif op == "done":
-                w.state = "done"
-                w.phase = "done"
-                self.display.phase(w.name, "done")
-            elif op == "error":
-                phase = str(msg.get("phase", w.phase))
-                text = str(msg.get("message"))
-                if self.aborted is not None and text.startswith("run aborted"):
-                    # not its own failure: the run was aborted under it
-                    w.state = "failed"
-                    self._add_check(f"worker/{w.name}", SKIP,
-                                          f"{w.who} stopped in phase {phase} because the {text}",
-                                          data={**self._who(w), "phase": phase,
-                                                "cause": "aborted"})
-                else:
-                    w.phase = phase
-                    failure = msg.get("data")
-                    self._fail_worker(w, f"{w.who} failed in phase {phase}: {text}",
-                                      state="failed", tail=False, cause="error",
-                                      data={"failure": failure} if failure else None)
-            else:
+            handler = self._HANDLERS.get(op) if isinstance(op, str) else None
+            if handler is None:
                 raise ValueError(f"unknown op {op!r}")
+            handler(self, w, msg, now)
         except (KeyError, TypeError, ValueError) as exc:
             self._fail_worker(w, f"{w.who} sent a malformed message ({exc}); killed it",
                               state="dead", kill=True, cause="malformed_message")
+
+    # -- one handler per message op (_HANDLERS); KeyError / TypeError / ValueError: malformed
+    def _op_phase(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        w.phase = str(msg["phase"])
+        self.display.phase(w.name, w.phase)
+
+    def _op_check(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        check = Check.from_json(msg["check"])
+        check.worker = w.name
+        self.report.checks.append(check)
+        self.watch.observe(check, now)
+        self.display.check(check)
+
+    def _op_fault(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        record = msg["fault"]
+        if self.watch.fired(w.name, record) is None:
+            raise ValueError(f"no such fault aimed at {w.name}: {record!r}")
+        self.display.message(f"{w.name}: --inject {record['fault']} fires in phase "
+                             f"{record['in_phase']}")
+
+    def _op_peer(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        self.peer_queries.append(PeerQuery(
+            w, int(msg["id"]), str(msg["peer"]), int(msg["incarnation"]),
+            now + min(PEER_QUERY_GRACE_S, max(0.0, float(msg["timeout"])))))
+        self._answer_peer_queries()
+
+    def _op_transfer(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        t = Transfer.from_json(msg["transfer"])
+        self.report.transfers.append(t)
+        self.display.transfer(t)
+
+    def _op_sweep(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        point = SweepPoint.from_json(msg["point"])
+        self.report.sweep.append(point)
+        self.display.sweep(point)
+
+    def _op_progress(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        """Nothing but progress (``last_progress`` moved on already)."""
+
+    def _op_set(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        key = str(msg["key"])
+        if not key.startswith(w.name + "/"):
+            raise ValueError(f"{w.name} may only publish its own keys, not {key!r}")
+        self.store[key] = msg.get("value")
+        self._resolve(key)
+
+    def _op_get(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        self._on_get(w, int(msg["id"]), str(msg["key"]), float(msg["timeout"]))
+
+    def _op_done(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        w.state = "done"
+        w.phase = "done"
+        self.display.phase(w.name, "done")
+
+    def _op_error(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        phase = str(msg.get("phase", w.phase))
+        text = str(msg.get("message"))
+        if self.aborted is not None and text.startswith("run aborted"):
+            # not its own failure: the run was aborted under it
+            w.state = "failed"
+            self._add_check(f"worker/{w.name}", SKIP,
+                            f"{w.who} stopped in phase {phase} because the {text}",
+                            data={**self._who(w), "phase": phase, "cause": "aborted"})
+        else:
+            w.phase = phase
+            failure = msg.get("data")
+            self._fail_worker(w, f"{w.who} failed in phase {phase}: {text}",
+                              state="failed", tail=False, cause="error",
+                              data={"failure": failure} if failure else None)
+
+    _HANDLERS = {"phase": _op_phase, "check": _op_check, "fault": _op_fault, "peer": _op_peer,
+                 "transfer": _op_transfer, "sweep": _op_sweep, "progress": _op_progress,
+                 "set": _op_set, "get": _op_get, "done": _op_done, "error": _op_error}
 
     def _add_check(self, name: str, status: str, detail: str = "",
                    data: dict[str, Any] | None = None) -> Check:
@@ -484,74 +502,6 @@ class Coordinator:
             elif w.proc.poll() is not None:
                 self._died(w, exit_text(w.proc.returncode))
         self._answer_peer_queries()
-
-    # -- restarts (``restart-*`` faults) ---------------------------------------------------------
-    def _restart(self, dead: LocalWorker, how: str) -> bool:
-        """Replace ``dead`` by its standby under the same name: drop the keys it published,
-        hand the standby the config as the next incarnation. False when no standby can."""
-        standby = next((x for x in self.workers if x.name == dead.name
-                        and x.state == "standby"), None)
-        if standby is None or standby.sock is None or standby.proc.poll() is not None:
-            return False
-        self.restartable.discard(dead.name)
-        dead.state = "dead"
-        dead.replaced = True
-        for key in [k for k in self.store if k.startswith(dead.name + "/")]:
-            del self.store[key]
-        for wt in [wt for wt in self.waiters if wt.worker is dead]:
-            self.waiters.remove(wt)
-        self.peer_queries = [q for q in self.peer_queries if q.worker is not dead]
-        try:
-            send_message(standby.sock, {"op": "config", "config": self.cfg.to_json(),
-                                        "incarnation": standby.incarnation})
-        except OSError as exc:
-            log.warning("the standby of %s cannot take over: %s", dead.name, exc)
-            dead.replaced = False
-            return False
-        self._running(standby)
-        self.display.worker(standby.name, standby.proc.pid, standby.device)
-        code = dead.proc.returncode
-        record = {"worker": dead.name, "role": dead.role, "rank": dead.rank,
-                  "phase": dead.phase, "cause": "died", "exit_code": code,
-                  "signal": exit_signal_name(code), "old_pid": dead.proc.pid,
-                  "new_pid": standby.proc.pid, "incarnation": standby.incarnation,
-                  "at_seconds": round(time.monotonic() - self.watch.started, 3)}
-        self.report.recovery.append(record)
-        self.watch.restarted(dead.name, record, time.monotonic())
-        self._add_check(f"restart/{dead.name}", PASS,
-                        f"{dead.who} died in phase {dead.phase} ({how}); its standby (pid "
-                        f"{standby.proc.pid}) took over as incarnation {standby.incarnation}",
-                        data=record)
-        self.display.message(f"{dead.name} died in phase {dead.phase} ({how}): restarted as "
-                             f"incarnation {standby.incarnation}, pid {standby.proc.pid}")
-        return True
-
-    def _current(self, name: str) -> LocalWorker | None:
-        """The worker running under ``name`` now (the latest incarnation that started)."""
-        found = [w for w in self.workers if w.name == name and w.state != "standby"]
-        return max(found, key=lambda w: w.incarnation) if found else None
-
-    def _answer_peer_queries(self) -> None:
-        """Answer ``peer`` requests: the replacing incarnation as soon as there is one; None
-        once the grace passed with the peer alive (or a peer no restart can replace);
-        ``fail`` after an abort."""
-        now = time.monotonic()
-        keep = []
-        for q in self.peer_queries:
-            current = self._current(q.peer)
-            if self.aborted is not None:
-                self._reply(q.worker, {"op": "fail", "id": q.rid, "message": self.aborted})
-            elif current is not None and current.incarnation > q.incarnation:
-                self._reply(q.worker, {"op": "value", "id": q.rid,
-                                       "value": current.incarnation})
-            elif current is None or now >= q.answer_by or (
-                    current.finished and q.peer not in self.restartable):
-                self._reply(q.worker, {"op": "value", "id": q.rid, "value": None})
-            else:
-                keep.append(q)
-                continue
-            q.worker.last_progress = now
-        self.peer_queries = keep
 
     # -- failures --------------------------------------------------------------------------------
     @staticmethod
