@@ -31,6 +31,8 @@ def _report() -> Report:
 
 def test_a_report_through_a_symlink_keeps_the_link_and_replaces_its_target(
         tmp_path: Path) -> None:
+    """A report path that is a symlink: the link stays, its target gets the report (before:
+    the link was replaced by a regular file)."""
     target = tmp_path / "real.json"
     target.write_text("old")
     link = tmp_path / "link.json"
@@ -42,6 +44,8 @@ def test_a_report_through_a_symlink_keeps_the_link_and_replaces_its_target(
 
 
 def test_a_report_to_a_fifo_is_written_through_and_the_fifo_stays(tmp_path: Path) -> None:
+    """A named pipe with a reader gets the report through it and stays a FIFO (before: it
+    was replaced by a regular file)."""
     fifo = tmp_path / "report.fifo"
     os.mkfifo(fifo)
     got: list[bytes] = []
@@ -89,6 +93,8 @@ def test_a_character_device_is_written_through_not_replaced(tmp_path: Path) -> N
 
 
 def test_dev_null_is_accepted_and_written_through() -> None:
+    """``--json /dev/null`` passes the pre-check and leaves /dev/null a device (as root,
+    before the fix, it would have replaced the system's /dev/null)."""
     from kvconnect.harness.report_files import check_report_path, writes_through
 
     check_report_path("--json", "/dev/null")
