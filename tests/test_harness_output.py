@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -132,14 +134,25 @@ def test_unusable_report_paths_exit_2_before_the_run(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop.json", "s.sock"]
 
 
-def _run_shell(tmp_path: Path, tail: str) -> tuple[int, str]:
+@pytest.fixture
+def short_tmp() -> Any:
+    """A private TMPDIR short enough for Unix socket paths: other runs' entries in /tmp are
+    never taken for this run's leftovers."""
+    path = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _run_shell(tmp_path: Path, tail: str, tmpdir: str) -> tuple[int, str]:
     """Run the console script under bash followed by ``tail`` (a redirection such as
     ``>&-`` or a pipe such as ``| head -1``): ``(exit code of kvconnect-validate, stderr)``."""
     out = tmp_path / "r.json"
     argv = " ".join([str(VALIDATE), *SMALL, "--plain", "--json", str(out)])
     script = f"{argv} {tail}; echo \"rc=${{PIPESTATUS[0]}}\" >&2"
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
-                          env={**os.environ, "TMPDIR": "/tmp"}, timeout=600)
+                          env={**os.environ, "TMPDIR": tmpdir}, timeout=600)
     rc = int(proc.stderr.strip().splitlines()[-1].removeprefix("rc="))
     return rc, proc.stderr
 
@@ -147,12 +160,15 @@ def _run_shell(tmp_path: Path, tail: str) -> tuple[int, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("tail", ["| head -1", "| true", ">&-", ">/dev/full"],
                          ids=["head-1", "reader-gone", "stdout-closed", "dev-full"])
-def test_the_report_is_written_whatever_happens_to_stdout(tmp_path: Path, tail: str) -> None:
+def test_the_report_is_written_whatever_happens_to_stdout(tmp_path: Path, tail: str,
+                                                          short_tmp: str) -> None:
     """Before: a BrokenPipeError traceback and no report (``| head -1``), an AttributeError
     on ``flush`` and a good run reported failed (``>&-``), no report (``>/dev/full``)."""
-    rc, err = _run_shell(tmp_path, tail)
+    rc, err = _run_shell(tmp_path, tail, short_tmp)
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["passed"] is True, err[-3000:]
+    failed = [(c["worker"], c["name"], c["detail"][:300]) for c in report["checks"]
+              if c["status"] == "fail"]
+    assert report["passed"] is True, (failed, err[-3000:])
     assert rc == 0, err[-3000:]  # the run's own verdict: a lost stdout fails nothing
     assert "Traceback" not in err and "Error" not in err, err[-3000:]
     if tail == ">/dev/full":
@@ -162,13 +178,14 @@ def test_the_report_is_written_whatever_happens_to_stdout(tmp_path: Path, tail: 
 
 
 @pytest.mark.slow
-def test_json_to_dev_stdout_lands_after_the_summary(tmp_path: Path) -> None:
+def test_json_to_dev_stdout_lands_after_the_summary(tmp_path: Path, short_tmp: str) -> None:
     """``--json /dev/stdout > out.txt`` appends the report to our own stdout (the file is
     not replaced: the summary printed before it stays)."""
     out = tmp_path / "out.txt"
     with open(out, "w") as f:
         proc = subprocess.run([str(VALIDATE), *SMALL, "--json", "/dev/stdout", "-q"],
-                              stdout=f, stderr=subprocess.PIPE, text=True, timeout=600)
+                              stdout=f, stderr=subprocess.PIPE, text=True, timeout=600,
+                              env={**os.environ, "TMPDIR": short_tmp})
     text = out.read_text()
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary, _, doc = text.partition("\n{")

@@ -239,7 +239,9 @@ def test_processes_with_the_token_run_and_one_with_a_wrong_token_is_refused(
                 {"KVCONNECT_RENDEZVOUS_TOKEN": TOKEN.decode()})
     pcode, perr, prep, _ = _finish(*p)
     dcode, derr, drep, _ = _finish(*d)
-    assert (pcode, dcode) == (0, 0), perr[-2000:] + derr[-2000:]
+    failed = [(c["worker"], c["name"], c["detail"][:300]) for rep in (prep, drep)
+              for c in rep.get("checks", []) if c["status"] == "fail"]
+    assert (pcode, dcode) == (0, 0), (failed, perr[-2000:] + derr[-2000:])
     for rep in (prep, drep):
         [auth] = [c for c in rep["checks"] if c["name"] == "rendezvous"]
         assert auth["status"] == "pass" and auth["data"]["token"] is True
