@@ -295,9 +295,7 @@ class Coordinator(Restarts):
                 kind, w, payload = self.events.get(timeout=0.1)
             except queue.Empty:
                 kind = ""
-            gap = self.clock.turn(time.monotonic())  # before any watchdog looks
-            if gap:
-                self._stalled(gap)
+            self._check_stall(time.monotonic())
             if kind == "msg":
                 self._on_message(w, payload)
             elif kind == "eof":
@@ -463,8 +461,16 @@ class Coordinator(Restarts):
         if self.abort_deadline is not None:
             self.abort_deadline += gap
 
+    def _check_stall(self, now: float) -> None:
+        """Before a watchdog looks at ``now``: did the coordinator itself stop since the
+        last look? (A stop after ``now`` was read cannot inflate what is judged at it.)"""
+        gap = self.clock.turn(now)
+        if gap:
+            self._stalled(gap)
+
     def _tick(self) -> None:
         now = time.monotonic()
+        self._check_stall(now)  # a stop inside the message just handled counts too
         expired = [wt for wt in self.waiters if now > wt.deadline]
         for wt in expired:
             self.waiters.remove(wt)
