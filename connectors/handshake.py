@@ -338,7 +338,11 @@ class HandshakeMetadata:
     @classmethod
     def from_json(cls, data: bytes | bytearray | str,
                   max_bytes: int = MAX_METADATA_BYTES) -> HandshakeMetadata:
-        """Parse and validate a peer's metadata; raises :class:`MetadataError` on anything off."""
+        """Parse and validate a peer's metadata; raises :class:`MetadataError` on anything off
+        (including ``data`` that is not bytes or text at all)."""
+        if not isinstance(data, (bytes, bytearray, str)):
+            raise MetadataError(f"peer metadata must be JSON bytes or text, got "
+                                f"{type(data).__name__}")
         size = len(data.encode("utf-8")) if isinstance(data, str) else len(data)
         if size > max_bytes:
             raise MetadataError(f"peer metadata is {size} bytes, above the {max_bytes}-byte limit")

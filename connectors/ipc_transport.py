@@ -33,6 +33,7 @@ Units: bytes, seconds, logical blocks for block ids.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -47,6 +48,7 @@ import torch
 
 from kvconnect.framing import (
     IpcError,
+    connect_unix,
     peer_credentials,
     recv_json,
     recv_message,
@@ -54,12 +56,13 @@ from kvconnect.framing import (
     send_message,
 )
 from kvconnect.ipc import PeerMapping, export_message, import_message
-from kvconnect.views import block_span, page_holders
+from kvconnect.views import page_holders
 
 from ._cuda_streams import current_stream, synchronize
 from ._kernel_launch import wait_events
 from .block_copy import LAUNCH_MODES, BlockCopyPlan, BlockRegion, as_block_ids
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
+from .ipc_reply import checked_regions, peer_block_region
 from .transport import FetchResult, TransportContext, TransportSpec, register_transport
 
 log = logging.getLogger(__name__)
@@ -107,10 +110,22 @@ class IpcExportServer:
     """Serves this worker's KV chunk fds to allowed processes (prefill side).
 
     ``allowed`` returns the pids that may connect (checked with SO_PEERCRED, as well as the
-    uid). Each request gets the chunks as they are *now*. One thread; :meth:`close` stops it
-    and removes the socket. ``pause()`` holds requests while the cache sleeps; ``resume()``
-    lets them through and bumps :attr:`generation` so receivers re-map.
+    uid, the moment a connection is accepted). Each request gets the chunks as they are
+    *now*. Clients are served concurrently, each in its own thread (at most
+    :data:`MAX_CLIENTS` at once; more wait in the listen backlog): a client that connects and
+    then stalls holds only its own thread, for at most ``timeout`` seconds, and only an
+    allowed process gets that far. :attr:`errors` keeps the last :data:`MAX_KEPT_ERRORS`
+    failed requests (:attr:`num_errors` counts them all); the first :data:`MAX_LOGGED_ERRORS`
+    are logged as warnings, the rest at debug level. ``pause()`` holds requests while the
+    cache sleeps; ``resume()`` lets them through and bumps :attr:`generation` so receivers
+    re-map. :meth:`close` stops accepting, ends the clients' connections, removes the socket.
     """
+
+    #: clients served at once
+    MAX_CLIENTS = 64
+    #: failed requests whose text is kept, and those logged as warnings
+    MAX_KEPT_ERRORS = 64
+    MAX_LOGGED_ERRORS = 10
 
     def __init__(self, cache: Any, directory: str, name: str,
                  allowed: Callable[[], set[int]], timeout: float) -> None:
@@ -120,14 +135,18 @@ class IpcExportServer:
         self.timeout = timeout
         self.served = 0
         self.generation = 1
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
+        self.errors: collections.deque[str] = collections.deque(maxlen=self.MAX_KEPT_ERRORS)
+        self.num_errors = 0
+        self._lock = threading.Lock()  # held while the cache sleeps (pause / resume)
+        self._state = threading.Lock()  # counters, errors and the client set
+        self._slots = threading.BoundedSemaphore(self.MAX_CLIENTS)
+        self._clients: dict[threading.Thread, socket.socket] = {}
         self._open = True
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(self.path)
             os.chmod(self.path, 0o600)
-            self._sock.listen(16)
+            self._sock.listen(socket.SOMAXCONN)
             self._sock.settimeout(0.2)
         except BaseException:
             self._sock.close()
@@ -138,6 +157,12 @@ class IpcExportServer:
     def describe(self) -> dict[str, Any]:
         """What a receiver needs to connect: the socket path, our pid, the generation."""
         return {"path": self.path, "pid": os.getpid(), "generation": self.generation}
+
+    @property
+    def active_clients(self) -> int:
+        """Connections being served now."""
+        with self._state:
+            return len(self._clients)
 
     def pause(self) -> None:
         """Hold requests (while the cache sleeps): they wait until :meth:`resume`."""
@@ -150,19 +175,48 @@ class IpcExportServer:
 
     def _serve(self) -> None:
         while self._open:
+            if not self._slots.acquire(timeout=0.2):
+                continue  # every slot busy: connections wait in the backlog
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
+                self._slots.release()
                 continue
             except OSError:
+                self._slots.release()
                 return
+            thread = threading.Thread(target=self._client, args=(conn,), daemon=True,
+                                      name="kvc-ipc-export-client")
+            with self._state:
+                self._clients[thread] = conn
+            thread.start()
+
+    def _client(self, conn: socket.socket) -> None:
+        try:
             with conn:
                 try:
                     self._handle(conn)
                 except (IpcError, OSError, RuntimeError, ValueError) as exc:
-                    log.warning("ipc export: %s", exc)
-                    self.errors.append(str(exc))
-                    send_error(conn, exc)  # the decode sees this error, not a closed socket
+                    self._failed(exc)
+                    try:
+                        send_error(conn, exc)  # the decode sees this error, not a closed socket
+                    except OSError:
+                        pass
+        finally:
+            with self._state:
+                self._clients.pop(threading.current_thread(), None)
+            self._slots.release()
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._state:
+            self.num_errors += 1
+            self.errors.append(str(exc))
+            count = self.num_errors
+        if count <= self.MAX_LOGGED_ERRORS and self._open:
+            log.warning("ipc export: %s%s", exc, " (later failures are logged at debug level)"
+                        if count == self.MAX_LOGGED_ERRORS else "")
+        else:
+            log.debug("ipc export: %s", exc)
 
     def _handle(self, conn: socket.socket) -> None:
         creds = peer_credentials(conn)
@@ -173,25 +227,47 @@ class IpcExportServer:
         if request.get("op") != "export":
             raise IpcError(f"unexpected request {request.get('op')!r}")
         with self._lock:
+            if not self._open:
+                raise IpcError("the export server is closing")
             message, out_fds = export_message(self.cache.tensors)
             try:
-                message.update(version=WIRE_VERSION, regions=_region_records(self.cache),
-                               num_blocks=int(self.cache.num_blocks),
-                               device=device_uuid(self.cache.device),
-                               generation=self.generation)
-                send_message(conn, message, out_fds)
+                send_message(conn, self._reply(message), out_fds)
             finally:
                 for fd in out_fds:
                     os.close(fd)
         recv_json(conn, timeout=self.timeout)  # the decode's "mapped" acknowledgement
-        self.served += 1
+        with self._state:
+            self.served += 1
+
+    def _reply(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The export reply: ``message`` (chunk records) with the regions, block count,
+        device and generation added."""
+        message.update(version=WIRE_VERSION, regions=_region_records(self.cache),
+                       num_blocks=int(self.cache.num_blocks),
+                       device=device_uuid(self.cache.device), generation=self.generation)
+        return message
 
     def close(self) -> None:
+        """Stop accepting, end every client's connection and wait (briefly) for their
+        threads, remove the socket. Idempotent."""
         self._open = False
         try:
             self._sock.close()
         finally:
             self._thread.join(timeout=2)
+            with self._state:
+                clients = list(self._clients.items())
+            for _, conn in clients:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 2.0
+            for thread, _ in clients:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if self.num_errors > self.MAX_LOGGED_ERRORS:
+                log.warning("ipc export %s: %d failed requests in all (the last: %s)",
+                            self.path, self.num_errors, self.errors[-1])
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -318,10 +394,8 @@ class IpcTransport:
         cache = self.cache
         driver = cache.tensors[0].driver
         mappings: list[PeerMapping] = []
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = connect_unix(path, self.timeout)
         try:
-            sock.settimeout(self.timeout)
-            sock.connect(path)
             creds = peer_credentials(sock)
             if creds.pid != pid or creds.uid != os.getuid():
                 raise IpcError(f"{path} is served by pid {creds.pid} uid {creds.uid}, not by "
@@ -372,10 +446,8 @@ class IpcTransport:
               launch: torch.device) -> BlockCopyPlan:
         cache = self.cache
         local_n = int(cache.num_blocks)
-        remote_n = int(reply.get("num_blocks", 0))
-        if remote_n <= 0:
-            raise IpcError(f"{peer} reported {remote_n} committed blocks")
-        remote = {tuple(r["members"]): r for r in reply.get("regions", [])}
+        # every field of the peer's regions is validated there (IpcError)
+        remote_n, remote = checked_regions(peer, reply, len(mappings))
         local = {tuple(m): r for r, m in page_holders(cache.committed_regions())}
         diffs = [f"regions only here: {sorted(set(local) - set(remote))[:4]}"] \
             if set(local) - set(remote) else []
@@ -386,20 +458,13 @@ class IpcTransport:
             rr = remote.get(members)
             if rr is None:
                 continue
-            r_sub = int(rr["num_blocks"]) // remote_n
+            r_sub = rr.num_blocks // remote_n
             l_sub = lr.num_blocks // local_n
-            if int(rr["block_len"]) * r_sub != lr.block_len * l_sub:
-                diffs.append(f"{'+'.join(members)}: {int(rr['block_len']) * r_sub} bytes per "
+            if rr.block_len * r_sub != lr.block_len * l_sub:
+                diffs.append(f"{'+'.join(members)}: {rr.block_len * r_sub} bytes per "
                              f"block on {peer} != {lr.block_len * l_sub} here")
                 continue
-            r_span = block_span(int(rr["num_blocks"]), int(rr["block_stride"]),
-                                int(rr["block_len"]))
-            ti = int(rr["tensor_index"])
-            if not 0 <= ti < len(mappings):
-                raise IpcError(f"{peer}: region {members} names tensor {ti} of {len(mappings)}")
-            src.append(BlockRegion(mappings[ti].view(int(rr["offset"]), r_span),
-                                   int(rr["block_len"]), int(rr["block_stride"]), remote_n,
-                                   r_sub, name=f"{peer}:{'+'.join(members)}"))
+            src.append(peer_block_region(peer, rr, mappings, remote_n))
             t = cache.tensors[lr.tensor_index]
             dst.append(BlockRegion(t.committed_view(lr.base_ptr - t.base_ptr, lr.span),
                                    lr.block_len, lr.block_stride, local_n, l_sub,

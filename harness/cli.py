@@ -12,9 +12,9 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -41,12 +41,16 @@ from .faults import (
 from .lifetime import InterruptSignals, exit_now
 from .rendezvous import Membership, membership_from_env, parse_hostport
 from .report import EXIT_USAGE, Report
+from .report_files import ReportPathError, check_report_path, same_report_file
 from .store_auth import TOKEN_ENV, TokenError, load_token
+from .streams import safe_std_streams
 
 log = logging.getLogger("kvconnect.harness")
 
 DEFAULT_LAYOUT = "llama3-8b-like"
+DEFAULT_BLOCKS = 160
 MAX_WORKERS_PER_ROLE = 64
+MAX_BLOCKS = 1_000_000
 
 
 class UsageError(ValueError):
@@ -95,6 +99,84 @@ def _transports(text: str) -> list[str]:
     return items
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"(\d+)\s*([KMGT]?)(?:I?B)?")
+#: most sizes one sweep may list, and the largest size (bytes)
+MAX_SWEEP_SIZES = 64
+MAX_SWEEP_BYTES = 1 << 40
+
+
+def _size(text: str) -> int:
+    m = _SIZE.fullmatch(text.strip().upper())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4096, 512K, 1M or 1G "
+                                         f"(K = 1024), got {text!r}")
+    value = int(m[1]) * _UNITS[m[2]]
+    if not 0 < value <= MAX_SWEEP_BYTES:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be between 1 byte and 1T")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    """``MIN:MAX[:FACTOR]`` (MIN, MIN*FACTOR, ... up to MAX; FACTOR 2 by default, as
+    nccl-tests' ``-b -e -f``) or a comma-separated list; bytes, K/M/G/T = 1024^n."""
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) not in (2, 3):
+            raise argparse.ArgumentTypeError(f"expected MIN:MAX or MIN:MAX:FACTOR, got {text!r}")
+        lo, hi = _size(parts[0]), _size(parts[1])
+        factor = _int_at_least(2, "at least 2")(parts[2]) if len(parts) == 3 else 2
+        if hi < lo:
+            raise argparse.ArgumentTypeError(f"--sizes {text}: MAX is below MIN")
+        sizes = [lo]
+        while sizes[-1] * factor <= hi and len(sizes) <= MAX_SWEEP_SIZES:
+            sizes.append(sizes[-1] * factor)
+    else:
+        sizes = [_size(t) for t in text.split(",") if t.strip()]
+    if not sizes or len(sizes) > MAX_SWEEP_SIZES:
+        raise argparse.ArgumentTypeError(f"--sizes needs 1 to {MAX_SWEEP_SIZES} sizes, got "
+                                         f"{len(sizes)} from {text!r}")
+    return sorted(set(sizes))
+
+
+class _LayoutHelp(argparse.Action):
+    """``--layout``: its help lists the presets of the registry, read only when the help
+    is printed (the registry imports torch)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.pop("help", None)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    @property  # type: ignore[override]
+    def help(self) -> str:
+        return f"KV cache layout preset (default {DEFAULT_LAYOUT}): {', '.join(layout_names())}"
+
+    @help.setter
+    def help(self, value: object) -> None:
+        pass
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+
+
+def layout_names() -> list[str]:
+    """The layout presets ``--layout`` takes: the registry's names
+    (:data:`kvconnect.layout.PRESETS`), the one list for --help, the error and the docs."""
+    from kvconnect import layout
+
+    return sorted(layout.PRESETS)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvconnect")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "unknown (not installed)"
+
+
 def _fault(text: str) -> FaultSpec:
     try:
         return parse_fault(text)
@@ -116,10 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode workers (default 1)")
     p.add_argument("--device", choices=("auto", "cuda", "host", "cpu"), default="auto",
                    help="auto: CUDA when a GPU with VMM works, else host memory (default auto)")
-    p.add_argument("--layout", default=DEFAULT_LAYOUT, metavar="PRESET",
-                   help=f"KV cache layout preset (default {DEFAULT_LAYOUT})")
-    p.add_argument("--num-blocks", type=_positive_int, default=160, metavar="K",
-                   help="committed KV blocks per worker (default 160)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--layout", default=DEFAULT_LAYOUT, metavar="PRESET", action=_LayoutHelp)
+    p.add_argument("--num-blocks", type=_positive_int, default=None, metavar="K",
+                   help=f"committed KV blocks per worker (default {DEFAULT_BLOCKS}; with "
+                        "--sizes, enough for the largest size)")
     p.add_argument("--num-layers", type=_positive_int, default=4, metavar="L",
                    help="layers of the model preset (default 4)")
     p.add_argument("--transfer-blocks", type=_positive_int, default=None, metavar="B",
@@ -140,6 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "must fail naming that block")
     p.add_argument("--seed", type=_non_negative_int, default=0, metavar="S",
                    help="seed of the block contents and block choice (default 0)")
+    sweep = p.add_argument_group(
+        "bandwidth sweep", "nccl-tests / nixlbench style: after round 1, per pair, transport "
+        "and size, warm-up fetches then timed ones; average, min and max latency and GB/s, "
+        "and a closing average-bandwidth line (also in --json: sweep, sweep_average_gbps)")
+    sweep.add_argument("--sizes", type=_sizes, default=None, metavar="MIN:MAX[:F]|LIST",
+                       help="bytes per fetch: 1M:1G doubles from 1 MiB to 1 GiB, 1M:1G:4 "
+                            "quadruples, or a list 4K,1M,64M (K/M/G = 1024^n; each rounded "
+                            "up to whole KV blocks)")
+    sweep.add_argument("--warmup", type=_non_negative_int, default=5, metavar="N",
+                       help="untimed fetches per size (default 5)")
+    sweep.add_argument("--iters", type=_positive_int, default=20, metavar="N",
+                       help="timed fetches per size (default 20; fewer when a size's "
+                            "budget, half of --timeout, runs out)")
     p.add_argument("--inject", type=_fault, action="append", default=None,
                    metavar="FAULT@PHASE",
                    help="inject a fault (repeatable): the run must report it (exit 1) naming "
@@ -160,39 +256,50 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{TOKEN_ENV}. A process with a wrong token is refused (exit 3)")
     p.add_argument("--plain", action="store_true",
                    help="plain progress lines even on a terminal")
-    p.add_argument("-q", "--quiet", action="store_true", help="only the final table")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress, only the summary")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="everything: every phase, check and transfer as it happens and "
+                        "every check in the summary; -vv adds debug logging")
     return p
 
 
 def _check_output_path(flag: str, path: str | None) -> None:
-    """Fail now, not after the run, when ``path`` cannot be written: try what the report
-    writer will do (create a temporary file beside it, then rename it into place)."""
+    """Fail now, not after the run, when a report cannot be written to ``path``: try what
+    the report writer will do (:mod:`.report_files`)."""
     if path is None:
         return
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory, expected a file path")
-    if not os.path.isdir(directory):
-        raise UsageError(f"{flag} {path}: directory {directory} does not exist")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".kvconnect-probe-", dir=directory)
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: cannot create a file in {directory}: "
-                         f"{exc.strerror or exc}") from None
-    os.close(fd)
-    os.unlink(probe)
+        check_report_path(flag, path)
+    except ReportPathError as exc:
+        raise UsageError(str(exc)) from None
 
 
-def _check_layout(cfg: RunConfig) -> None:
-    """Reject unknown presets (listing the known ones) and configs the preset cannot build."""
+def _check_layout(cfg: RunConfig, explicit_blocks: bool = False) -> None:
+    """Reject unknown presets (listing the known ones) and configs the preset cannot build;
+    with ``--sizes``, grow ``num_blocks`` to hold the largest size (UsageError when
+    ``--num-blocks`` was given and is too small)."""
     from kvconnect import layout
 
     if cfg.layout not in layout.PRESETS:
         raise UsageError(f"--layout {cfg.layout!r} is not a known preset; choose from "
-                         + ", ".join(sorted(layout.PRESETS)))
+                         + ", ".join(layout_names()))
     try:
-        layout.preset(cfg.layout, num_blocks=cfg.num_blocks, num_layers=cfg.num_layers)
+        config = layout.preset(cfg.layout, num_blocks=cfg.num_blocks, num_layers=cfg.num_layers)
+        if cfg.sweep_sizes:
+            per_block = layout.plan_layout(config).bytes_per_block
+            need = -(-max(cfg.sweep_sizes) // per_block)
+            if explicit_blocks and cfg.num_blocks < need:
+                raise UsageError(f"--sizes up to {max(cfg.sweep_sizes)} bytes needs --num-blocks "
+                                 f"of at least {need} ({per_block} bytes per block of "
+                                 f"{cfg.layout} with {cfg.num_layers} layers); got "
+                                 f"{cfg.num_blocks}")
+            if need > MAX_BLOCKS:
+                raise UsageError(f"--sizes up to {max(cfg.sweep_sizes)} bytes needs {need} "
+                                 f"blocks, more than {MAX_BLOCKS}")
+            if need > cfg.num_blocks:
+                cfg.num_blocks = need
+                layout.preset(cfg.layout, num_blocks=need, num_layers=cfg.num_layers)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--layout {cfg.layout} with --num-layers {cfg.num_layers} and "
                          f"--num-blocks {cfg.num_blocks}: {exc}") from None
@@ -202,21 +309,24 @@ def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None
     """Turn parsed arguments into a RunConfig (+ multi-host membership). UsageError if bad."""
     if args.prefill > MAX_WORKERS_PER_ROLE or args.decode > MAX_WORKERS_PER_ROLE:
         raise UsageError(f"--prefill and --decode are limited to {MAX_WORKERS_PER_ROLE} each")
-    if args.num_blocks < 4:
+    num_blocks = DEFAULT_BLOCKS if args.num_blocks is None else args.num_blocks
+    if num_blocks < 4:
         raise UsageError(f"--num-blocks must be at least 4 (a non-contiguous block set needs "
-                         f"room), got {args.num_blocks}")
-    if args.num_blocks > 1_000_000:
-        raise UsageError(f"--num-blocks {args.num_blocks} is unreasonably large (max 1000000)")
+                         f"room), got {num_blocks}")
+    if num_blocks > MAX_BLOCKS:
+        raise UsageError(f"--num-blocks {num_blocks} is unreasonably large (max {MAX_BLOCKS})")
     transfer = args.transfer_blocks
     if transfer is None:
-        transfer = min(24, args.num_blocks // 2)
-    if not 2 <= transfer <= args.num_blocks - 1:
+        transfer = min(24, num_blocks // 2)
+    if not 2 <= transfer <= num_blocks - 1:
         raise UsageError(f"--transfer-blocks must be between 2 and --num-blocks - 1 = "
-                         f"{args.num_blocks - 1} (so the set can be non-contiguous), "
+                         f"{num_blocks - 1} (so the set can be non-contiguous), "
                          f"got {transfer}")
+    if args.sizes is None and (args.warmup != 5 or args.iters != 20):
+        raise UsageError("--warmup and --iters shape the --sizes sweep: give --sizes too")
     _check_output_path("--json", args.json)
     _check_output_path("--junit", args.junit)
-    if args.json and args.junit and os.path.abspath(args.json) == os.path.abspath(args.junit):
+    if args.json and args.junit and same_report_file(args.json, args.junit):
         raise UsageError("--json and --junit name the same file")
     membership = _membership(args)
     faults: list[FaultSpec] = list(args.inject or [])
@@ -230,11 +340,12 @@ def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None
             raise UsageError("; ".join(missing))
     cfg = RunConfig(
         num_prefill=args.prefill, num_decode=args.decode, layout=args.layout,
-        num_blocks=args.num_blocks, num_layers=args.num_layers, transfer_blocks=transfer,
+        num_blocks=num_blocks, num_layers=args.num_layers, transfer_blocks=transfer,
         transports=list(args.transports or TRANSPORTS), timeout=args.timeout,
         heartbeat_timeout=min(10.0, max(2.0, args.timeout / 2)),
         corrupt=args.corrupt, seed=args.seed, min_gbps=args.min_gbps,
-        faults=[f.to_json() for f in faults],
+        faults=[f.to_json() for f in faults], sweep_sizes=list(args.sizes or []),
+        sweep_warmup=args.warmup, sweep_iters=args.iters,
     )
     return cfg, membership
 
@@ -247,7 +358,7 @@ def _membership(args: argparse.Namespace) -> Membership | None:
                              "the variables torchrun / srun set)")
         return None
     try:
-        token = load_token(args.rendezvous_token_file, os.environ)
+        token = load_token(args.rendezvous_token_file, os.environ, timeout=args.timeout)
     except TokenError as exc:
         raise UsageError(str(exc)) from None
     return dataclasses.replace(m, token=token)
@@ -295,14 +406,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    with InterruptSignals() as signals:
+    with safe_std_streams(), InterruptSignals() as signals:
         return _run(argv, signals)
 
 
 def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a message on bad syntax
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg, membership = build_config(args)
@@ -310,15 +421,18 @@ def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
         return _usage_error(parser, exc)
     started = time.monotonic()
     report = Report(config=cfg.to_json())
-    display = Display(live=False if (args.plain or args.quiet) else None, quiet=args.quiet)
+    display = Display(live=False if (args.plain or args.quiet) else None, quiet=args.quiet,
+                      verbose=args.verbose > 0)
     stage = "preflight"
     device = None
     try:
         with signals.interruptible():
             try:
-                _check_layout(cfg)
+                _check_layout(cfg, explicit_blocks=args.num_blocks is not None)
             except UsageError as exc:
                 return _usage_error(parser, exc)
+            report.config = cfg.to_json()
+            _sweep_stale_run_dirs(report)
             try:
                 device = resolve_device(args.device)
                 cfg.device, cfg.num_gpus = device.kind, device.num_gpus
@@ -358,6 +472,17 @@ def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
         report.add_check("run", "fail", f"the harness itself failed: {type(exc).__name__}: "
                                         f"{exc}\n{traceback.format_exc(limit=6)}")
     return _finish(report, args, display, started, signals, device)
+
+
+def _sweep_stale_run_dirs(report: Report) -> None:
+    """Remove run directories left by killed runs of this user, and say so (the run
+    directory's own janitor died with them: :mod:`.rundir`)."""
+    from .rundir import run_dir_base, sweep_stale
+
+    report.stale_run_dirs = sweep_stale(run_dir_base())
+    for path in report.stale_run_dirs:
+        print(f"kvconnect-validate: removed {path}, a leftover run folder of a run that was "
+              "killed (its owner process is gone)", file=sys.stderr)
 
 
 def _resources_suffice(cfg: RunConfig, membership: Membership | None, report: Report) -> bool:

@@ -55,6 +55,11 @@ class RunConfig:
     local_device: str = ""
     #: ``--inject`` faults (:class:`~.faults.FaultSpec` as JSON: ``kind``, ``rank``, ``phase``)
     faults: list[dict[str, Any]] = field(default_factory=list)
+    #: ``--sizes``: bytes per fetch of the bandwidth sweep (empty: no sweep); ``--warmup``
+    #: untimed and ``--iters`` timed fetches per size (:mod:`.sweep`)
+    sweep_sizes: list[int] = field(default_factory=list)
+    sweep_warmup: int = 5
+    sweep_iters: int = 20
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

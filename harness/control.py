@@ -28,7 +28,7 @@ from kvconnect.framing import IpcError, peer_credentials, recv_json, send_messag
 
 from .config import RunConfig
 from .faults import FaultEffects, FaultPlan, FaultSpec, specs_from_config
-from .report import FAIL, PASS, SKIP, Check, Transfer
+from .report import FAIL, PASS, SKIP, Check, SweepPoint, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,16 @@ class Control(abc.ABC):
     def transfer(self, t: Transfer) -> None:
         self._send_transfer(t)
 
+    def sweep(self, point: SweepPoint) -> None:
+        """Report one size of a ``--sizes`` sweep."""
+        self._send_sweep(point)
+
+    def progress(self) -> None:
+        """Say this worker moves on (inside a long step that reports nothing else, e.g. a
+        sweep's fetches): the coordinator's progress deadline starts again. A multi-host
+        run has no such deadline: nothing to send."""
+        return None
+
     # -- key/value ---------------------------------------------------------------------------
     def publish(self, key: str, value: Any) -> None:
         """Publish ``value`` (JSON-able) as ``"<self.name>/<key>"``."""
@@ -133,6 +143,9 @@ class Control(abc.ABC):
 
     @abc.abstractmethod
     def _send_transfer(self, t: Transfer) -> None: ...
+
+    @abc.abstractmethod
+    def _send_sweep(self, point: SweepPoint) -> None: ...
 
     @abc.abstractmethod
     def _send_fault(self, record: dict[str, Any]) -> None: ...
@@ -222,6 +235,12 @@ class SocketControl(Control):
 
     def _send_transfer(self, t: Transfer) -> None:
         self._send({"op": "transfer", "transfer": asdict(t)})
+
+    def _send_sweep(self, point: SweepPoint) -> None:
+        self._send({"op": "sweep", "point": point.to_json()})
+
+    def progress(self) -> None:
+        self._send({"op": "progress"})
 
     def _send_fault(self, record: dict[str, Any]) -> None:
         self._send({"op": "fault", "fault": record})

@@ -69,6 +69,10 @@ class DecodeWorker(WorkerSteps):
         self.incarnations: dict[str, int] = {}
         #: this round's reads that notify their prefill: prefill -> incarnation and count
         self.notices: dict[str, dict[str, int]] = {}
+        #: per prefill, its latest round-1 offer and the transports whose round-1 transfer
+        #: arrived byte-exact (what ``--sizes`` measures)
+        self.offers: dict[str, dict[str, Any]] = {}
+        self.verified: dict[str, list[str]] = {}
         #: guard the cache around fetches only where a prefill may be restarted (digesting
         #: every other block costs time on large caches)
         self.guard_cache = bool(restarted_workers(self.cfg.faults))
@@ -107,10 +111,29 @@ class DecodeWorker(WorkerSteps):
             self.notices = {}
             for p in range(cfg.num_prefill):
                 self.fetch_from(p, round_no)
+            if round_no == 1 and cfg.sweep_sizes:
+                self.sweep_all()
             ctl.phase(f"notification:round{round_no}")
             ctl.publish(f"round{round_no}/done", {
                 "nixl_agent": self.nixl.agent_name if self.nixl is not None else None,
                 "notices": self.notices})
+
+    def sweep_all(self) -> None:
+        """``--sizes``: the bandwidth sweep from every prefill over every transport that
+        moved its blocks byte-exact in round 1 (:mod:`.sweep`)."""
+        from .sweep import run_sweep
+
+        for p in range(self.cfg.num_prefill):
+            prefill = worker_name(PREFILL, p)
+            if self.verified.get(prefill):
+                run_sweep(self, p, self.offers[prefill], self.verified[prefill])
+
+    def count_notice(self, prefill: str, incarnation: int) -> None:
+        """One more READ from ``prefill`` (incarnation ``incarnation``) that notifies it."""
+        notice = self.notices.get(prefill)
+        if notice is None or notice["incarnation"] != incarnation:
+            notice = self.notices[prefill] = {"incarnation": incarnation, "count": 0}
+        notice["count"] += 1
 
     # -- one prefill, one round --------------------------------------------------------------
     def fetch_from(self, p: int, round_no: int) -> None:
@@ -227,10 +250,7 @@ class DecodeWorker(WorkerSteps):
                                             time.perf_counter() - t0)
                 continue
             if notifies_exporter(transport):
-                notice = self.notices.get(prefill)
-                if notice is None or notice["incarnation"] != incarnation:
-                    notice = self.notices[prefill] = {"incarnation": incarnation, "count": 0}
-                notice["count"] += 1
+                self.count_notice(prefill, incarnation)
             mismatches = self.verify(prefill, remote_specs, remote_ids, local_ids, expected)
             src = self.reference_source(p, info)
             if result.bytes not in reference:
@@ -253,6 +273,9 @@ class DecodeWorker(WorkerSteps):
                                                  "num_mismatches": len(mismatches), **where})
             else:
                 ctl.passed(name, f"{head}: every block byte-exact", result.seconds, data=where)
+                if round_no == 1:
+                    self.offers[prefill] = info
+                    self.verified.setdefault(prefill, []).append(transport)
         return failed
 
     # -- recovery ------------------------------------------------------------------------------

@@ -1,4 +1,14 @@
-"""Live progress and the final table: rich on a terminal, plain lines otherwise.
+"""Live progress and the final summary: rich on a terminal, plain lines otherwise.
+
+What is printed (issue 16: a plain 1P1D printed ~130 lines, every check twice):
+
+- by default, a **live view** (on a terminal: rich's table of workers, phases and counts; in
+  plain mode: a line per failure as it happens, per note, per sweep size and per worker
+  that finishes), then the **summary**: failures first with their details, the skipped
+  checks (one line per kind), the transfers, the ``--sizes`` sweep, and the verdict;
+- with ``verbose`` (``-v``): everything, as it happens (every phase, check and transfer)
+  and every check in the summary;
+- with ``quiet`` (``-q``): the summary only.
 
 Only the coordinator (or the reporting rank) calls these, from one thread.
 """
@@ -9,7 +19,7 @@ import sys
 import time
 from typing import TextIO
 
-from .report import FAIL, PASS, SKIP, Check, Report, Transfer
+from .report import FAIL, PASS, SKIP, Check, Report, SweepPoint, Transfer, sweep_averages
 
 _STYLE = {PASS: "green", FAIL: "bold red", SKIP: "yellow"}
 
@@ -18,11 +28,12 @@ class Display:
     """Progress sink. ``live`` picks rich's live table; otherwise one line per event."""
 
     def __init__(self, live: bool | None = None, stream: TextIO | None = None,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, verbose: bool = False) -> None:
         self.stream = stream or sys.stdout
         if live is None:
             live = self.stream.isatty()
         self.quiet = quiet
+        self.verbose = verbose and not quiet
         self._t0 = time.monotonic()
         self._rows: dict[str, dict[str, str]] = {}
         self._live = None
@@ -80,23 +91,35 @@ class Display:
         self._refresh()
 
     def phase(self, worker: str, phase: str) -> None:
-        self._row(worker)["phase"] = phase
-        if self._live is None:
-            self._line(f"{worker}: {phase}")
+        row = self._row(worker)
+        row["phase"] = phase
+        if self._live is None and (self.verbose or phase == "done"):
+            tally = (f" ({row['pass']} passed, {row['fail']} failed, {row['skip']} skipped)"
+                     if phase == "done" and not self.verbose else "")
+            self._line(f"{worker}: {phase}{tally}")
         self._refresh()
 
     def check(self, check: Check) -> None:
         row = self._row(check.worker or "coordinator")
         row[check.status] = str(int(row[check.status]) + 1)
-        if check.status == FAIL or self._live is None:
+        if check.status == FAIL or (self._live is None and self.verbose):
             detail = f": {check.detail}" if check.detail else ""
             self._line(f"{check.status.upper():4} {check.worker}/{check.name}{detail}")
         self._refresh()
 
     def transfer(self, t: Transfer) -> None:
+        if not self.verbose and t.verified:
+            return
         ok = "verified" if t.verified else "NOT VERIFIED"
         self._line(f"xfer {t.label}: {t.bytes / 2**20:.1f} MiB in {t.seconds * 1e3:.1f} ms "
                    f"= {t.gbps:.2f} GB/s via {t.backend or t.transport}, {ok}")
+
+    def sweep(self, p: SweepPoint) -> None:
+        if self._live is None:
+            self._line(f"sweep {p.pair} {p.transport} {p.bytes:>12} B: avg "
+                       f"{p.avg_seconds * 1e6:.1f} us = {p.avg_gbps:.3f} GB/s (peak "
+                       f"{p.peak_gbps:.3f}), {p.iters} iters"
+                       + ("" if p.verified else ", NOT VERIFIED"))
 
     def message(self, text: str) -> None:
         self._line(text)
@@ -121,57 +144,88 @@ class Display:
 
     # -- final ------------------------------------------------------------------------
     def final(self, report: Report) -> None:
-        """Print the checks and transfers tables and the verdict."""
+        """Print the summary (see the module docstring) and the verdict."""
         self.close()
+        lines = summary_lines(report, verbose=self.verbose)
         if self._console is not None:
-            self._final_rich(report)
+            from rich.markup import escape
+
+            for style, text in lines:
+                self._console.print(f"[{style}]{escape(text)}[/]" if style else escape(text),
+                                    highlight=False, soft_wrap=True)
         else:
-            self._final_plain(report)
+            for _, text in lines:
+                print(text, file=self.stream)
+            self.stream.flush()
 
-    def _final_plain(self, report: Report) -> None:
-        out = self.stream
-        print("", file=out)
-        print("Checks:", file=out)
+
+def summary_lines(report: Report, verbose: bool = False) -> list[tuple[str, str]]:
+    """The summary as ``(rich style, text)`` lines: failures first, then the skipped checks
+    (every check with ``verbose``), transfers, the sweep and the verdict."""
+    out: list[tuple[str, str]] = []
+    failed = [c for c in report.checks if c.status == FAIL]
+    if failed:
+        out.append((_STYLE[FAIL], f"Failures ({len(failed)}):"))
+        for c in _grouped(failed):
+            out.append((_STYLE[FAIL], f"  FAIL  {c.worker}/{c.name}  {c.detail}"))
+    if verbose:
+        out.append(("", "Checks:"))
         width = max((len(f"{c.worker}/{c.name}") for c in report.checks), default=10)
-        for c in _grouped(report.checks):
-            name = f"{c.worker}/{c.name}"
-            print(f"  {c.status.upper():4}  {name:<{width}}  {c.detail}", file=out)
-        if report.transfers:
-            print("Transfers:", file=out)
-            print(f"  {'pair':<22} {'transport':<9} {'round':>5} {'MiB':>8} {'ms':>9} "
-                  f"{'GB/s':>8} {'ref GB/s':>8}  {'verified':<8} via", file=out)
-            for t in report.transfers:
-                print(f"  {t.pair:<22} {t.transport:<9} {t.round:>5} {t.bytes / 2**20:>8.2f} "
-                      f"{t.seconds * 1e3:>9.2f} {t.gbps:>8.3f} {_ref(t):>8}  "
-                      f"{str(t.verified).lower():<8} {t.backend}", file=out)
-        print(report.summary(), file=out, flush=True)
+        for c in _grouped([c for c in report.checks if c.status != FAIL]):
+            out.append((_STYLE[c.status],
+                        f"  {c.status.upper():4}  {c.worker + '/' + c.name:<{width}}  "
+                        f"{c.detail}"))
+    else:
+        for name, (workers, detail) in _skips(report.checks).items():
+            out.append((_STYLE[SKIP], f"  SKIP  {name} ({', '.join(workers)}): {detail}"))
+    if report.transfers:
+        out.append(("", "Transfers:"))
+        out.append(("", f"  {'pair':<22} {'transport':<9} {'round':>5} {'MiB':>8} {'ms':>9} "
+                        f"{'GB/s':>8} {'ref GB/s':>8}  {'verified':<8} via"))
+        for t in report.transfers:
+            out.append(("" if t.verified else _STYLE[FAIL],
+                        f"  {t.pair:<22} {t.transport:<9} {t.round:>5} "
+                        f"{t.bytes / 2**20:>8.2f} {t.seconds * 1e3:>9.2f} {t.gbps:>8.3f} "
+                        f"{_ref(t):>8}  {str(t.verified).lower():<8} {t.backend}"))
+    out.extend(sweep_lines(report.sweep))
+    if not verbose:
+        c = report.counts()
+        out.append(("", f"Checks: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped "
+                        "(-v lists every check)"))
+    out.append(("bold green" if report.passed else "bold red", report.summary()))
+    return out
 
-    def _final_rich(self, report: Report) -> None:
-        from rich.markup import escape
-        from rich.table import Table
 
-        console = self._console
-        checks = Table(title="Checks", expand=False)
-        for col in ("status", "check", "detail"):
-            checks.add_column(col, overflow="fold")
-        for c in _grouped(report.checks):
-            style = _STYLE[c.status]
-            checks.add_row(f"[{style}]{c.status}[/]", escape(f"{c.worker}/{c.name}"),
-                           escape(c.detail))
-        console.print(checks)
-        if report.transfers:
-            tr = Table(title="Transfers", expand=False)
-            numeric = ("MiB", "ms", "GB/s", "ref GB/s")
-            for col in ("pair", "transport", "round", *numeric, "verified", "via"):
-                tr.add_column(col, justify="right" if col in numeric else "left",
-                              overflow="fold")
-            for t in report.transfers:
-                ok = "[green]yes[/]" if t.verified else "[bold red]no[/]"
-                tr.add_row(t.pair, t.transport, str(t.round), f"{t.bytes / 2**20:.2f}",
-                           f"{t.seconds * 1e3:.2f}", f"{t.gbps:.3f}", _ref(t), ok, t.backend)
-            console.print(tr)
-        style = "bold green" if report.passed else "bold red"
-        console.print(f"[{style}]{escape(report.summary())}[/]", highlight=False)
+def sweep_lines(points: list[SweepPoint]) -> list[tuple[str, str]]:
+    """The ``--sizes`` table in nccl-tests' shape, and one closing average line per
+    transport."""
+    if not points:
+        return []
+    out = [("", "Sweep (per fetch: warm-up untimed, then timed iterations):"),
+           ("", f"#  {'pair':<20} {'transport':<9} {'size(B)':>12} {'blocks':>7} "
+                f"{'iters':>5} {'avg(us)':>11} {'min(us)':>11} {'max(us)':>11} "
+                f"{'avg GB/s':>9} {'peak GB/s':>9} {'ref GB/s':>9}  verified")]
+    for p in sorted(points, key=lambda p: (p.pair, p.transport, p.bytes)):
+        out.append(("" if p.verified else _STYLE[FAIL],
+                    f"   {p.pair:<20} {p.transport:<9} {p.bytes:>12} {p.blocks:>7} "
+                    f"{p.iters:>5} {p.avg_seconds * 1e6:>11.1f} {p.min_seconds * 1e6:>11.1f} "
+                    f"{p.max_seconds * 1e6:>11.1f} {p.avg_gbps:>9.3f} {p.peak_gbps:>9.3f} "
+                    f"{_ref(p):>9}  {str(p.verified).lower()}"))
+    for transport, gbps in sweep_averages(points).items():
+        sizes = len({p.bytes for p in points if p.transport == transport})
+        out.append(("bold", f"# Avg bandwidth {transport}: {gbps:.3f} GB/s (mean of the "
+                            f"per-size averages over {sizes} sizes)"))
+    return out
+
+
+def _skips(checks: list[Check]) -> dict[str, tuple[list[str], str]]:
+    """Skipped checks by name: the workers that skipped it and the first one's reason."""
+    out: dict[str, tuple[list[str], str]] = {}
+    for c in checks:
+        if c.status == SKIP:
+            workers, _ = out.setdefault(c.name, ([], c.detail))
+            workers.append(c.worker)
+    return out
 
 
 def _grouped(checks: list[Check]) -> list[Check]:
@@ -185,6 +239,6 @@ def _grouped(checks: list[Check]) -> list[Check]:
     return sorted(checks, key=key)
 
 
-def _ref(t: Transfer) -> str:
+def _ref(t: Transfer | SweepPoint) -> str:
     """The same-run reference copy's GB/s, or '-' where none was measured."""
     return "-" if t.reference_gbps is None else f"{t.reference_gbps:.3f}"

@@ -44,6 +44,10 @@ PHASES: dict[str, str] = {
     "wake": "both: recommit, refill, NIXL re-registration",
 }
 
+#: the order in which every worker first enters each fault phase: a fault that ends a worker
+#: at one of them comes before whatever is aimed at a later one
+PHASE_ORDER = ("register", "handshake", "transfer", "notification", "sleep", "wake")
+
 #: what a fault is expected to do to the run
 EXPECT_FAILURE = "fail"  # the run fails (exit 1), naming the worker, its rank and phase
 EXPECT_RECOVERY = "recover"  # the run recovers and passes (exit 0)
@@ -111,6 +115,9 @@ class FaultKind:
     local_only: bool = False
     #: the coordinator starts a replacement under the same name after this fault
     restarts: bool = False
+    #: the worker's incarnation ends when it fires (killed, stopped, stalled past every
+    #: deadline): nothing else aimed at that worker fires after it
+    ends_worker: bool = False
 
 
 FAULT_KINDS: dict[str, FaultKind] = {}
@@ -130,12 +137,15 @@ def register_fault(kind: FaultKind) -> None:
 
 for _role in (PREFILL, DECODE):
     register_fault(FaultKind(f"kill-{_role}", _role, _kill,
-                             f"SIGKILL the {_role} worker (a crash, the OOM killer)"))
+                             f"SIGKILL the {_role} worker (a crash, the OOM killer)",
+                             ends_worker=True))
     register_fault(FaultKind(f"stop-{_role}", _role, _stop,
-                             f"SIGSTOP the {_role} worker (a hang: no heartbeat, no progress)"))
+                             f"SIGSTOP the {_role} worker (a hang: no heartbeat, no progress)",
+                             ends_worker=True))
 register_fault(FaultKind(
     "slow-prefill", PREFILL, _stall,
-    "the prefill stalls (alive, heartbeating) for 3 x --timeout: longer than any deadline"))
+    "the prefill stalls (alive, heartbeating) for 3 x --timeout: longer than any deadline",
+    ends_worker=True))
 _NO_NOTIFICATION = ("no NIXL READ completion notification is in flight while the prefill is "
                     "in its {phase} phase (they arrive while decodes read, and are collected "
                     "in the notification phase)")
@@ -150,7 +160,7 @@ register_fault(FaultKind(
     "restart-prefill", PREFILL, _kill,
     "SIGKILL the prefill, then the coordinator starts a new one under the same name: "
     "decodes must re-handshake and fetch again, without restarting",
-    expect=EXPECT_RECOVERY, local_only=True, restarts=True))
+    expect=EXPECT_RECOVERY, local_only=True, restarts=True, ends_worker=True))
 
 
 def fault_names() -> list[str]:
@@ -225,7 +235,8 @@ def parse_fault(text: str) -> FaultSpec:
 def check_faults(specs: Sequence[FaultSpec], num_prefill: int, num_decode: int,
                  multi_host: bool) -> None:
     """Refuse (:class:`FaultSpecError`) faults aimed at workers that do not exist, the same
-    fault twice, and faults that need a coordinator in a multi-host run."""
+    fault twice, faults that need a coordinator in a multi-host run, and combinations in
+    which a fault can never fire (:func:`_check_reachable`)."""
     seen: set[FaultSpec] = set()
     for spec in specs:
         count = num_prefill if spec.role == PREFILL else num_decode
@@ -238,6 +249,37 @@ def check_faults(specs: Sequence[FaultSpec], num_prefill: int, num_decode: int,
         if multi_host and spec.fault.local_only:
             raise FaultSpecError(f"--inject {spec.text}: needs a local run (the coordinator "
                                  "starts the replacement); not available with --rendezvous")
+    _check_reachable(specs)
+
+
+def _check_reachable(specs: Sequence[FaultSpec]) -> None:
+    """Refuse a fault that another one prevents from ever firing.
+
+    - A fault that ends its worker (kill, stop, slow, restart) at phase P: nothing else aimed
+      at that worker in P or a later phase fires (the worker is gone; a restarted worker
+      carries no fault: it replaces a worker once).
+    - One that also fails the run (kill, stop, slow) aborts every worker: nothing aimed at
+      P or a later phase fires anywhere.
+    """
+    def order(s: FaultSpec) -> int:
+        return PHASE_ORDER.index(s.phase)
+
+    for first in sorted(specs, key=order):
+        if not first.fault.ends_worker:
+            continue
+        aborts = first.fault.expect == EXPECT_FAILURE
+        for other in specs:
+            if other is first or order(other) < order(first):
+                continue
+            if other.worker == first.worker or aborts:
+                why = (f"{first.text} ends {first.worker} first" if other.worker == first.worker
+                       else f"{first.text} fails the run first (every worker is stopped)")
+                hint = (" (a restarted worker carries no fault: restart-* replaces a worker "
+                        "once)" if first.fault.restarts else "")
+                raise FaultSpecError(
+                    f"--inject {other.text} can never fire: {why}, in its {first.phase} "
+                    f"phase, which comes before or with {other.phase} (phases in order: "
+                    f"{', '.join(PHASE_ORDER)}){hint}; inject them in separate runs")
 
 
 def missing_transports(specs: Sequence[FaultSpec], transports: Sequence[str]) -> list[str]:

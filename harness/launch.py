@@ -100,8 +100,8 @@ class ForkedWorker:
                 os.dup2(logfd, 1)
                 os.dup2(logfd, 2)
                 os.close(logfd)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    signal.signal(signum, signal.SIG_DFL)  # not the coordinator's handler
                 os.environ["PYTHONUNBUFFERED"] = "1"
                 os.environ.setdefault(PROTO_INFO_ENV, "y")
                 from .worker import main as worker_main

@@ -23,14 +23,15 @@ def exit_now(code: int) -> NoReturn:
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:  # None: closed when the process started
+                stream.flush()
         except (OSError, ValueError):
             pass
     os._exit(code)
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived: the run stops, reports where it was, and exits
+    """SIGINT, SIGTERM or SIGHUP arrived: the run stops, reports where it was, and exits
     ``128 + signum``. A KeyboardInterrupt, so code that already stops on Ctrl-C stops."""
 
     def __init__(self, signum: int) -> None:
@@ -39,20 +40,20 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 class InterruptSignals:
-    """SIGINT and SIGTERM, turned into :class:`RunInterrupted` where it is safe.
+    """SIGINT, SIGTERM and SIGHUP, turned into :class:`RunInterrupted` where it is safe.
 
-    While entered (main thread only), the first SIGINT or SIGTERM is recorded in
+    While entered (main thread only), the first SIGINT, SIGTERM or SIGHUP is recorded in
     :attr:`signum` and raised as :class:`RunInterrupted` where the main thread is, if it is
     inside :meth:`interruptible` and :meth:`stop_raising` was not called; elsewhere it is
     only recorded (entering :meth:`interruptible` afterwards raises it at once). Later
     signals are recorded, never raised, so the cleanup the first one started (bounded by its
     own deadlines) runs to the end.
 
-    CI timeouts and Kubernetes send SIGTERM, a terminal sends SIGINT: both end a run the same
-    way. Outside the main thread entering does nothing (Python delivers signals there).
+    CI timeouts and Kubernetes send SIGTERM, a terminal sends SIGINT (Ctrl-C) or SIGHUP (it
+    closed, an ssh session dropped): all end a run the same way. Outside the main thread entering does nothing (Python delivers signals there).
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
         self.signum: int | None = None

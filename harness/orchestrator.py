@@ -48,12 +48,13 @@ from .launch import (
     launch_method,
     log_tail,
     preload_worker_modules,
-    proc_state,
     start_worker,
 )
 from .lifetime import InterruptSignals
-from .report import FAIL, PASS, SKIP, Check, Report, Transfer, signal_name
+from .report import FAIL, PASS, SKIP, Check, Report, SweepPoint, Transfer, signal_name
+from .restarts import Restarts
 from .rundir import process_start_ticks, run_dir
+from .watchdog import UNRESPONSIVE, Judge, StallClock
 from .workerset import (
     EXIT_GRACE_S,
     LocalWorker,
@@ -95,7 +96,7 @@ def run_local(cfg: RunConfig, report: Report, display: Display,
     coordinator.watch.finish(report)
 
 
-class Coordinator:
+class Coordinator(Restarts):
     """One local run. Single-threaded except one reader thread per worker socket."""
 
     def __init__(self, cfg: RunConfig, report: Report, display: Display,
@@ -121,6 +122,9 @@ class Coordinator:
         #: workers a ``restart-*`` fault replaces (once each) by a standby
         self.restartable = restarted_workers(cfg.faults)
         self.peer_queries: list[PeerQuery] = []
+        #: who is to blame for a silent worker; the coordinator's own stalls (:mod:`.watchdog`)
+        self.judge = Judge(cfg.heartbeat_timeout, self._progress_deadline)
+        self.clock = StallClock(time.monotonic())
 
     # -- top level -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -281,6 +285,7 @@ class Coordinator:
 
     # -- the event loop --------------------------------------------------------------------------
     def _event_loop(self) -> None:
+        self.clock.last = time.monotonic()
         while True:
             if all(w.finished or w.state == "standby" for w in self.workers):
                 return
@@ -290,6 +295,7 @@ class Coordinator:
                 kind, w, payload = self.events.get(timeout=0.1)
             except queue.Empty:
                 kind = ""
+            self._check_stall(time.monotonic())
             if kind == "msg":
                 self._on_message(w, payload)
             elif kind == "eof":
@@ -304,63 +310,86 @@ class Coordinator:
             return
         w.last_progress = now
         try:
-            if op == "phase":
-                w.phase = str(msg["phase"])
-                self.display.phase(w.name, w.phase)
-            elif op == "check":
-                check = Check.from_json(msg["check"])
-                check.worker = w.name
-                self.report.checks.append(check)
-                self.watch.observe(check, now)
-                self.display.check(check)
-            elif op == "fault":
-                record = msg["fault"]
-                if self.watch.fired(w.name, record) is None:
-                    raise ValueError(f"no such fault aimed at {w.name}: {record!r}")
-                self.display.message(f"{w.name}: --inject {record['fault']} fires in phase "
-                                     f"{record['in_phase']}")
-            elif op == "peer":
-                self.peer_queries.append(PeerQuery(
-                    w, int(msg["id"]), str(msg["peer"]), int(msg["incarnation"]),
-                    now + min(PEER_QUERY_GRACE_S, max(0.0, float(msg["timeout"])))))
-                self._answer_peer_queries()
-            elif op == "transfer":
-                t = Transfer.from_json(msg["transfer"])
-                self.report.transfers.append(t)
-                self.display.transfer(t)
-            elif op == "set":
-                key = str(msg["key"])
-                if not key.startswith(w.name + "/"):
-                    raise ValueError(f"{w.name} may only publish its own keys, not {key!r}")
-                self.store[key] = msg.get("value")
-                self._resolve(key)
-            elif op == "get":
-                self._on_get(w, int(msg["id"]), str(msg["key"]), float(msg["timeout"]))
-            elif op == "done":
-                w.state = "done"
-                w.phase = "done"
-                self.display.phase(w.name, "done")
-            elif op == "error":
-                phase = str(msg.get("phase", w.phase))
-                text = str(msg.get("message"))
-                if self.aborted is not None and text.startswith("run aborted"):
-                    # not its own failure: the run was aborted under it
-                    w.state = "failed"
-                    self._add_check(f"worker/{w.name}", SKIP,
-                                          f"{w.who} stopped in phase {phase} because the {text}",
-                                          data={**self._who(w), "phase": phase,
-                                                "cause": "aborted"})
-                else:
-                    w.phase = phase
-                    failure = msg.get("data")
-                    self._fail_worker(w, f"{w.who} failed in phase {phase}: {text}",
-                                      state="failed", tail=False, cause="error",
-                                      data={"failure": failure} if failure else None)
-            else:
+            handler = self._HANDLERS.get(op) if isinstance(op, str) else None
+            if handler is None:
                 raise ValueError(f"unknown op {op!r}")
+            handler(self, w, msg, now)
         except (KeyError, TypeError, ValueError) as exc:
             self._fail_worker(w, f"{w.who} sent a malformed message ({exc}); killed it",
                               state="dead", kill=True, cause="malformed_message")
+
+    # -- one handler per message op (_HANDLERS); KeyError / TypeError / ValueError: malformed
+    def _op_phase(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        w.phase = str(msg["phase"])
+        self.display.phase(w.name, w.phase)
+
+    def _op_check(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        check = Check.from_json(msg["check"])
+        check.worker = w.name
+        self.report.checks.append(check)
+        self.watch.observe(check, now)
+        self.display.check(check)
+
+    def _op_fault(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        record = msg["fault"]
+        if self.watch.fired(w.name, record) is None:
+            raise ValueError(f"no such fault aimed at {w.name}: {record!r}")
+        self.display.message(f"{w.name}: --inject {record['fault']} fires in phase "
+                             f"{record['in_phase']}")
+
+    def _op_peer(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        self.peer_queries.append(PeerQuery(
+            w, int(msg["id"]), str(msg["peer"]), int(msg["incarnation"]),
+            now + min(PEER_QUERY_GRACE_S, max(0.0, float(msg["timeout"])))))
+        self._answer_peer_queries()
+
+    def _op_transfer(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        t = Transfer.from_json(msg["transfer"])
+        self.report.transfers.append(t)
+        self.display.transfer(t)
+
+    def _op_sweep(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        point = SweepPoint.from_json(msg["point"])
+        self.report.sweep.append(point)
+        self.display.sweep(point)
+
+    def _op_progress(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        """Nothing but progress (``last_progress`` moved on already)."""
+
+    def _op_set(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        key = str(msg["key"])
+        if not key.startswith(w.name + "/"):
+            raise ValueError(f"{w.name} may only publish its own keys, not {key!r}")
+        self.store[key] = msg.get("value")
+        self._resolve(key)
+
+    def _op_get(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        self._on_get(w, int(msg["id"]), str(msg["key"]), float(msg["timeout"]))
+
+    def _op_done(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        w.state = "done"
+        w.phase = "done"
+        self.display.phase(w.name, "done")
+
+    def _op_error(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+        phase = str(msg.get("phase", w.phase))
+        text = str(msg.get("message"))
+        if self.aborted is not None and text.startswith("run aborted"):
+            # not its own failure: the run was aborted under it
+            w.state = "failed"
+            self._add_check(f"worker/{w.name}", SKIP,
+                            f"{w.who} stopped in phase {phase} because the {text}",
+                            data={**self._who(w), "phase": phase, "cause": "aborted"})
+        else:
+            w.phase = phase
+            failure = msg.get("data")
+            self._fail_worker(w, f"{w.who} failed in phase {phase}: {text}",
+                              state="failed", tail=False, cause="error",
+                              data={"failure": failure} if failure else None)
+
+    _HANDLERS = {"phase": _op_phase, "check": _op_check, "fault": _op_fault, "peer": _op_peer,
+                 "transfer": _op_transfer, "sweep": _op_sweep, "progress": _op_progress,
+                 "set": _op_set, "get": _op_get, "done": _op_done, "error": _op_error}
 
     def _add_check(self, name: str, status: str, detail: str = "",
                    data: dict[str, Any] | None = None) -> Check:
@@ -418,8 +447,30 @@ class Coordinator:
         self._fail_worker(w, f"{w.who} died in phase {w.phase}: {how}", state="dead",
                           cause="died")
 
+    def _stalled(self, gap: float) -> None:
+        """The coordinator did not run for ``gap`` seconds: what workers sent meanwhile is
+        still unread, so every watchdog and deadline moves on by ``gap`` (a stall of ours
+        is never charged to a worker)."""
+        for w in self.workers:
+            w.last_seen += gap
+            w.last_progress += gap
+        for wt in self.waiters:
+            wt.deadline += gap
+        for q in self.peer_queries:
+            q.answer_by += gap
+        if self.abort_deadline is not None:
+            self.abort_deadline += gap
+
+    def _check_stall(self, now: float) -> None:
+        """Before a watchdog looks at ``now``: did the coordinator itself stop since the
+        last look? (A stop after ``now`` was read cannot inflate what is judged at it.)"""
+        gap = self.clock.turn(now)
+        if gap:
+            self._stalled(gap)
+
     def _tick(self) -> None:
         now = time.monotonic()
+        self._check_stall(now)  # a stop inside the message just handled counts too
         expired = [wt for wt in self.waiters if now > wt.deadline]
         for wt in expired:
             self.waiters.remove(wt)
@@ -440,91 +491,23 @@ class Coordinator:
         for w in self.workers:
             if w.state != "running":
                 continue
-            silent = now - w.last_seen
-            if silent > self.cfg.heartbeat_timeout:
-                state = proc_state(w.proc.pid)
+            verdict = self.judge(w, now)
+            if verdict is not None and verdict.cause == UNRESPONSIVE:
                 self._fail_worker(
                     w, f"{w.who} stopped responding in phase {w.phase}: no heartbeat for "
-                       f"{silent:.1f} s (process state: {state}); killed it",
-                    state="dead", kill=True, cause="unresponsive",
-                    data={"process_state": state, "silent_seconds": round(silent, 3)})
-            elif w.waiting == 0 and now - w.last_progress > self._progress_deadline:
+                       f"{verdict.silent:.1f} s (process state: {verdict.process_state}); "
+                       "killed it", state="dead", kill=True, cause="unresponsive",
+                    data={"process_state": verdict.process_state,
+                          "silent_seconds": round(verdict.silent, 3)})
+            elif verdict is not None:
                 self._fail_worker(
-                    w, f"{w.who} made no progress for {now - w.last_progress:.0f} s in phase "
+                    w, f"{w.who} made no progress for {verdict.idle:.0f} s in phase "
                        f"{w.phase} (its own steps time out after --timeout "
                        f"{self.cfg.timeout:g} s); killed it", state="dead", kill=True,
                     cause="no_progress")
             elif w.proc.poll() is not None:
                 self._died(w, exit_text(w.proc.returncode))
         self._answer_peer_queries()
-
-    # -- restarts (``restart-*`` faults) ---------------------------------------------------------
-    def _restart(self, dead: LocalWorker, how: str) -> bool:
-        """Replace ``dead`` by its standby under the same name: drop the keys it published,
-        hand the standby the config as the next incarnation. False when no standby can."""
-        standby = next((x for x in self.workers if x.name == dead.name
-                        and x.state == "standby"), None)
-        if standby is None or standby.sock is None or standby.proc.poll() is not None:
-            return False
-        self.restartable.discard(dead.name)
-        dead.state = "dead"
-        dead.replaced = True
-        for key in [k for k in self.store if k.startswith(dead.name + "/")]:
-            del self.store[key]
-        for wt in [wt for wt in self.waiters if wt.worker is dead]:
-            self.waiters.remove(wt)
-        self.peer_queries = [q for q in self.peer_queries if q.worker is not dead]
-        try:
-            send_message(standby.sock, {"op": "config", "config": self.cfg.to_json(),
-                                        "incarnation": standby.incarnation})
-        except OSError as exc:
-            log.warning("the standby of %s cannot take over: %s", dead.name, exc)
-            dead.replaced = False
-            return False
-        self._running(standby)
-        self.display.worker(standby.name, standby.proc.pid, standby.device)
-        code = dead.proc.returncode
-        record = {"worker": dead.name, "role": dead.role, "rank": dead.rank,
-                  "phase": dead.phase, "cause": "died", "exit_code": code,
-                  "signal": exit_signal_name(code), "old_pid": dead.proc.pid,
-                  "new_pid": standby.proc.pid, "incarnation": standby.incarnation,
-                  "at_seconds": round(time.monotonic() - self.watch.started, 3)}
-        self.report.recovery.append(record)
-        self.watch.restarted(dead.name, record, time.monotonic())
-        self._add_check(f"restart/{dead.name}", PASS,
-                        f"{dead.who} died in phase {dead.phase} ({how}); its standby (pid "
-                        f"{standby.proc.pid}) took over as incarnation {standby.incarnation}",
-                        data=record)
-        self.display.message(f"{dead.name} died in phase {dead.phase} ({how}): restarted as "
-                             f"incarnation {standby.incarnation}, pid {standby.proc.pid}")
-        return True
-
-    def _current(self, name: str) -> LocalWorker | None:
-        """The worker running under ``name`` now (the latest incarnation that started)."""
-        found = [w for w in self.workers if w.name == name and w.state != "standby"]
-        return max(found, key=lambda w: w.incarnation) if found else None
-
-    def _answer_peer_queries(self) -> None:
-        """Answer ``peer`` requests: the replacing incarnation as soon as there is one; None
-        once the grace passed with the peer alive (or a peer no restart can replace);
-        ``fail`` after an abort."""
-        now = time.monotonic()
-        keep = []
-        for q in self.peer_queries:
-            current = self._current(q.peer)
-            if self.aborted is not None:
-                self._reply(q.worker, {"op": "fail", "id": q.rid, "message": self.aborted})
-            elif current is not None and current.incarnation > q.incarnation:
-                self._reply(q.worker, {"op": "value", "id": q.rid,
-                                       "value": current.incarnation})
-            elif current is None or now >= q.answer_by or (
-                    current.finished and q.peer not in self.restartable):
-                self._reply(q.worker, {"op": "value", "id": q.rid, "value": None})
-            else:
-                keep.append(q)
-                continue
-            q.worker.last_progress = now
-        self.peer_queries = keep
 
     # -- failures --------------------------------------------------------------------------------
     @staticmethod
@@ -582,6 +565,12 @@ class Coordinator:
 
     def _summarise(self) -> None:
         self.report.workers.extend(describe_workers(self.workers, self.store))
+        stalls = self.clock.summary()
+        if stalls:
+            self._add_check("coordinator/stalls", PASS,
+                            f"the coordinator did not run {stalls['count']} times, for "
+                            f"{stalls['max_seconds']:.1f} s at most (stopped or starved of "
+                            "CPU); no worker was blamed for it", data=stalls)
         counted = [w for w in self.workers if w.counted]
         bad = [w for w in counted if w.state != "done" or w.proc.returncode != 0]
         if not bad and counted:

@@ -31,7 +31,7 @@ from .config import DECODE, PREFILL, RunConfig, worker_name
 from .control import HEARTBEAT_S, Control, PeerFailure
 from .display import Display
 from .environment import EnvironmentProblem
-from .report import FAIL, PASS, Check, Report, Transfer, signal_name
+from .report import FAIL, PASS, Check, Report, SweepPoint, Transfer, signal_name
 from .rundir import run_dir
 from .store_auth import (
     RendezvousRefused,
@@ -226,6 +226,7 @@ class StoreControl(Control):
         self.display = display
         self.checks: list[Check] = []
         self.transfers: list[Transfer] = []
+        self.sweep_points: list[SweepPoint] = []
         #: this process's own fatal error as a check (set by :meth:`finish`)
         self.failure: Check | None = None
         self._closing = False
@@ -245,6 +246,9 @@ class StoreControl(Control):
     def _send_transfer(self, t: Transfer) -> None:
         self.transfers.append(t)
         self.display.transfer(t)
+
+    def _send_sweep(self, point: SweepPoint) -> None:
+        self.sweep_points.append(point)
 
     def _send_fault(self, record: dict[str, Any]) -> None:
         """A multi-host run has no coordinator to time the report: the fault is logged and
@@ -330,6 +334,7 @@ class StoreControl(Control):
                                  data={"phase": self.current_phase, **(data or {})})
         result = {"checks": [asdict(c) for c in self.checks],
                   "transfers": [asdict(t) for t in self.transfers],
+                  "sweep": [p.to_json() for p in self.sweep_points],
                   "phase": self.current_phase, "error": error,
                   "failure": asdict(self.failure) if self.failure is not None else None}
         try:
@@ -413,6 +418,7 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
             if ctl.failure is not None:
                 report.checks.append(ctl.failure)
             report.transfers.extend(ctl.transfers)
+            report.sweep.extend(ctl.sweep_points)
             if m.is_reporter:
                 _gather(ctl, cfg, m, report)
             else:
@@ -461,6 +467,7 @@ def _gather(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) ->
             continue
         report.checks.extend(Check.from_json(c) for c in result.get("checks", []))
         report.transfers.extend(Transfer.from_json(t) for t in result.get("transfers", []))
+        report.sweep.extend(SweepPoint.from_json(p) for p in result.get("sweep", []))
         if isinstance(result.get("failure"), dict):
             report.checks.append(Check.from_json(result["failure"]))
         elif result.get("error"):

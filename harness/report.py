@@ -9,12 +9,12 @@ Units: ``bytes`` are bytes, ``seconds`` are wall seconds, ``gbps`` is 1e9 bytes 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .report_files import write_report
 
 #: identifies the JSON layout; bump when a field changes meaning
 SCHEMA = "kvconnect-validate/1"
@@ -108,6 +108,67 @@ class Transfer:
 
 
 @dataclass
+class SweepPoint:
+    """One size of a ``--sizes`` sweep (nccl-tests / nixlbench style) over one pair and
+    transport: ``warmup`` untimed fetches, then ``iters`` timed ones of ``blocks`` blocks
+    (``bytes`` each). Seconds are per fetch; ``verified`` is True when the destination held
+    exactly the source's blocks after the last one. GB/s are 1e9 bytes per second: ``avg``
+    from the mean time, ``peak`` from the fastest fetch, ``low`` from the slowest."""
+
+    pair: str
+    transport: str
+    bytes: int
+    blocks: int
+    warmup: int
+    iters: int
+    avg_seconds: float
+    min_seconds: float
+    max_seconds: float
+    verified: bool
+    backend: str = ""
+    #: same-run reference: GB/s of one contiguous torch copy of the same bytes between
+    #: ordinary allocations on the same two devices (None where it was not measured)
+    reference_gbps: float | None = None
+
+    @property
+    def avg_gbps(self) -> float:
+        return self.bytes / self.avg_seconds / 1e9 if self.avg_seconds > 0 else 0.0
+
+    @property
+    def peak_gbps(self) -> float:
+        return self.bytes / self.min_seconds / 1e9 if self.min_seconds > 0 else 0.0
+
+    @property
+    def low_gbps(self) -> float:
+        return self.bytes / self.max_seconds / 1e9 if self.max_seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "avg_gbps": self.avg_gbps, "peak_gbps": self.peak_gbps,
+                "low_gbps": self.low_gbps}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SweepPoint:
+        return cls(pair=str(obj["pair"]), transport=str(obj["transport"]),
+                   bytes=int(obj["bytes"]), blocks=int(obj["blocks"]),
+                   warmup=int(obj["warmup"]), iters=int(obj["iters"]),
+                   avg_seconds=float(obj["avg_seconds"]),
+                   min_seconds=float(obj["min_seconds"]),
+                   max_seconds=float(obj["max_seconds"]), verified=bool(obj["verified"]),
+                   backend=str(obj.get("backend", "")),
+                   reference_gbps=(None if obj.get("reference_gbps") is None
+                                   else float(obj["reference_gbps"])))
+
+
+def sweep_averages(points: list[SweepPoint]) -> dict[str, float]:
+    """Per transport, the mean of the per-size average GB/s over every size and pair (the
+    closing line of nccl-tests, ``# Avg bus bandwidth``)."""
+    by: dict[str, list[float]] = {}
+    for p in points:
+        by.setdefault(p.transport, []).append(p.avg_gbps)
+    return {t: sum(v) / len(v) for t, v in by.items()}
+
+
+@dataclass
 class Report:
     """Everything a run found. ``passed`` is True when no check failed and nothing is missing."""
 
@@ -136,6 +197,10 @@ class Report:
     recovery: list[dict[str, Any]] = field(default_factory=list)
     #: what the coordinator checked was given back after the run (see :mod:`.cleanup`)
     cleanup: dict[str, Any] = field(default_factory=dict)
+    #: ``--sizes``: one point per pair, transport and size
+    sweep: list[SweepPoint] = field(default_factory=list)
+    #: leftover run directories of killed runs removed before this one started
+    stale_run_dirs: list[str] = field(default_factory=list)
 
     # -- building ----------------------------------------------------------------
     def add_check(self, name: str, status: str, detail: str = "", worker: str = "coordinator",
@@ -239,10 +304,14 @@ class Report:
             "workers": self.workers,
             "checks": [asdict(c) for c in self.checks],
             "transfers": [asdict(t) for t in self.transfers],
+            "sweep": [p.to_json() for p in self.sweep],
+            "sweep_average_gbps": sweep_averages(self.sweep),
+            "stale_run_dirs": self.stale_run_dirs,
         }
 
     def write_json(self, path: str) -> None:
-        _atomic_write(path, json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
+        """Write the JSON report (see :mod:`.report_files` for what ``path`` may be)."""
+        write_report(path, json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
 
     def to_junit(self) -> ET.Element:
         """JUnit XML: one ``testsuite``, one ``testcase`` per check (``skipped``/``failure``)."""
@@ -281,7 +350,7 @@ class Report:
         root = self.to_junit()
         ET.indent(root)
         text = ET.tostring(root, encoding="unicode", xml_declaration=False)
-        _atomic_write(path, '<?xml version="1.0" encoding="utf-8"?>\n' + text + "\n")
+        write_report(path, '<?xml version="1.0" encoding="utf-8"?>\n' + text + "\n")
 
 
 def signal_name(signum: int) -> str:
@@ -295,22 +364,3 @@ def signal_name(signum: int) -> str:
 def _first_line(text: str, limit: int = 200) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line[:limit]
-
-
-def _atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".kvconnect-", dir=directory)
-    try:
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

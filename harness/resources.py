@@ -9,7 +9,8 @@ Per worker process, from the layout plan (units: bytes, counts):
   warm-up chunks are released before the final allocation, so this is the peak), plus a
   working set of :data:`WORKING_TRANSFERS` transfers (``transfer_blocks`` blocks each: the
   CPU offload pool and the four snapshots of the offloaded blocks on prefill; the reference
-  copy's source and target, the gather and the poison on decode), plus a process baseline
+  copy's source and target, the gather and the poison on decode; with ``--sizes`` also the
+  reference copy of the largest size), plus a process baseline
   (small for workers forked from the coordinator, larger for fresh interpreters). On CUDA the
   KV cache and working set live in device memory: reported per GPU, not compared (the
   coordinator does not initialise CUDA to ask); host memory then needs the baseline and the
@@ -24,11 +25,18 @@ Per worker process, from the layout plan (units: bytes, counts):
   (own chunks, the reservation's unmapped tail, a peer's chunk and tail) beyond
   :data:`BASE_MAPS` for the interpreter, torch and UCX.
 
+- **CPUs**: every worker must get CPU time often enough that its heartbeat thread beats within
+  the heartbeat limit and its steps finish within ``--timeout``: at most
+  :data:`MAX_WORKERS_PER_CPU` workers per CPU this process may use (its affinity mask, and
+  the CPU cgroup's quota). ``--prefill 16 --decode 16`` on 2 CPUs failed its deadlines (a
+  prefill's CPU-offload round trip took over 60 s); 4 + 4 passed there under a load
+  average of 29.
+
 Against: MemAvailable (and the memory cgroup's limit less its usage, when lower), the
 RLIMIT_NOFILE soft limit (raised to the hard limit first when short; workers inherit it) and
 ``vm.max_map_count``. Exit code 2 when the run could not fit this machine however idle
-(memory over MemTotal or the cgroup limit, fds over the kernel's ``fs.nr_open``): change the
-arguments. Exit code 3 when the machine lacks it now or as configured (MemAvailable, the fd
+(memory over MemTotal or the cgroup limit, fds over the kernel's ``fs.nr_open``, more workers
+than the CPUs can carry): change the arguments. Exit code 3 when the machine lacks it now or as configured (MemAvailable, the fd
 hard limit, ``vm.max_map_count``): free memory or raise the limit.
 """
 
@@ -58,6 +66,8 @@ BASE_FDS = 64
 #: memory mappings of a worker beyond its KV cache: interpreter, torch, UCX
 BASE_MAPS = 1200
 MAPS_PER_SEGMENT = 4
+#: most worker processes per usable CPU (see the module docstring)
+MAX_WORKERS_PER_CPU = 4
 #: commit steps a worker's cache takes before its final single-handle commit
 _COMMIT_STEPS = 3
 
@@ -100,6 +110,8 @@ class MachineLimits:
     fd_hard_limit: int
     fd_kernel_max: int | None
     max_map_count: int | None
+    #: CPUs this process may use: its affinity mask, capped by the CPU cgroup's quota
+    cpus: int | None = None
 
     @property
     def memory_bytes(self) -> int | None:
@@ -184,8 +196,10 @@ def estimate_worker_needs(cfg: RunConfig, *, forked: bool) -> WorkerNeeds:
         fds = BASE_FDS + 2 * segments  # exported / imported handles only
     else:  # own chunks at their peak, or own + a peer's received and imported while mapping
         fds = BASE_FDS + max(chunk_fds, 3 * segments)
+    # --sizes: the same-run reference copy of the largest size (source and target)
+    sweep = 2 * max(cfg.sweep_sizes) if cfg.sweep_sizes else 0
     return WorkerNeeds(segments=segments, kv_cache_bytes=kv_bytes,
-                       working_bytes=WORKING_TRANSFERS * transfer,
+                       working_bytes=WORKING_TRANSFERS * transfer + sweep,
                        baseline_bytes=FORKED_BASELINE if forked else FRESH_BASELINE,
                        fds=fds, mappings=BASE_MAPS + MAPS_PER_SEGMENT * segments,
                        on_device=on_device)
@@ -201,7 +215,7 @@ def machine_limits() -> MachineLimits:
         cgroup_limit_bytes=limit, cgroup_available_bytes=room,
         fd_soft_limit=_finite(soft), fd_hard_limit=_finite(hard),
         fd_kernel_max=_read_int("/proc/sys/fs/nr_open"),
-        max_map_count=_read_int("/proc/sys/vm/max_map_count"))
+        max_map_count=_read_int("/proc/sys/vm/max_map_count"), cpus=usable_cpus())
 
 
 def judge(workers: int, needs: WorkerNeeds, limits: MachineLimits, *,
@@ -245,6 +259,14 @@ def judge(workers: int, needs: WorkerNeeds, limits: MachineLimits, *,
             f"the ipc transport sends a worker's {needs.segments} KV chunks in one message, "
             f"more than the {MAX_FDS} fds a message may carry: lower --num-layers or drop "
             "ipc from --transports"))
+    if limits.cpus is not None and workers > MAX_WORKERS_PER_CPU * limits.cpus:
+        need = -(-workers // MAX_WORKERS_PER_CPU)
+        verdict.problems.append(_problem(
+            "cpus", need, limits.cpus, "CPU affinity / cgroup quota", True,
+            f"{workers} workers need at least {need} CPUs (at most {MAX_WORKERS_PER_CPU} "
+            f"workers per CPU: each must beat its heartbeat and finish its steps within "
+            f"--timeout) but this process may use {limits.cpus}: lower --prefill / --decode "
+            "or run on a larger machine"))
     if limits.max_map_count is not None and needs.mappings > limits.max_map_count:
         verdict.problems.append(_problem(
             "mappings", needs.mappings, limits.max_map_count, "vm.max_map_count", False,
@@ -316,6 +338,39 @@ def _cgroup_memory(root: str = "/sys/fs/cgroup",
         cache = _stat_value(os.path.join(directory, "memory.stat"), cache_key)
         return limit, max(0, limit - (usage - min(cache, usage)))
     return None, None
+
+
+def usable_cpus(root: str = "/sys/fs/cgroup",
+                self_cgroup: str = "/proc/self/cgroup") -> int:
+    """CPUs this process may use: its affinity mask, capped by its CPU cgroup's quota
+    (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), rounded up."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        with open(self_cgroup, encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return cpus
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        rel = path.lstrip("/")
+        quota = period = None
+        if controllers == "":  # v2: "max 100000" or "200000 100000"
+            try:
+                with open(os.path.join(root, rel, "cpu.max"), encoding="ascii") as f:
+                    fields = f.read().split()
+            except OSError:
+                continue
+            if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+                quota, period = int(fields[0]), int(fields[1])
+        elif "cpu" in controllers.split(","):
+            base = os.path.join(root, "cpu", rel)
+            if not os.path.isdir(base):
+                base = os.path.join(root, "cpu")
+            quota = _read_int(os.path.join(base, "cpu.cfs_quota_us"))  # -1: none
+            period = _read_int(os.path.join(base, "cpu.cfs_period_us"))
+        if quota and period:
+            cpus = min(cpus, max(1, -(-quota // period)))
+    return cpus
 
 
 def _stat_value(path: str, key: str) -> int:

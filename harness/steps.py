@@ -368,7 +368,10 @@ class WorkerSteps:
 def round_wait(cfg: RunConfig) -> float:
     """Deadline (seconds) for a peer's whole round: each of its steps has its own deadline of
     ``--timeout``, so a stuck step is reported by the peer itself first."""
-    return cfg.timeout * (len(cfg.transports) * max(cfg.num_prefill, cfg.num_decode) + 3)
+    own = cfg.timeout * (len(cfg.transports) * max(cfg.num_prefill, cfg.num_decode) + 3)
+    # a sweep size takes at most half of --timeout plus one fetch, per transport and prefill
+    sweep = 1.5 * cfg.timeout * len(cfg.sweep_sizes) * len(cfg.transports) * cfg.num_prefill
+    return own + sweep
 
 
 def same_blocks(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[int]:

@@ -34,6 +34,8 @@ import json
 import logging
 import os
 import secrets
+import select
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -72,21 +74,19 @@ class TamperedValue(RuntimeError):
     """A store value whose seal is missing or wrong: not written by a member of this run."""
 
 
-def load_token(path: str | None, env: Mapping[str, str]) -> bytes | None:
+def load_token(path: str | None, env: Mapping[str, str],
+               timeout: float = 10.0) -> bytes | None:
     """The token from ``path`` (trailing newline stripped) or ``$KVCONNECT_RENDEZVOUS_TOKEN``,
-    or None; :class:`TokenError` when it cannot be used."""
+    or None; :class:`TokenError` when it cannot be used. ``path`` may be a regular file or
+    a pipe (``<(vault read ...)``, a FIFO); a pipe must deliver the whole token and close
+    within ``timeout`` seconds (a FIFO nobody writes is refused then, never waited on)."""
     if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_TOKEN_BYTES + 2)
-            mode = os.stat(path).st_mode
-        except OSError as exc:
-            raise TokenError(f"--rendezvous-token-file {path}: {exc.strerror or exc}") from None
-        if mode & 0o077:
+        where = f"--rendezvous-token-file {path}"
+        raw, mode = _read_token_file(path, where, timeout)
+        if mode & 0o077 and stat.S_ISREG(mode):
             log.warning("--rendezvous-token-file %s is readable by other users (mode %o): "
                         "chmod 600 it", path, mode & 0o777)
         token = raw.rstrip(b"\r\n")
-        where = f"--rendezvous-token-file {path}"
     elif env.get(TOKEN_ENV):
         token = env[TOKEN_ENV].encode()
         where = TOKEN_ENV
@@ -98,6 +98,45 @@ def load_token(path: str | None, env: Mapping[str, str]) -> bytes | None:
     if len(token) > MAX_TOKEN_BYTES:
         raise TokenError(f"{where}: the token is longer than {MAX_TOKEN_BYTES} bytes")
     return token
+
+
+def _read_token_file(path: str, where: str, timeout: float) -> tuple[bytes, int]:
+    """``(at most MAX_TOKEN_BYTES + 2 bytes of the file, its mode)``; never blocks past
+    ``timeout`` (the file is opened and read non-blocking)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        raise TokenError(f"{where}: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise TokenError(f"{where}: is not a regular file or a pipe; give a file "
+                             "holding the token (mode 0600)")
+        raw = b""
+        deadline = time.monotonic() + timeout
+        wrote = not stat.S_ISFIFO(mode)  # a FIFO reads as empty until its writer came
+        while len(raw) <= MAX_TOKEN_BYTES + 1:
+            try:
+                chunk = os.read(fd, MAX_TOKEN_BYTES + 2 - len(raw))
+            except BlockingIOError:
+                chunk = None
+            except OSError as exc:
+                raise TokenError(f"{where}: {exc.strerror or exc}") from None
+            if chunk:
+                raw += chunk
+                wrote = True
+                continue
+            if chunk == b"" and wrote:
+                break  # end of file
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TokenError(f"{where}: a pipe that delivered "
+                                 f"{'no' if not raw else 'no end to its'} token within "
+                                 f"{timeout:g} s (a FIFO nobody writes?)")
+            select.select([fd], [], [], min(left, 0.05))
+        return raw, mode
+    finally:
+        os.close(fd)
 
 
 def _mac(key: bytes, *parts: str) -> str:

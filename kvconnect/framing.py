@@ -53,8 +53,8 @@ from .bounded_json import loads as bounded_loads
 __all__ = [
     "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "SEAL_BYTES", "FrameSeal",
     "IpcError", "PeerCredentials", "PeerError", "PeerRefusedError", "check_peer",
-    "check_peer_uid", "peer_credentials", "private_socket_dir", "recv_json", "recv_message",
-    "send_error", "send_message",
+    "check_peer_uid", "connect_unix", "peer_credentials", "private_socket_dir", "recv_json",
+    "recv_message", "send_error", "send_message",
 ]
 
 MAGIC = b"KVC2"
@@ -164,6 +164,35 @@ def private_socket_dir(prefix: str = "kvconnect-") -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def connect_unix(path: str, timeout: float) -> socket.socket:
+    """A stream socket connected to the Unix socket ``path`` within ``timeout`` seconds, with
+    that timeout set on it.
+
+    Linux answers a connect to a listener whose backlog is full with ``EAGAIN`` at once when
+    the socket has a timeout (Python's ``BlockingIOError``), where a TCP connect would wait:
+    retry, backing off, until the deadline, then raise :class:`IpcError` saying so. Other
+    errors (no such socket, refused) are raised as they are (``OSError``)."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-3
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            sock.connect(path)
+            sock.settimeout(timeout)
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() + pause > deadline:
+                raise IpcError(f"{path}: the listener's backlog stayed full for {timeout:g} s "
+                               "(it is not accepting connections)") from None
+        except BaseException:
+            sock.close()
+            raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def peer_credentials(sock: socket.socket) -> PeerCredentials:

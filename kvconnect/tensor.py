@@ -21,15 +21,24 @@ referenced, and ``close(force=True)`` (what leaving a ``with`` block and the dep
 :meth:`free` do) releases the physical memory at once but keeps the address range reserved
 until the last view is gone, so a stale view faults instead of reaching whatever is mapped
 there next.
+
+Threads: one lock per tensor serializes every call that changes or reads its mapped state
+(commit, shrink, release, recommit, views, export, close, ``committed_bytes``), so
+concurrent callers see one commit after another, never chunks mapped over each other. The
+bytes behind views are not guarded: writing them is the caller's business, as with any
+tensor.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -93,6 +102,8 @@ class _State:
     chunks: list[list[_Mapped]] = field(default_factory=list)
     views: weakref.WeakSet[ViewAnchor] = field(default_factory=weakref.WeakSet)
     closed: bool = False
+    #: serializes the tensor's calls (see the module docstring); re-entrant
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def unmap_all(self) -> None:
         if any(self.chunks):
@@ -114,6 +125,19 @@ class _State:
             reservation, self.reservation = self.reservation, None
             if reservation is not None and not self.views:
                 reservation.release()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _serialized(method: _F) -> _F:
+    """Run ``method`` holding its tensor's lock (one caller at a time per tensor)."""
+    @functools.wraps(method)
+    def locked(self: ExtensibleTensor, *args: Any, **kwargs: Any) -> Any:
+        with self._state.lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 def _resolve_driver(device: object) -> VmmDriver:
@@ -220,7 +244,8 @@ class ExtensibleTensor(Closeable):
     @property
     def committed_bytes(self) -> tuple[int, ...]:
         """Bytes physically committed per segment (granule-rounded). 0 while released."""
-        return tuple(self._committed)
+        with self._state.lock:
+            return tuple(self._committed)
 
     @property
     def num_physical_chunks(self) -> int:
@@ -267,10 +292,12 @@ class ExtensibleTensor(Closeable):
         return len(self._state.views)
 
     def segment_base(self, segment: int) -> int:
-        """Address of segment ``segment``'s first byte."""
+        """Address of segment ``segment``'s first byte (RuntimeError after :meth:`close`)."""
+        self._check_alive()
         self._check_segment(segment)
         return self.base_ptr + segment * self._segment_capacity
 
+    @_serialized
     def physical_chunks(self) -> list[Chunk]:
         """Every physical allocation now mapped, in address order."""
         self._check_alive()
@@ -281,6 +308,7 @@ class ExtensibleTensor(Closeable):
         return out
 
     # -- growth ----------------------------------------------------------------
+    @_serialized
     def commit(self, bytes_per_segment: int, *, single_handle: bool = False) -> None:
         """Grow every segment's committed prefix to at least ``bytes_per_segment`` bytes.
 
@@ -354,6 +382,7 @@ class ExtensibleTensor(Closeable):
         self._state.chunks[segment].remove(m)
         self._unmap_one(m)
 
+    @_serialized
     def shrink_to(self, bytes_per_segment: Sequence[int]) -> None:
         """Undo later commits: unmap and release each segment's chunks that start at or past
         ``bytes_per_segment[s]`` (a size this tensor had earlier, in ``[0, segment_capacity]``;
@@ -380,6 +409,7 @@ class ExtensibleTensor(Closeable):
             self._committed[s] = chunks[-1].va + chunks[-1].size - seg_base if chunks else 0
 
     # -- sleep / wake / single handle -----------------------------------------
+    @_serialized
     def release_physical(self) -> None:
         """Synchronize, unmap and release every chunk; keep the VA reservation.
 
@@ -393,6 +423,7 @@ class ExtensibleTensor(Closeable):
         self._committed = [0] * self._num_segments
         self._released_sizes = sizes
 
+    @_serialized
     def recommit(self) -> None:
         """Commit the sizes held before :meth:`release_physical`, zero-filled, at the same
         addresses, as one physical allocation per segment."""
@@ -402,6 +433,7 @@ class ExtensibleTensor(Closeable):
         sizes, self._released_sizes = self._released_sizes, None
         self._commit_single(sizes, zero=True)
 
+    @_serialized
     def recommit_single_handle(self, *, zero: bool = False) -> None:
         """Release the chunks of each segment and recommit its prefix as ONE physical
         allocation (UCX exports only the first handle of a multi-handle region, ucx #11283).
@@ -438,6 +470,7 @@ class ExtensibleTensor(Closeable):
             raise
 
     # -- views -----------------------------------------------------------------
+    @_serialized
     def segment_view(self, segment: int) -> torch.Tensor:
         """uint8 tensor over exactly the committed prefix of ``segment``."""
         self._check_alive()
@@ -447,6 +480,7 @@ class ExtensibleTensor(Closeable):
             raise ValueError(f"segment {segment} has no committed memory")
         return self._view(self.segment_base(segment), n)
 
+    @_serialized
     def committed_view(self, offset: int, nbytes: int) -> torch.Tensor:
         """uint8 tensor of ``nbytes`` at ``base_ptr + offset``; its storage is exactly that
         size. The range must lie inside one segment's committed prefix (else ValueError)."""
@@ -463,6 +497,7 @@ class ExtensibleTensor(Closeable):
             )
         return self._view(self.base_ptr + offset, nbytes)
 
+    @_serialized
     def full_view(self) -> torch.Tensor:
         """uint8 tensor over the WHOLE reservation; pointer-stable (what CUDA graphs capture).
 
@@ -478,6 +513,7 @@ class ExtensibleTensor(Closeable):
                             self._state.views)
 
     # -- sharing ---------------------------------------------------------------
+    @_serialized
     def export_handles(self) -> list[ExportedChunk]:
         """Export every chunk as a POSIX fd (caller owns and must close the fds)."""
         self._check_alive()
@@ -497,6 +533,7 @@ class ExtensibleTensor(Closeable):
         return out
 
     # -- lifetime --------------------------------------------------------------
+    @_serialized
     def close(self, *, force: bool = False) -> None:
         """Unmap and release every chunk and free the reservation. Idempotent.
 
@@ -519,7 +556,12 @@ class ExtensibleTensor(Closeable):
         if self._state.closed:
             raise RuntimeError("ExtensibleTensor used after close()")
 
-    def _check_segment(self, segment: int) -> None:
+    def _check_segment(self, segment: object) -> None:
+        """TypeError unless ``segment`` is an ``int`` (not a bool: ``True`` is no index),
+        IndexError unless it is in range."""
+        if isinstance(segment, bool) or not isinstance(segment, int):
+            raise TypeError(f"segment must be an int in [0, {self._num_segments}), got "
+                            f"{type(segment).__name__} {segment!r:.40}")
         if not 0 <= segment < self._num_segments:
             raise IndexError(f"segment {segment} out of range (tensor has {self._num_segments})")
 

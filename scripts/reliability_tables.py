@@ -41,6 +41,7 @@ TEST_FILES = {
              "tests/test_fuzz_config_cli.py"],
     "soak": ["tests/test_soak.py"],
     "recovery": ["tests/test_nixl_recovery.py"],
+    "hostile": ["tests/test_ipc_hostile.py", "tests/test_harness_output.py"],
 }
 RUN_TIMEOUT_S = 1200
 #: corrupted NIXL agent-metadata blobs tried by scripts/nixl_metadata_probe.py
@@ -221,6 +222,10 @@ def render_sections(data: dict[str, Any]) -> dict[str, str]:
         "(each `done` byte-exact, each `failed` naming every block)." for r in sweeps)
     out["recovery"] = _table(["Test", "What it shows", "Result", "s"],
                              _test_rows(data, "recovery")) + sweep_text
+
+    if any(c["file"] in TEST_FILES["hostile"] for c in data["tests"]):
+        out["hostile"] = _table(["Test", "What it shows", "Result", "s"],
+                                _test_rows(data, "hostile"))
 
     nixl = data.get("nixl_metadata_probe")
     if nixl:

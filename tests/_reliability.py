@@ -95,6 +95,20 @@ def _mask(message: str) -> str:
     return re.sub(r"-?\d+", "N", message)[:60]
 
 
+def vmm_footprint() -> tuple[int, int]:
+    """(mapped memfd chunks, PROT_NONE reservations of 2 MiB or more) in this process."""
+    chunks = reserved = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:kvconnect-chunk" in line:
+                chunks += 1
+            fields = line.split()
+            if len(fields) == 5 and fields[1] == "---p":
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                reserved += hi - lo >= _G
+    return chunks, reserved
+
+
 def open_fds() -> set[str]:
     """Names in /proc/self/fd (the fds this process holds)."""
     return set(os.listdir("/proc/self/fd"))

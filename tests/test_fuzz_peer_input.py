@@ -22,6 +22,7 @@ from typing import Any
 import _nixl_peer as peerlib
 import _reliability as fuzz
 import pytest
+from _reliability import vmm_footprint
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,20 +33,6 @@ from kvconnect.vmm.host import HostVmmDriver
 G = 2 * 1024 * 1024
 
 # -- chunk records and export messages -------------------------------------------------------
-
-def vmm_footprint() -> tuple[int, int]:
-    """(mapped memfd chunks, PROT_NONE reservations of 2 MiB or more) in this process."""
-    chunks = reserved = 0
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "memfd:kvconnect-chunk" in line:
-                chunks += 1
-            fields = line.split()
-            if len(fields) == 5 and fields[1] == "---p":
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                reserved += hi - lo >= G
-    return chunks, reserved
-
 
 @pytest.fixture
 def exported():
@@ -179,6 +166,15 @@ def test_handshake_documents_parse_or_raise_metadata_error() -> None:
     run()
     tally.record()
     assert tally.tried >= n and tally.outcomes["MetadataError"] > 0
+
+
+def test_handshake_metadata_that_is_not_text_is_a_metadata_error() -> None:
+    """Issue 16: ``from_json(None)`` raised a TypeError from ``len``."""
+    from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
+
+    for bad in (None, 17, 1.5, [b"{}"], {"schema": 1}):
+        with pytest.raises(MetadataError, match="must be JSON bytes or text"):
+            HandshakeMetadata.from_json(bad)  # type: ignore[arg-type]
 
 
 needs_nixl = pytest.mark.skipif(

@@ -175,3 +175,69 @@ def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_output_path_probe_leaves_nothing_behind(tmp_path: Path) -> None:
     cli._check_output_path("--json", str(tmp_path / "r.json"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sizes_parse_as_nccl_tests_ranges_or_lists() -> None:
+    import argparse
+
+    M = 1 << 20
+    assert cli._sizes("1M:8M") == [M, 2 * M, 4 * M, 8 * M]
+    assert cli._sizes("1M:1G:4") == [M, 4 * M, 16 * M, 64 * M, 256 * M, 1024 * M]
+    assert cli._sizes("4K,1M,64M,1M") == [4096, M, 64 * M]
+    assert cli._sizes("1MiB:3MB") == [M, 2 * M]
+    assert cli._sizes("4096") == [4096]
+    for bad in ("", "0", "1X", "8M:1M", "1M:2M:1", "1M:2M:3:4", "2T", ",,"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli._sizes(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "1M:1G", "--num-blocks", "160"], "needs --num-blocks of at least 4096"),
+    (["--iters", "3"], "give --sizes too"),
+    (["--sizes", "1M", "--iters", "0"], "must be at least 1"),
+])
+def test_bad_sweep_arguments_exit_2(argv: list[str], message: str,
+                                    run_validate_cli: Any) -> None:
+    code, text = run_validate_cli(["--device", "host", *argv])
+    assert code == 2 and message in text, text
+
+
+def test_version_and_the_layout_list_come_from_one_place(run_validate_cli: Any) -> None:
+    """Issue 16: --layout in --help listed no names, docs/validate.md 5, the error 11."""
+    from importlib.metadata import version
+
+    from kvconnect.layout import PRESETS
+
+    code, text = run_validate_cli(["--version"])
+    assert code == 0 and text.strip() == f"kvconnect-validate {version('kvconnect')}"
+    names = sorted(PRESETS)
+    assert cli.layout_names() == names
+    code, text = run_validate_cli(["--help"])
+    flat = " ".join(text.split()).replace("- ", "-")  # argparse wraps at hyphens
+    assert code == 0 and ", ".join(names) in flat
+    code, text = run_validate_cli(["--layout", "nope"])
+    assert code == 2 and text.strip().endswith("choose from " + ", ".join(names))
+    docs = (Path(__file__).parent.parent / "docs" / "validate.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `--layout PRESET`"))
+    assert [x.strip("` ") for x in row.split("|")[2].split(":", 1)[1].split(",")] == names
+
+
+def test_a_leftover_run_folder_is_removed_and_the_user_told(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_validate_cli: Any) -> None:
+    from kvconnect.harness import rundir
+
+    base = tmp_path / "t"
+    base.mkdir()
+    left = base / "kvv-leftover"
+    left.mkdir()
+    (left / rundir.OWNER_FILE).write_text(json.dumps(
+        {"pid": 999_999_999, "start_ticks": 1, "boot_id": rundir._boot_id()}))
+    monkeypatch.setattr(rundir, "run_dir_base", lambda: str(base))
+    out = tmp_path / "r.json"
+    code, text = run_validate_cli(["--device", "host", "--transports", "ipc", "--num-layers",
+                                   "1", "--num-blocks", "8", "-q", "--json", str(out),
+                                   "--prefill", "64"])  # refused by the pre-check: quick
+    assert code == 2
+    assert f"removed {left}, a leftover run folder of a run that was killed" in text
+    assert json.loads(out.read_text())["stale_run_dirs"] == [str(left)]
+    assert not left.exists()

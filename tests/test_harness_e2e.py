@@ -247,15 +247,16 @@ def test_a_hung_worker_is_reported_within_seconds(tmp_path: Path) -> None:
 def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
            preexec_fn: Callable[[], None] | None = None,
            ) -> tuple[subprocess.Popen, Path, Path, Path]:
-    """Start ``kvconnect-validate`` (host backend, plain output, --json and --junit) with
+    """Start ``kvconnect-validate`` (host backend, plain output with every phase (``-v``),
+    --json and --junit) with
     its own TMPDIR; returns the process, the tmpdir and both report paths."""
     tmpdir = _run_tmpdir()
     out, junit = tmp_path / "report.json", tmp_path / "junit.xml"
     full_env = {**os.environ, "TMPDIR": str(tmpdir), **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         full_env.pop(k, None)
-    proc = subprocess.Popen([str(VALIDATE), "--device", "host", "--plain", "--json", str(out),
-                             "--junit", str(junit), *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(VALIDATE), "--device", "host", "--plain", "-v", "--json",
+                             str(out), "--junit", str(junit), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=full_env,
                             preexec_fn=preexec_fn)
     return proc, tmpdir, out, junit
@@ -290,34 +291,36 @@ def _wait_for_line(proc: subprocess.Popen, suffix: str, timeout: float) -> list[
     raise AssertionError(f"no line ending {suffix!r} within {timeout} s:\n" + "\n".join(seen))
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_stops_the_run_as_sigint_does_reports_written_workers_stopped(
-        tmp_path: Path) -> None:
-    """What a CI timeout or Kubernetes does: SIGTERM while prefill0 hangs serving round 1."""
+        tmp_path: Path, signum: signal.Signals) -> None:
+    """What a CI timeout or Kubernetes does (SIGTERM), or a closed terminal (SIGHUP: before
+    issue 16 it killed the coordinator with no report), while prefill0 hangs in round 1."""
     proc, tmpdir, out, junit = _start(
         tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
         "--timeout", "60", "--inject", "stop-prefill@transfer")
     try:
         _wait_for_line(proc, "prefill0: transfer:round1", timeout=PROCESS_TIMEOUT)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         code = proc.wait(timeout=60)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert code == 143  # 128 + SIGTERM, as SIGINT gives 130
+    assert code == 128 + signum  # 143 for SIGTERM, 129 for SIGHUP, as SIGINT gives 130
     report = json.loads(out.read_text())
-    assert report["exit_code"] == 143 and report["passed"] is False
+    assert report["exit_code"] == code and report["passed"] is False
     interrupted = report["interrupted"]
-    assert (interrupted["signal"], interrupted["stage"]) == ("SIGTERM", "run")
+    assert (interrupted["signal"], interrupted["stage"]) == (signum.name, "run")
     assert interrupted["phases"]["prefill0"] == "transfer:round1"
     assert set(interrupted["phases"]) == {"prefill0", "decode0"}
     suite = ET.parse(junit).getroot().find("testsuite")
     assert suite is not None and int(suite.get("failures", "0")) >= 1
     run = Run(code, "", "", report, ET.parse(junit).getroot(), took, tmpdir)
     assert_clean_exit(run)  # the stopped worker was killed and reaped, the directory removed
-    assert took < 20, f"SIGTERM took {took:.1f} s to stop the run"
+    assert took < 20, f"{signum.name} took {took:.1f} s to stop the run"
 
 
 def test_a_killed_coordinator_leaves_no_worker_and_no_run_directory(tmp_path: Path) -> None:
@@ -379,3 +382,75 @@ def test_the_fd_limit_is_raised_to_the_hard_limit_or_the_run_refused_with_the_nu
         ("fds", "RLIMIT_NOFILE", 256)
     assert problem["needed"] == report["resources"]["needed"]["fds_per_process"] > 256
     assert report["workers"] == []  # refused before any worker started
+
+
+def test_a_stalled_coordinator_blames_no_worker(tmp_path: Path) -> None:
+    """Issue 16 defect 9: SIGSTOP the coordinator past the heartbeat limit, then SIGCONT.
+    Before, the first worker it looked at was "stopped responding ... killed it"; now the
+    stall is the coordinator's own (``coordinator/stalls``) and the run passes."""
+    proc, tmpdir, out, junit = _start(
+        tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
+        "--timeout", "8")  # heartbeat limit: 4 s
+    try:
+        _wait_for_line(proc, "decode0: allocate", timeout=PROCESS_TIMEOUT)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(7)
+        proc.send_signal(signal.SIGCONT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    report = json.loads(out.read_text())
+    failed = [(c["worker"], c["name"], c["detail"][:300]) for c in report["checks"]
+              if c["status"] == "fail"]
+    assert code == 0 and report["passed"], failed
+    stalls = [c for c in report["checks"] if c["name"] == "coordinator/stalls"]
+    assert stalls and stalls[0]["data"]["max_seconds"] >= 6, stalls
+    assert_clean_exit(Run(code, "", "", report, ET.parse(junit).getroot(), 0.0, tmpdir))
+
+
+def test_more_workers_than_the_cpus_can_carry_are_refused_before_any_starts(
+        tmp_path: Path) -> None:
+    """Issue 16 defect 9: ``--prefill 64 --decode 64`` on a 2-core machine started 128
+    workers, then blamed a running one ("stopped responding ... state R"). The pre-check
+    refuses it with the CPUs it needs, before any worker starts."""
+    cpus = len(os.sched_getaffinity(0))
+    if cpus >= 32:
+        pytest.skip(f"{cpus} CPUs carry 128 workers")
+    out = tmp_path / "r.json"
+    t0 = time.monotonic()
+    proc = subprocess.run([str(VALIDATE), "--device", "host", "--prefill", "64", "--decode",
+                           "64", "-q", "--json", str(out)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TMPDIR": str(_run_tmpdir())})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    problems = {p["resource"]: p for p in json.loads(out.read_text())["resources"]["problems"]}
+    assert problems["cpus"]["needed"] == 32 and problems["cpus"]["impossible"]  # (memory too,
+    # when other jobs use this machine's memory)
+    assert "128 workers need at least 32 CPUs" in proc.stderr
+
+
+def test_a_size_sweep_reports_nccl_tests_figures_per_size_in_the_json(tmp_path: Path) -> None:
+    """``--sizes``: per pair, transport and size, warm-up then timed fetches; avg/min/max
+    latency and GB/s, a closing average per transport, byte-exact at every size, and the
+    NIXL READ notifications of the sweep counted too."""
+    run = validate(tmp_path, "--num-layers", "1", "--sizes", "64K:256K", "--warmup", "1",
+                   "--iters", "3")
+    assert run.code == 0, run.stdout[-4000:]
+    points = run.report["sweep"]
+    per_block = 2 * 32 * 1024  # llama3-8b-like, one layer: K and V pages of 32 KiB
+    assert sorted((p["transport"], p["bytes"]) for p in points) == sorted(
+        (t, b * per_block) for t in ("ipc", "nixl") for b in (1, 2, 4))
+    for p in points:
+        assert p["verified"] and (p["warmup"], p["iters"]) == (1, 3)
+        assert p["min_seconds"] <= p["avg_seconds"] <= p["max_seconds"]
+        assert p["avg_gbps"] == pytest.approx(p["bytes"] / p["avg_seconds"] / 1e9)
+        assert p["reference_gbps"] > 0  # the same-run plain copy of the same bytes
+    avg = run.report["sweep_average_gbps"]
+    assert set(avg) == {"ipc", "nixl"} and avg["ipc"] == pytest.approx(
+        sum(p["avg_gbps"] for p in points if p["transport"] == "ipc") / 3)
+    assert "# Avg bandwidth ipc:" in run.stdout and "avg(us)" in run.stdout
+    notes = run.check("prefill0", "nixl/notifications/round1")
+    assert notes["status"] == "pass" and notes["data"]["expected"]["decode0"] == 1 + 3 * 4

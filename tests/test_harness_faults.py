@@ -70,12 +70,31 @@ def test_the_registry_holds_every_fault_the_issue_names() -> None:
      "needs the nixl transport"),
     (["--inject", "restart-prefill@transfer", "--rendezvous", "h:1234", "--role", "decode",
       "--rank", "0"], "needs a local run"),
+    # issue 16: combinations that were accepted, then ended in not_fired
+    (["--inject", "kill-prefill@handshake", "--inject", "kill-prefill@transfer"],
+     "kill-prefill@transfer can never fire: kill-prefill@handshake ends prefill0 first"),
+    (["--inject", "restart-prefill@wake", "--inject", "restart-prefill@transfer"],
+     "restart-prefill@wake can never fire: restart-prefill@transfer ends prefill0 first"),
+    (["--inject", "kill-decode@transfer", "--inject", "drop-notification@notification"],
+     "drop-notification@notification can never fire: kill-decode@transfer fails the run"),
+    (["--prefill", "2", "--inject", "stop-prefill1@transfer", "--inject",
+      "kill-prefill@transfer"], "fails the run first"),
 ])
 def test_bad_inject_specs_exit_2_with_a_message(argv: list[str], message: str,
                                                 run_validate_cli: Any) -> None:
     code, text = run_validate_cli(argv)
     assert code == 2, text
     assert message in text
+
+
+def test_combinations_that_can_all_fire_are_accepted() -> None:
+    from kvconnect.harness.faults import check_faults
+
+    for texts in (["restart-prefill@transfer", "kill-decode@wake"],
+                  ["drop-notification@transfer", "kill-prefill@sleep"],
+                  ["restart-prefill@transfer", "restart-prefill1@transfer"],
+                  ["drop-notification@transfer", "kill-decode@notification"]):
+        check_faults([parse_fault(t) for t in texts], 2, 1, multi_host=False)
 
 
 def test_the_help_lists_the_faults_and_phases(run_validate_cli: Any) -> None:
@@ -319,3 +338,52 @@ def test_released_check_counts_every_fd_on_host_and_kv_mappings_only_on_cuda(
     assert (status, name) == (verdict, "resources/released")
     held = data["leaked"] if device == "cpu" else data["runtime_fds"]
     assert held["num_fds"] == 1 and str(tmp_path / "held") in held["fds"]
+
+
+def test_a_silent_worker_that_is_running_is_busy_not_unresponsive() -> None:
+    """Issue 16 defect 9: a worker whose heartbeat thread starves (more workers than cores)
+    is running (state R): busy, not dead. A sleeping or stopped one is unresponsive."""
+    import signal
+    import subprocess
+    import time
+
+    from kvconnect.harness.watchdog import NO_PROGRESS, UNRESPONSIVE, Judge
+    from kvconnect.harness.workerset import LocalWorker
+
+    judge = Judge(heartbeat_timeout=2.0, progress_deadline=5.0)
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    nap = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        time.sleep(0.5)
+        now = time.monotonic()
+        workers = {}
+        for name, proc in (("spin", spin), ("nap", nap)):
+            w = LocalWorker("prefill", 0, "cpu", proc, "/dev/null")
+            w.last_seen, w.last_progress = now - 3.0, now - 1.0  # silent 3 s, moved 1 s ago
+            workers[name] = w
+        deadline = time.monotonic() + 10
+        while not proc_running(spin.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert judge(workers["spin"], now) is None  # running: busy
+        verdict = judge(workers["nap"], now)
+        assert verdict is not None and verdict.cause == UNRESPONSIVE
+        assert verdict.process_state.startswith("S")
+        workers["spin"].last_progress = now - 6.0  # busy, but no progress past the deadline
+        verdict = judge(workers["spin"], now)
+        assert verdict is not None and verdict.cause == NO_PROGRESS
+        spin.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        workers["spin"].last_progress = now
+        verdict = judge(workers["spin"], now)
+        assert verdict is not None and verdict.cause == UNRESPONSIVE
+        assert verdict.process_state.startswith("T")
+    finally:
+        for proc in (spin, nap):
+            proc.kill()
+            proc.wait()
+
+
+def proc_running(pid: int) -> bool:
+    from kvconnect.harness.launch import proc_state
+
+    return proc_state(pid).startswith("R")

@@ -158,6 +158,33 @@ def test_a_short_token_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "use at least 16 random" in capsys.readouterr().err
 
 
+def test_a_token_fifo_nobody_writes_is_refused_within_timeout(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before issue 16 this hung past --timeout (a blocking open of the FIFO)."""
+    fifo = tmp_path / "token.fifo"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    assert cli.main(["--rendezvous", "h:1234", "--role", "decode", "--rank", "0",
+                     "--timeout", "1", "--rendezvous-token-file", str(fifo)]) == 2
+    assert time.monotonic() - t0 < 10
+    assert "a pipe that delivered no token within 1 s" in capsys.readouterr().err
+
+
+def test_a_token_from_a_pipe_and_not_from_a_directory(tmp_path: Path) -> None:
+    """``<(vault read ...)`` hands a pipe: read to its end; a directory is refused."""
+    from kvconnect.harness.store_auth import TokenError, load_token
+
+    r, w = os.pipe()
+    os.write(w, TOKEN + b"\n")
+    os.close(w)
+    try:
+        assert load_token(f"/proc/self/fd/{r}", {}, timeout=5) == TOKEN
+    finally:
+        os.close(r)
+    with pytest.raises(TokenError, match="not a regular file or a pipe"):
+        load_token(str(tmp_path), {}, timeout=5)
+
+
 # -- real processes -----------------------------------------------------------------------------
 def _launch(tmp_path: Path, name: str, args: list[str], env: dict[str, str],
             ) -> tuple[subprocess.Popen, Path]:
@@ -212,7 +239,9 @@ def test_processes_with_the_token_run_and_one_with_a_wrong_token_is_refused(
                 {"KVCONNECT_RENDEZVOUS_TOKEN": TOKEN.decode()})
     pcode, perr, prep, _ = _finish(*p)
     dcode, derr, drep, _ = _finish(*d)
-    assert (pcode, dcode) == (0, 0), perr[-2000:] + derr[-2000:]
+    failed = [(c["worker"], c["name"], c["detail"][:300]) for rep in (prep, drep)
+              for c in rep.get("checks", []) if c["status"] == "fail"]
+    assert (pcode, dcode) == (0, 0), (failed, perr[-2000:] + derr[-2000:])
     for rep in (prep, drep):
         [auth] = [c for c in rep["checks"] if c["name"] == "rendezvous"]
         assert auth["status"] == "pass" and auth["data"]["token"] is True

@@ -94,7 +94,7 @@ def test_junit_has_one_testcase_per_check(tmp_path: Path) -> None:
 
 def test_plain_display_prints_table_and_verdict() -> None:
     out = io.StringIO()
-    d = Display(live=False, stream=out)
+    d = Display(live=False, stream=out, verbose=True)
     r = _report()
     d.phase("prefill0", "allocate")
     d.check(r.checks[0])
@@ -105,6 +105,57 @@ def test_plain_display_prints_table_and_verdict() -> None:
     assert "PASS prefill0/kv_cache/allocate" in text
     assert "prefill0->decode0" in text and "copy:cpu" in text
     assert text.rstrip().splitlines()[-1].startswith("PASSED: 1 passed, 0 failed, 1 skipped")
+
+
+def test_the_default_output_is_short_and_puts_failures_first() -> None:
+    """Issue 16: a plain 1P1D printed ~130 lines with every check twice. By default: no
+    phase, pass or transfer line while running; the summary starts with the failures."""
+    out = io.StringIO()
+    d = Display(live=False, stream=out)
+    r = _report()
+    for i in range(30):
+        r.add_check(f"kv_cache/step{i}", "pass", "fine", worker="decode0")
+    r.add_check("transfer/x", "fail", "block 3 differs", worker="decode0")
+    d.phase("prefill0", "allocate")
+    for c in r.checks:
+        d.check(c)
+    d.transfer(r.transfers[0])
+    d.phase("decode0", "done")
+    d.final(r)
+    lines = out.getvalue().splitlines()
+    assert not any("prefill0: allocate" in x or "PASS " in x for x in lines)
+    assert sum("decode0/transfer/x" in x for x in lines) == 2  # live, then in the summary
+    summary = lines[lines.index(next(x for x in lines if x.startswith("Failures"))):]
+    assert summary[1].startswith("  FAIL  decode0/transfer/x  block 3 differs")
+    assert any(x.startswith("  SKIP  rdma/registration (decode0)") for x in summary)
+    assert summary[-2].startswith("Checks: 31 passed, 1 failed, 1 skipped")
+    assert len(lines) < 15
+
+
+def test_a_sweep_prints_nccl_tests_columns_and_the_average_line() -> None:
+    from kvconnect.harness.display import sweep_lines
+    from kvconnect.harness.report import SweepPoint, sweep_averages
+
+    points = [SweepPoint("prefill0->decode0", "ipc", 1 << 20, 4, 5, 20, 1e-3, 5e-4, 2e-3,
+                         True, "torch:cpu"),
+              SweepPoint("prefill0->decode0", "ipc", 4 << 20, 16, 5, 20, 2e-3, 1e-3, 4e-3,
+                         True, "torch:cpu")]
+    assert points[0].avg_gbps == pytest.approx((1 << 20) / 1e-3 / 1e9)
+    assert points[0].peak_gbps == pytest.approx(2 * points[0].avg_gbps)
+    avg = sweep_averages(points)["ipc"]
+    assert avg == pytest.approx((points[0].avg_gbps + points[1].avg_gbps) / 2)
+    text = [t for _, t in sweep_lines(points)]
+    assert text[1].split()[1:] == ["pair", "transport", "size(B)", "blocks", "iters", "avg(us)",
+                                   "min(us)", "max(us)", "avg", "GB/s", "peak", "GB/s",
+                                   "ref", "GB/s", "verified"]
+    assert text[2].split()[2:4] == ["1048576", "4"] and text[2].split()[5] == "1000.0"
+    assert text[-1].startswith(f"# Avg bandwidth ipc: {avg:.3f} GB/s")
+    r = _report()
+    r.sweep = points
+    doc = r.to_json()
+    assert doc["sweep_average_gbps"]["ipc"] == pytest.approx(avg)
+    assert doc["sweep"][1]["avg_gbps"] == pytest.approx(points[1].avg_gbps)
+    assert SweepPoint.from_json(doc["sweep"][0]) == points[0]
 
 
 def test_rich_display_escapes_markup_in_details() -> None:

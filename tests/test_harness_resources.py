@@ -4,6 +4,7 @@ starts (exit 2: cannot fit this machine, 3: does not fit now or as configured)."
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,6 +67,30 @@ def test_judge_picks_exit_2_when_it_cannot_fit_and_3_when_it_does_not_fit_now() 
     v = judge(2, needs, cgroup)
     assert v.exit_code == 2 and v.problems[0]["limit"] == "memory cgroup limit"
     assert json.loads(json.dumps(v.to_json()))["problems"][0]["available"] == 2 * GIB
+
+
+def test_more_workers_than_the_cpus_carry_exit_2_with_what_they_need() -> None:
+    from kvconnect.harness.resources import MAX_WORKERS_PER_CPU
+
+    needs = estimate_worker_needs(RunConfig(num_layers=1, num_blocks=8), forked=True)
+    two = replace(MACHINE, cpus=2, mem_available_bytes=None, mem_total_bytes=None)
+    assert judge(2 * MAX_WORKERS_PER_CPU, needs, two).exit_code == 0
+    v = judge(128, needs, two)
+    assert v.exit_code == 2 and [p["resource"] for p in v.problems] == ["cpus"]
+    assert (v.problems[0]["needed"], v.problems[0]["available"]) == (
+        128 // MAX_WORKERS_PER_CPU, 2)
+
+
+def test_the_cpu_quota_of_the_cgroup_caps_the_cpus(tmp_path: Path) -> None:
+    from kvconnect.harness.resources import usable_cpus
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # v2: 1.5 CPUs
+    (tmp_path / "cgroup").write_text("0::/\n")
+    assert usable_cpus(str(tmp_path), str(tmp_path / "cgroup")) == min(
+        2, len(os.sched_getaffinity(0)))
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(str(tmp_path), str(tmp_path / "cgroup")) == len(
+        os.sched_getaffinity(0))
 
 
 def test_this_machine_is_read() -> None:

@@ -391,3 +391,81 @@ def test_export_failure_reaches_the_importer_as_the_real_error(tmp_path) -> None
     assert err.value.remote_type == "RuntimeError"
     assert "shareable" in err.value.remote_message
     assert len(server.errors) == 1
+
+
+_TRUNCATING_PEER = """
+import os, sys
+from kvconnect import ExtensibleTensor
+from kvconnect.ipc import PeerMapping
+from kvconnect.vmm.host import HostVmmDriver
+G = 2 * 1024 * 1024
+drv = HostVmmDriver()
+with ExtensibleTensor(2 * G, drv, shareable=True) as t:
+    t.commit(G)
+    (chunk,) = t.export_handles()
+    m = PeerMapping.import_chunks(drv, 2 * G, 2 * G, [{"segment": 0, "offset": 0,
+                                                        "size": G}], [chunk.fd])
+    view = m.view(0, G)
+    try:
+        os.ftruncate(chunk.fd, 0)  # what a hostile exporter does to the memfd it sent
+        print("truncated", flush=True)
+    except OSError as exc:
+        print("refused", exc.errno, flush=True)
+    print("read", int(view[G - 1]), flush=True)  # SIGBUS here when the memfd shrank
+    del view
+    m.close()
+    os.close(chunk.fd)
+"""
+
+
+def test_a_peer_cannot_truncate_a_mapped_chunk() -> None:
+    """Issue 16 defect 7: an exporter truncating its memfd after the importer mapped it
+    killed the importer with SIGBUS on its next read. Chunks are sealed (shrink, grow,
+    seal): the truncation is refused and the read works."""
+    import errno
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATING_PEER], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.split("\n")[:2] == [f"refused {errno.EPERM}", "read 0"]
+
+
+def test_import_accepts_only_sealed_memfds(tmp_path) -> None:
+    """A regular file on disk was accepted (and written through); an unsealed memfd could be
+    truncated under the mapping. Both are refused, as is a pipe."""
+    import fcntl
+
+    drv = HostVmmDriver()
+    path = tmp_path / "chunk.bin"
+    path.write_bytes(b"\0" * G)
+    plain = os.open(path, os.O_RDWR)
+    unsealed = os.memfd_create("kvc-test-unsealed", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, G)
+    half = os.memfd_create("kvc-test-half", os.MFD_ALLOW_SEALING)
+    os.ftruncate(half, G)
+    fcntl.fcntl(half, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # may still grow: refused too
+    r, w = os.pipe()
+    try:
+        for fd, error in ((plain, "not a sealed memfd"), (r, "not a sealed memfd"),
+                          (unsealed, "not sealed against resizing"),
+                          (half, "not sealed against resizing")):
+            with pytest.raises(ValueError, match=error):
+                drv.import_fd(fd, G)
+            with pytest.raises(IpcError, match=error):
+                PeerMapping.import_chunks(drv, 2 * G, 2 * G, [{"segment": 0, "offset": 0,
+                                                                "size": G}], [fd])
+        with ExtensibleTensor(2 * G, drv, shareable=True) as t:
+            t.commit(G)
+            (chunk,) = t.export_handles()
+            try:
+                seals = fcntl.fcntl(chunk.fd, fcntl.F_GET_SEALS)
+                assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+                assert seals & fcntl.F_SEAL_SEAL  # nobody can add F_SEAL_WRITE under us
+                drv.release(drv.import_fd(chunk.fd, G))
+            finally:
+                os.close(chunk.fd)
+    finally:
+        for fd in (plain, unsealed, half, r, w):
+            os.close(fd)

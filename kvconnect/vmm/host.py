@@ -1,19 +1,27 @@
 """Host (Linux, no GPU) backend: a faithful model of CUDA VMM on ordinary memory.
 
 - reserve:  ``mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``
-- create:   ``memfd_create`` + ``ftruncate`` (the "physical allocation"; its fd is the handle)
+- create:   ``memfd_create`` + ``ftruncate``, then sealed against resizing (the "physical
+  allocation"; its fd is the handle)
 - map:      ``mmap(MAP_FIXED|MAP_SHARED, memfd)`` with ``PROT_NONE``
 - set_access: ``mprotect(PROT_READ|PROT_WRITE)``
 - unmap:    map ``PROT_NONE`` anonymous memory back over the range (the VA stays reserved)
 - export:   ``dup`` of the memfd (send it with SCM_RIGHTS)
 
 Touching reserved-but-uncommitted memory raises SIGSEGV, exactly like unmapped VA on a GPU.
+
+Sealing: an importer maps the exporter's memfd; if the other side could truncate it, the next
+read of the mapping would die with SIGBUS. Every chunk is therefore sealed with
+``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`` (its size is fixed for good, and no peer can
+add other seals), and :meth:`HostVmmDriver.import_fd` accepts only memfds carrying the
+shrink and grow seals: a regular file, a pipe or an unsealed memfd is refused.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import mmap
 import os
 import sys
@@ -38,6 +46,10 @@ _PAGE = mmap.PAGESIZE
 _PROT_NONE = 0
 #: commit granularity of the host backend; the same 2 MiB that CUDA reports on H200
 HOST_GRANULARITY = 2 * 1024 * 1024
+#: seals every chunk's memfd carries: its size never changes, nobody adds other seals
+CHUNK_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: seals an imported fd must carry (the size cannot change under our mapping)
+REQUIRED_IMPORT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -114,9 +126,10 @@ class HostVmmDriver(VmmDriver):
         checked_int("allocation size in bytes", size)
         if size % HOST_GRANULARITY:
             raise ValueError(f"size must be a positive multiple of {HOST_GRANULARITY} bytes, got {size}")
-        fd = os.memfd_create("kvconnect-chunk", os.MFD_CLOEXEC)
+        fd = os.memfd_create("kvconnect-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, CHUNK_SEALS)
         except OSError:
             os.close(fd)
             raise
@@ -164,8 +177,20 @@ class HostVmmDriver(VmmDriver):
         return os.dup(handle.handle)
 
     def import_fd(self, fd: int, size: int) -> PhysicalHandle:
+        """A peer's chunk: ``fd`` must be a memfd sealed against shrinking and growing (see
+        the module docstring) holding at least ``size`` bytes; ValueError otherwise."""
         checked_int("file descriptor", fd, minimum=0, maximum=(1 << 31) - 1)
         checked_int("imported allocation size in bytes", size)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:  # EINVAL: not a memfd (a regular file, a pipe, a socket)
+            raise ValueError(f"imported fd is not a sealed memfd ({exc.strerror}): only "
+                             "memory a peer cannot truncate under our mapping is accepted"
+                             ) from None
+        if seals & REQUIRED_IMPORT_SEALS != REQUIRED_IMPORT_SEALS:
+            raise ValueError(f"imported memfd is not sealed against resizing (seals {seals:#x}"
+                             f", need F_SEAL_SHRINK|F_SEAL_GROW = {REQUIRED_IMPORT_SEALS:#x}): "
+                             "its owner could truncate it under our mapping")
         actual = os.fstat(fd).st_size
         if actual < size:
             raise ValueError(f"imported fd holds {actual} bytes, fewer than the {size} expected")
