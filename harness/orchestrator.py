@@ -74,6 +74,8 @@ LOG_TAIL_LINES = 12
 PROGRESS_GRACE_S = 1.0
 #: seconds a ``peer`` request waits for the peer's death before answering "alive"
 PEER_QUERY_GRACE_S = 1.0
+#: seconds an exited worker's connection may stay open before it is judged dead without its EOF
+EXIT_DRAIN_S = 2.0
 
 
 def run_local(cfg: RunConfig, report: Report, display: Display,
@@ -506,7 +508,13 @@ class Coordinator(Restarts):
                        f"{self.cfg.timeout:g} s); killed it", state="dead", kill=True,
                     cause="no_progress")
             elif w.proc.poll() is not None:
-                self._died(w, exit_text(w.proc.returncode))
+                # a worker that exits right after its last message ("done") is judged by its
+                # reader's EOF, queued behind those messages; only a process whose connection
+                # stays open past the drain time (a child holding it) is judged here
+                if w.exited_at is None:
+                    w.exited_at = now
+                elif now - w.exited_at > EXIT_DRAIN_S:
+                    self._died(w, exit_text(w.proc.returncode))
         self._answer_peer_queries()
 
     # -- failures --------------------------------------------------------------------------------

@@ -54,6 +54,8 @@ class LocalWorker:
     #: replaced by a standby after it died (not a failure of the run)
     replaced: bool = False
     start_ticks: int | None = None
+    #: when the coordinator first saw the process gone (its last messages may still be queued)
+    exited_at: float | None = None
 
     @property
     def name(self) -> str:
