@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvconnect.connectors.cpu_offload import CPUOffloadConnector
+from kvconnect.connectors.offload.connector import CPUOffloadConnector
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import PRESETS, preset
 

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from transfer_timing import back_to_back, latency_rows
 
-from kvconnect.connectors.ipc_transport import IpcExportServer, IpcTransport
+from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import allocate_kv_caches, preset
 
@@ -85,9 +85,9 @@ def _fill(cache: ExtensibleKVCache, seed: int) -> None:
 
 
 def _nixl_worker(name: str) -> Any:
-    from kvconnect.connectors.nixl import NixlConnectorWorker
+    from kvconnect.connectors.nixl.worker import NixlRegionWorker
 
-    return NixlConnectorWorker(name, default_timeout=120.0, progress_thread=True)
+    return NixlRegionWorker(name, default_timeout=120.0, progress_thread=True)
 
 
 def _plain_registration(worker: Any, cfg: Any, device: str, num_blocks: int
@@ -374,7 +374,7 @@ def _print_row(r: dict[str, Any]) -> None:
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The kernel's launch shapes side by side on one GPU (plain allocations, 64 regions of
     ``--sweep-block-kib`` per block, random ids), against a d2d copy of the same bytes."""
-    from kvconnect.connectors.block_copy import BlockCopyPlan, BlockRegion
+    from kvconnect.connectors.copy.block_copy import BlockCopyPlan, BlockRegion
 
     dev = torch.device("cuda:0")
     blen = args.sweep_block_kib * 1024

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from transfer_timing import events_ms as _events_ms  # benchmarks/ is sys.path[0]
 
-from kvconnect.connectors._triton_block_copy import launch_block_copy
-from kvconnect.connectors.block_copy import BlockCopyPlan, BlockRegion
+from kvconnect.connectors.copy._triton_block_copy import launch_block_copy
+from kvconnect.connectors.copy.block_copy import BlockCopyPlan, BlockRegion
 
 MIB = 1024 * 1024
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from transfer_timing import events_ms as _events_ms  # benchmarks/ is sys.path[0]
 
-from kvconnect.connectors.block_copy import BlockCopyPlan, BlockRegion
+from kvconnect.connectors.copy.block_copy import BlockCopyPlan, BlockRegion
 
 MIB = 1024 * 1024
 REGIONS = 64
@@ -123,7 +123,7 @@ def _ipc_peer_plan(nb: int, block_kib: int, keep: list[Any]) -> BlockCopyPlan:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_transfer import _Server
 
-    from kvconnect.connectors.ipc_transport import IpcTransport
+    from kvconnect.connectors.ipc.transport import IpcTransport
 
     dst = _kvcache_regions(nb, block_kib, keep)
     cache = keep[-1]
@@ -198,8 +198,8 @@ def _time_one_copy(plan: BlockCopyPlan, nb: int, k: int, rng: np.random.Generato
     """p50 microseconds of the pieces of ``iters`` whole copies of ``k`` random blocks (ids
     -> array + checks, ``plan.copy``, event + completion wait) and of a plain copy of the same
     bytes, interleaved; plus the p99 of the whole and of the plain copy."""
-    from kvconnect.connectors._kernel_launch import wait_events
-    from kvconnect.connectors.block_copy import as_block_ids
+    from kvconnect.connectors.copy._kernel_launch import wait_events
+    from kvconnect.connectors.copy.block_copy import as_block_ids
 
     a = torch.empty(k * plan.bytes_per_block, dtype=torch.uint8, device=DEV)
     b = torch.empty_like(a)
@@ -236,7 +236,7 @@ def _time_one_copy(plan: BlockCopyPlan, nb: int, k: int, rng: np.random.Generato
 
 def part_host(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Host work of whole small copies, per launch mode, and a cProfile of many."""
-    from kvconnect.connectors._kernel_launch import wait_events
+    from kvconnect.connectors.copy._kernel_launch import wait_events
 
     rows = []
     blen = args.block_kib * 1024
@@ -276,7 +276,7 @@ def part_host(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def part_offload(args: argparse.Namespace) -> list[dict[str, Any]]:
     """cProfile of CPU offload saves + loads of 16 blocks (32 MiB), each path."""
-    from kvconnect.connectors.cpu_offload import CPUOffloadConnector
+    from kvconnect.connectors.offload.connector import CPUOffloadConnector
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
 

@@ -64,7 +64,7 @@ HOST_VARIANTS: dict[str, tuple[str, str, dict[str, str], dict[str, str]]] = {
 
 # -- both processes ----------------------------------------------------------------------------
 def _agent(name: str, params: dict[str, str]) -> Any:
-    from kvconnect.connectors.nixl_agent import import_nixl
+    from kvconnect.connectors.nixl.agent import import_nixl
 
     nixl_agent, nixl_agent_config = import_nixl()
     agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=True))

@@ -1,6 +1,8 @@
-"""KV connectors that take geometry only from the committed extent.
+"""KV connectors that take geometry only from the committed extent. The folder `connectors/`
+installs as ``kvconnect.connectors`` (a setuptools ``package-dir`` mapping); sub-packages ``copy``,
+``ipc``, ``nixl`` and ``offload`` hold one family each.
 
-- :class:`NixlConnectorWorker`: NIXL/UCX registration of committed regions (one per physical
+- :class:`NixlRegionWorker`: NIXL/UCX registration of committed regions (one per physical
   chunk, deferred until the final commit), JSON handshake with a layout fingerprint, READs with
   deadlines, re-registration after sleep/wake. NIXL itself is imported lazily.
 - :class:`CPUOffloadConnector`: a (pinned, on CUDA) CPU pool sized from committed per-block
@@ -15,23 +17,17 @@
 
 from __future__ import annotations
 
-from .block_copy import COPY_METHODS, LAUNCH_MODES, BlockCopyPlan, BlockRegion, block_runs
-from .cpu_offload import (
-    CPUOffloadConnector,
-    OffloadHandle,
-    OffloadKeyError,
-    RowSlice,
-    offload_row_layout,
-)
+from .copy.block_copy import COPY_METHODS, LAUNCH_MODES, BlockCopyPlan, BlockRegion, block_runs
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from .handshake import HandshakeMetadata, LayoutFingerprint, MetadataError
-from .ipc_transport import (  # registers "ipc" (transport.py)
+from .ipc.transport import (  # registers "ipc" (transport.py)
     IpcExportServer,
     IpcTransport,
     PendingFetch,
 )
-from .nixl import (
-    NixlConnectorWorker,
+from .nixl.handshake import HandshakeMetadata, LayoutFingerprint, MetadataError
+from .nixl.transport import NixlTransport, slow_gpu_lane_advice  # registers "nixl"
+from .nixl.worker import (
+    NixlRegionWorker,
     NixlUnavailableError,
     TransferResult,
     check_descriptors_in_chunks,
@@ -42,8 +38,14 @@ from .nixl import (
     registration_extents,
     transfer_regions,
 )
-from .nixl_transport import NixlTransport, slow_gpu_lane_advice  # registers "nixl"
-from .slot_allocator import LruSlots
+from .offload.connector import (
+    CPUOffloadConnector,
+    OffloadHandle,
+    OffloadKeyError,
+    RowSlice,
+    offload_row_layout,
+)
+from .offload.slots import LruSlots
 from .transport import (
     Exporter,
     FetchResult,
@@ -81,7 +83,7 @@ __all__ = [
     "KVTransferError",
     "LayoutFingerprint",
     "MetadataError",
-    "NixlConnectorWorker",
+    "NixlRegionWorker",
     "NixlUnavailableError",
     "OffloadHandle",
     "OffloadKeyError",

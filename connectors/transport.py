@@ -99,7 +99,7 @@ class TransportContext:
     ExtensibleKVCache; ``timeout``: seconds for any one wait; ``name``: this worker's name
     (socket names, agent names); ``directory``: a private 0700 directory for sockets;
     ``allowed_pids``: the peers that may connect (serving side); ``nixl``: this worker's
-    registered NixlConnectorWorker, for transports that read through NIXL; ``options``:
+    registered NixlRegionWorker, for transports that read through NIXL; ``options``:
     per-transport keywords (e.g. ``{"ipc": {"direction": "pull"}}``)."""
 
     cache: Any

@@ -1,4 +1,5 @@
-"""kvconnect.harness: the 1PnD validation harness behind ``kvconnect-validate``.
+"""kvconnect.harness (the folder `harness/`, installed as ``kvconnect.harness`` by a setuptools
+``package-dir`` mapping): the 1PnD validation harness behind ``kvconnect-validate``.
 
 Modules, one concept each: :mod:`.cli` (arguments, exit codes), :mod:`.config` (the run
 config every worker gets), :mod:`.report` (checks, transfers, JSON / JUnit), :mod:`.display`

@@ -39,8 +39,8 @@ def launch_method(cfg: RunConfig) -> str:
 
 def preload_worker_modules() -> None:
     """Import what every worker needs once, before forking (never initialises a device)."""
-    import kvconnect.connectors.cpu_offload  # noqa: F401
-    import kvconnect.connectors.nixl  # noqa: F401
+    import kvconnect.connectors.nixl.worker  # noqa: F401
+    import kvconnect.connectors.offload.connector  # noqa: F401
     import kvconnect.kv_cache  # noqa: F401
 
     from . import decode, prefill, scenario, transports, worker  # noqa: F401

@@ -186,7 +186,7 @@ class PrefillWorker(WorkerSteps):
 
     def offload_round_trip(self) -> None:
         """CPU offload: save, clobber, load back (and into other blocks), compare bytes."""
-        from kvconnect.connectors.cpu_offload import CPUOffloadConnector
+        from kvconnect.connectors.offload.connector import CPUOffloadConnector
 
         ctl, cfg = self.ctl, self.cfg
         ctl.phase("offload")

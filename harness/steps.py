@@ -235,13 +235,13 @@ class WorkerSteps:
         if "nixl" not in self.cfg.transports:
             return
         from kvconnect.connectors.errors import KVConnectorError
-        from kvconnect.connectors.nixl import NixlConnectorWorker
+        from kvconnect.connectors.nixl.worker import NixlRegionWorker
 
         ctl = self.ctl
         ctl.phase("nixl_agent")
         # No NIXL progress thread: NIXL 1.5 spins it without pause (a core per agent). Decode
         # progresses inside read_blocks; prefill runs a paced pump while it serves reads.
-        self.nixl = NixlConnectorWorker(self.name, default_timeout=self.cfg.timeout,
+        self.nixl = NixlRegionWorker(self.name, default_timeout=self.cfg.timeout,
                                         progress_thread=False)
         try:
             self.nixl.register_kv_cache(self.cache)
@@ -251,7 +251,7 @@ class WorkerSteps:
         else:
             self.nixl.deregister()
             ctl.failed("nixl/deferred_registration",
-                       "NixlConnectorWorker registered the KV cache before its final commit "
+                       "NixlRegionWorker registered the KV cache before its final commit "
                        "(it must defer registration until extend_kv_cache)")
 
     def register(self) -> None:

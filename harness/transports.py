@@ -1,9 +1,9 @@
 """The harness's side of transports: same-run reference copies.
 
 The transports themselves live in the library and are chosen by name through its registry
-(:mod:`kvconnect.connectors.transport`): ``ipc`` (:mod:`kvconnect.connectors.ipc_transport`:
+(:mod:`kvconnect.connectors.transport`): ``ipc`` (:mod:`kvconnect.connectors.ipc.transport`:
 the export server, cached peer mappings, one block-copy launch per fetch) and ``nixl``
-(:mod:`kvconnect.connectors.nixl_transport`). :mod:`.scenario` builds each worker's halves
+(:mod:`kvconnect.connectors.nixl.transport`). :mod:`.scenario` builds each worker's halves
 from a ``TransportContext`` and never compares transport names.
 
 Units: bytes, seconds, GB/s = 1e9 bytes per second.

@@ -67,7 +67,7 @@ mods = ["vllm", "vllm.platforms", *(["vllm.platforms.cuda"] if cuda else []), "v
         "vllm.distributed.kv_transfer.kv_connector.factory",
         "vllm.v1.simple_kv_offload.worker", "vllm.v1.simple_kv_offload.copy_backend",
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker",
-        "kvconnect.vllm.connectors", "kvconnect.vllm.conformance.case"]
+        "kvconnect.vllm.patched_offload", "kvconnect.vllm.conformance.case"]
 res = out["imports"] = {}
 for m in mods:
     t0 = time.monotonic()

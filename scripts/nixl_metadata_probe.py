@@ -31,7 +31,7 @@ def child(seed: int, start: int, count: int) -> int:
     """Load corruptions ``start .. start+count-1`` of the seeded sequence; one line each."""
     import numpy as np
 
-    from kvconnect.connectors.nixl_agent import import_nixl
+    from kvconnect.connectors.nixl.agent import import_nixl
 
     nixl_agent, nixl_agent_config = import_nixl()
     cfg = nixl_agent_config(backends=["UCX"], enable_prog_thread=False)

@@ -1,7 +1,7 @@
 """Helper for tests/test_nixl_connector.py: the prefill side of a two-process NIXL test.
 
 Run as a script, it holds host-backend ExtensibleKVCaches filled with position-dependent
-content and one NixlConnectorWorker per cache, and answers JSON-line commands
+content and one NixlRegionWorker per cache, and answers JSON-line commands
 (tests/_json_peer.py). Imported, it provides the fill / check helpers both processes share.
 
 Commands: ``setup`` (layouts -> metadata), ``notifs`` (wait for notifications), ``stall``
@@ -56,7 +56,7 @@ def fill_cache(cache: Any, seed: int) -> None:
     (regions aliasing the same pages, as hybrid layers sharing a KV tensor do, count once)."""
     import torch
 
-    from kvconnect.connectors.nixl import transfer_regions
+    from kvconnect.connectors.nixl.worker import transfer_regions
 
     for region in transfer_regions(cache.committed_regions()):
         view = cache.region_view(region)
@@ -74,7 +74,7 @@ def fill_cache(cache: Any, seed: int) -> None:
 
 def sample_metadata() -> Any:
     """A valid handshake document of a two-region (K, V) peer, built by hand (no NIXL)."""
-    from kvconnect.connectors.handshake import (
+    from kvconnect.connectors.nixl.handshake import (
         HandshakeMetadata,
         LayoutFingerprint,
         RegionAddress,
@@ -134,10 +134,10 @@ def _nixl_knows(agent: Any, extents: list[tuple[int, int, int]], mem_type: str) 
 def main() -> int:
     from _json_peer import reply, serve
 
-    from kvconnect.connectors.nixl import NixlConnectorWorker
+    from kvconnect.connectors.nixl.worker import NixlRegionWorker
 
     caches: dict[str, Any] = {}
-    workers: dict[str, NixlConnectorWorker] = {}
+    workers: dict[str, NixlRegionWorker] = {}
 
     def serve_reads() -> None:  # no NIXL progress thread: serve peers' reads meanwhile
         for worker in workers.values():
@@ -152,7 +152,7 @@ def main() -> int:
                 name = spec["name"]
                 caches[name] = make_cache(spec)
                 fill_cache(caches[name], spec["seed"])
-                workers[name] = NixlConnectorWorker(f"prefill-{name}", progress_thread=False)
+                workers[name] = NixlRegionWorker(f"prefill-{name}", progress_thread=False)
                 workers[name].register_kv_cache(caches[name])
                 metadata[name] = workers[name].metadata_json().decode()
             reply({"metadata": metadata})

@@ -57,7 +57,7 @@ def main() -> int:
     import _nixl_peer as peerlib
     from _json_peer import reply, serve
 
-    from kvconnect.connectors.nixl import NixlConnectorWorker
+    from kvconnect.connectors.nixl.worker import NixlRegionWorker
 
     state: dict[str, Any] = {"cache": None, "worker": None, "served": 0}
 
@@ -72,7 +72,7 @@ def main() -> int:
         if op == "setup":
             state["cache"] = peerlib.make_cache(cmd["spec"])
             peerlib.fill_cache(state["cache"], cmd["seed"])
-            state["worker"] = NixlConnectorWorker(cmd["engine_id"], progress_thread=False,
+            state["worker"] = NixlRegionWorker(cmd["engine_id"], progress_thread=False,
                                                   agent_name=cmd.get("agent_name"))
             state["worker"].register_kv_cache(state["cache"])
             reply({"metadata": state["worker"].metadata_json().decode(), "pid": os.getpid()})

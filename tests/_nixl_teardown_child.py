@@ -1,6 +1,6 @@
 """Helper for tests/test_nixl_teardown.py: one NIXL failure-then-teardown sequence per process.
 
-``python _nixl_teardown_child.py decode SCENARIO`` runs a decode-side NixlConnectorWorker
+``python _nixl_teardown_child.py decode SCENARIO`` runs a decode-side NixlRegionWorker
 against prefill peers it starts as child processes (``... prefill``), drives the failure the
 scenario names, closes (or drops) the worker, collects garbage and prints one ``KVC {json}``
 line with what happened. The test asserts the process exits 0: before the teardown fix, the
@@ -52,10 +52,10 @@ DEADLINE_S = 30.0
 
 def prefill(engine_id: str, progress_thread: bool) -> int:
     """Register a cache, publish its metadata (the hello), then obey ``close`` / ``stall``."""
-    from kvconnect.connectors.nixl import NixlConnectorWorker
+    from kvconnect.connectors.nixl.worker import NixlRegionWorker
 
     cache = peerlib.make_cache(SPEC)
-    worker = NixlConnectorWorker(engine_id, progress_thread=progress_thread)
+    worker = NixlRegionWorker(engine_id, progress_thread=progress_thread)
 
     def handle(cmd: dict[str, Any]) -> None:
         if cmd["op"] == "close":
@@ -94,7 +94,7 @@ def raw_prefill() -> int:
     """A bare NIXL agent over a numpy buffer: prints its metadata and address, then waits."""
     import numpy as np
 
-    from kvconnect.connectors.nixl_agent import import_nixl
+    from kvconnect.connectors.nixl.agent import import_nixl
 
     nixl_agent, nixl_agent_config = import_nixl()
     buf = np.full(RAW_DESCS * RAW_DESC_BYTES, 7, dtype=np.uint8)
@@ -116,7 +116,7 @@ RAW_DELAYS = (0.001, 0.001, 0.0015, 0.001, 0.002, 0.001)
 def raw_read_posted_after_kill() -> list[str]:
     import numpy as np
 
-    from kvconnect.connectors.nixl_agent import drain_agent, import_nixl
+    from kvconnect.connectors.nixl.agent import drain_agent, import_nixl
 
     nixl_agent, nixl_agent_config = import_nixl()
     dst = np.zeros(RAW_DESCS * RAW_DESC_BYTES, dtype=np.uint8)
@@ -173,14 +173,14 @@ def _read(worker: Any, peer: str, timeout: float = 10.0) -> str:
 
 
 def decode(scenario: str) -> int:
-    from kvconnect.connectors.nixl import NixlConnectorWorker
+    from kvconnect.connectors.nixl.worker import NixlRegionWorker
 
     if scenario == "raw_read_posted_after_kill":
         outcomes = raw_read_posted_after_kill()
         reply({"scenario": scenario, "outcomes": outcomes, "teardown": "done"})
         return 0
     cache = peerlib.make_cache(SPEC)
-    worker = NixlConnectorWorker("decode", progress_thread=False)
+    worker = NixlRegionWorker("decode", progress_thread=False)
     worker.register_kv_cache(cache)
     outcomes: list[str] = []
     peers: list[JsonLinePeer] = []

@@ -57,14 +57,14 @@ def _collect_garbage_after_nixl_tests(request: pytest.FixtureRequest) -> Iterato
 
 @pytest.fixture
 def nixl_worker() -> Iterator[Callable[..., Any]]:
-    """Factory of :class:`NixlConnectorWorker`s that are closed when the test ends (whatever it
+    """Factory of :class:`NixlRegionWorker`s that are closed when the test ends (whatever it
     did with them): ``worker = nixl_worker("decode", progress_thread=False)``."""
-    from kvconnect.connectors.nixl import NixlConnectorWorker
+    from kvconnect.connectors.nixl.worker import NixlRegionWorker
 
-    made: list[NixlConnectorWorker] = []
+    made: list[NixlRegionWorker] = []
 
-    def make(*args: Any, **kwargs: Any) -> NixlConnectorWorker:
-        worker = NixlConnectorWorker(*args, **kwargs)
+    def make(*args: Any, **kwargs: Any) -> NixlRegionWorker:
+        worker = NixlRegionWorker(*args, **kwargs)
         made.append(worker)
         return worker
 

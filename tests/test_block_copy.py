@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect.connectors._host_block_copy import HostRowCopier
-from kvconnect.connectors._kernel_launch import bucket_sizes
-from kvconnect.connectors.block_copy import BlockCopyPlan, BlockRegion, block_runs
+from kvconnect.connectors.copy._host_block_copy import HostRowCopier
+from kvconnect.connectors.copy._kernel_launch import bucket_sizes
+from kvconnect.connectors.copy.block_copy import BlockCopyPlan, BlockRegion, block_runs
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -134,7 +134,7 @@ def test_torch_method_is_byte_exact(ids: str) -> None:
 def test_host_method_is_byte_exact(ids: str, direction: str, engine: str,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Both host copies (a memmove per merged run; numpy gather + scatter) byte-exact."""
-    import kvconnect.connectors._host_block_copy as hb
+    import kvconnect.connectors.copy._host_block_copy as hb
 
     monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 0 if engine == "memmove" else 1 << 40)
     n = 24
@@ -153,7 +153,7 @@ def test_host_method_is_byte_exact(ids: str, direction: str, engine: str,
 def test_host_method_threads_a_large_batch(engine: str, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
     """Over the parallel threshold the work is split over the worker threads, byte-exact."""
-    import kvconnect.connectors._host_block_copy as hb
+    import kvconnect.connectors.copy._host_block_copy as hb
 
     monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 0 if engine == "memmove" else 1 << 40)
     monkeypatch.setattr(hb, "PARALLEL_MIN_BYTES", 1)
@@ -277,8 +277,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     import numpy as np, torch
     sys.path.insert(0, {tests!r})
     from test_block_copy import _layouts, _block_bytes, _check
-    from kvconnect.connectors.block_copy import BlockCopyPlan
-    from kvconnect.connectors._triton_block_copy import launch_block_copy
+    from kvconnect.connectors.copy.block_copy import BlockCopyPlan
+    from kvconnect.connectors.copy._triton_block_copy import launch_block_copy
     n = 12
     for chunk, major in ((64, True), (32 * 1024, True), (32 * 1024, False)):
         src, dst, keep = _layouts(n, seed=7)
@@ -325,7 +325,7 @@ def _gpu_methods() -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", _gpu_methods())
 def test_gpu_methods_are_byte_exact(method: str) -> None:
-    from kvconnect.connectors._cuda_memcpy_batch import memcpy_batch_available
+    from kvconnect.connectors.copy._cuda_memcpy_batch import memcpy_batch_available
 
     if method == "memcpy_batch" and (why := memcpy_batch_available()):
         pytest.skip(why)
@@ -346,7 +346,7 @@ def test_gpu_methods_are_byte_exact(method: str) -> None:
 def test_gpu_vmm_to_pinned_pool_and_back(method: str) -> None:
     """VMM memory of an ExtensibleTensor into a pinned host pool (unified addressing) and
     back into other blocks: the CPU offload's direct path."""
-    from kvconnect.connectors._cuda_memcpy_batch import memcpy_batch_available
+    from kvconnect.connectors.copy._cuda_memcpy_batch import memcpy_batch_available
     from kvconnect.tensor import ExtensibleTensor
 
     if method == "memcpy_batch" and (why := memcpy_batch_available()):
@@ -377,7 +377,7 @@ def test_gpu_vmm_to_pinned_pool_and_back(method: str) -> None:
 @pytest.mark.parametrize("launch", ["graph", "eager"])
 def test_gpu_kernel_launches_are_byte_exact_across_buckets(launch: str) -> None:
     """Counts inside, at and just past id-count buckets, one plan, each copy checked."""
-    from kvconnect.connectors.block_copy import kernel_available
+    from kvconnect.connectors.copy.block_copy import kernel_available
 
     if why := kernel_available("cuda:0"):
         pytest.skip(why)
@@ -402,8 +402,8 @@ def test_gpu_kernel_launches_are_byte_exact_across_buckets(launch: str) -> None:
 def test_gpu_copies_in_flight_never_share_a_staging_slot() -> None:
     """Many copies of one bucket queued behind a slow kernel, never waited for one by one:
     each keeps its own ids (the ring grows, then the oldest slot is waited for)."""
-    from kvconnect.connectors._kernel_launch import MAX_SLOTS
-    from kvconnect.connectors.block_copy import kernel_available
+    from kvconnect.connectors.copy._kernel_launch import MAX_SLOTS
+    from kvconnect.connectors.copy.block_copy import kernel_available
 
     if why := kernel_available("cuda:0"):
         pytest.skip(why)
@@ -426,7 +426,7 @@ def test_gpu_copies_in_flight_never_share_a_staging_slot() -> None:
 @pytest.mark.gpu
 def test_gpu_graph_capture_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    from kvconnect.connectors.block_copy import kernel_available
+    from kvconnect.connectors.copy.block_copy import kernel_available
 
     if why := kernel_available("cuda:0"):
         pytest.skip(why)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconnect.bounded_json import BoundedJSONError, loads, nesting_depth
-from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
+from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
 
 json_docs = st.recursive(
     st.none() | st.booleans() | st.integers(-(10 ** 30), 10 ** 30)

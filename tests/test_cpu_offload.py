@@ -16,14 +16,14 @@ import textwrap
 import pytest
 import torch
 
-from kvconnect.connectors.copy_ops import block_row_view, contiguous_runs, word_size
-from kvconnect.connectors.cpu_offload import (
+from kvconnect.connectors.copy.ops import block_row_view, contiguous_runs, word_size
+from kvconnect.connectors.errors import KVConnectorError
+from kvconnect.connectors.offload.connector import (
     CPUOffloadConnector,
     OffloadKeyError,
     offload_row_layout,
 )
-from kvconnect.connectors.errors import KVConnectorError
-from kvconnect.connectors.slot_allocator import LruSlots
+from kvconnect.connectors.offload.slots import LruSlots
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import allocate_kv_caches, preset
 from kvconnect.views import CommittedRegion
@@ -347,7 +347,7 @@ def test_copies_are_batched_not_per_block(scattered: bool, monkeypatch: pytest.M
     """The number of data-moving calls per save/load does not grow with the number of
     blocks: on the host backend one row-gather copy per call (the plan's ``host`` method) and
     no torch data op at all, never one copy per block per layer."""
-    from kvconnect.connectors._host_block_copy import HostRowCopier
+    from kvconnect.connectors.copy._host_block_copy import HostRowCopier
 
     calls: list[str] = []
 
@@ -494,7 +494,7 @@ _GUARD_SCRIPT = textwrap.dedent("""
     import torch
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
-    from kvconnect.connectors.cpu_offload import CPUOffloadConnector
+    from kvconnect.connectors.offload.connector import CPUOffloadConnector
 
 
     device = sys.argv[2]

@@ -150,7 +150,7 @@ def raw_documents(draw: st.DrawFn, base_json: bytes) -> bytes:
 def test_handshake_documents_parse_or_raise_metadata_error() -> None:
     """Mutated, cut, deeply nested, huge-integer, non-UTF-8, other-schema documents:
     metadata that round-trips, or MetadataError."""
-    from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
+    from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
 
     base = peerlib.sample_metadata().to_json()
     n = fuzz.examples(1200)
@@ -170,7 +170,7 @@ def test_handshake_documents_parse_or_raise_metadata_error() -> None:
 
 def test_handshake_metadata_that_is_not_text_is_a_metadata_error() -> None:
     """Issue 16: ``from_json(None)`` raised a TypeError from ``len``."""
-    from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
+    from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
 
     for bad in (None, 17, 1.5, [b"{}"], {"schema": 1}):
         with pytest.raises(MetadataError, match="must be JSON bytes or text"):
@@ -213,7 +213,7 @@ def test_handshake_documents_through_add_peer(registered_pair) -> None:
 
     decode, base = registered_pair
     n = fuzz.examples(300)
-    tally = fuzz.Tally("handshake documents: NixlConnectorWorker.add_peer",
+    tally = fuzz.Tally("handshake documents: NixlRegionWorker.add_peer",
                        "KVConnectorError", n)
 
     @st.composite

@@ -372,7 +372,7 @@ def test_peer_mapping_views_outlive_close_without_aliasing(exported) -> None:
 def test_export_failure_reaches_the_importer_as_the_real_error(tmp_path) -> None:
     """An exporter that fails (here: its cache is not shareable) sends an error frame: the
     importer raises PeerError with the exporter's exception, not 'peer closed'."""
-    from kvconnect.connectors.ipc_transport import IpcExportServer, IpcTransport
+    from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
 

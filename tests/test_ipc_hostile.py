@@ -28,7 +28,7 @@ from _reliability import vmm_footprint
 from hypothesis import given
 
 from kvconnect.connectors.errors import KVConnectorError
-from kvconnect.connectors.ipc_transport import IpcExportServer, IpcTransport
+from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
 from kvconnect.ipc import IpcError
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import preset
@@ -157,7 +157,7 @@ def test_a_connection_flood_is_bounded_and_a_receiver_still_gets_through(
     """2000 connections that close at once: the kept errors and the warnings are bounded,
     every failure is counted, and a real receiver is then served."""
     server = served
-    caplog.set_level(logging.DEBUG, logger="kvconnect.connectors.ipc_transport")
+    caplog.set_level(logging.DEBUG, logger="kvconnect.connectors.ipc.transport")
     for _ in range(2000):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(10)

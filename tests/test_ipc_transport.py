@@ -18,7 +18,7 @@ from _json_peer import JsonLinePeer
 from _nixl_peer import fill_cache
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError
-from kvconnect.connectors.ipc_transport import IpcTransport
+from kvconnect.connectors.ipc.transport import IpcTransport
 from kvconnect.connectors.transport import (
     Transport,
     TransportSpec,
@@ -38,7 +38,7 @@ _CHILD = textwrap.dedent("""
     from _nixl_peer import fill_cache as fill
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
-    from kvconnect.connectors.ipc_transport import IpcExportServer
+    from kvconnect.connectors.ipc.transport import IpcExportServer
 
     layers, seed, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 
@@ -142,7 +142,7 @@ def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: JsonLi
 
 def test_requests_merge_into_one_copy_and_start_returns_a_pending_fetch(
         child: JsonLinePeer, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvconnect.connectors.block_copy import BlockCopyPlan
+    from kvconnect.connectors.copy.block_copy import BlockCopyPlan
 
     copies: list[int] = []
     real = BlockCopyPlan.copy
@@ -209,5 +209,5 @@ def test_registry_builds_both_halves_by_name() -> None:
             assert isinstance(t, IpcTransport) and t.name == "ipc" and t.timeout == 3.0
         finally:
             t.close()
-        with pytest.raises(KVConnectorError, match="NixlConnectorWorker"):
+        with pytest.raises(KVConnectorError, match="NixlRegionWorker"):
             nixl.receiver(TransportContext(cache=cache))

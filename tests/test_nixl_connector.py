@@ -24,14 +24,14 @@ import pytest
 from _json_peer import JsonLinePeer
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from kvconnect.connectors.handshake import (
+from kvconnect.connectors.nixl.handshake import (
     HandshakeMetadata,
     LayoutFingerprint,
     MetadataError,
     RegionFingerprint,
 )
-from kvconnect.connectors.nixl import (
-    NixlConnectorWorker,
+from kvconnect.connectors.nixl.worker import (
+    NixlRegionWorker,
     check_descriptors_in_chunks,
     memory_type_for_device,
     nixl_importable,
@@ -101,7 +101,7 @@ class Pair:
     def __init__(self) -> None:
         self.peer: JsonLinePeer | None = None
         self.caches: dict[str, Any] = {}
-        self.workers: dict[str, NixlConnectorWorker] = {}
+        self.workers: dict[str, NixlRegionWorker] = {}
         self.metadata: dict[str, str] = {}
 
 
@@ -116,7 +116,7 @@ def open_pair(prefill_device: str = "cpu", decode_device: str = "cpu") -> Iterat
         for name in LAYOUTS:  # meanwhile build the decode side
             p.caches[name] = peerlib.make_cache(_decode_spec(name, decode_device))
             # No progress thread: the reader progresses while it waits (saves a busy core).
-            p.workers[name] = NixlConnectorWorker(f"decode-{name}", progress_thread=False)
+            p.workers[name] = NixlRegionWorker(f"decode-{name}", progress_thread=False)
             p.workers[name].register_kv_cache(p.caches[name])
         p.metadata = p.peer.recv(timeout=120)["metadata"]
         yield p
@@ -294,7 +294,7 @@ def test_wake_reregister_then_peer_close_and_local_close(pair: Pair) -> None:
         worker.read_blocks(peer, [0], [0])
 
 
-def _close_and_probe(worker: NixlConnectorWorker, peer_agent: str) -> tuple[list[bool], bool]:
+def _close_and_probe(worker: NixlRegionWorker, peer_agent: str) -> tuple[list[bool], bool]:
     """Close ``worker`` twice (idempotent) while holding its agent, then ask the agent whether
     it still knows the registered extents and the peer. The agent reference dies with this
     frame, so no test frame or traceback keeps a NIXL agent alive."""

@@ -3,7 +3,7 @@ on the H200 (benchmarks/results/ucx-cuda-ipc-h200.md) -> the harness's lane name
 
 from __future__ import annotations
 
-from kvconnect.connectors.nixl_transport import slow_gpu_lane_advice
+from kvconnect.connectors.nixl.transport import slow_gpu_lane_advice
 from kvconnect.harness.ucx_lanes import parse_read_lanes
 
 _TABLE = """

@@ -1,4 +1,4 @@
-"""Recovery in the library: a decode NixlConnectorWorker whose prefill died re-handshakes
+"""Recovery in the library: a decode NixlRegionWorker whose prefill died re-handshakes
 with the prefill that comes back under the same engine id (``update_peer``) and transfers
 again without being recreated; blocks it did not receive are never reported as received.
 
@@ -22,8 +22,8 @@ import pytest
 from _json_peer import JsonLinePeer
 
 from kvconnect.connectors.errors import KVConnectorError, KVTransferError
-from kvconnect.connectors.handshake import HandshakeMetadata
-from kvconnect.connectors.nixl import nixl_importable, transfer_regions
+from kvconnect.connectors.nixl.handshake import HandshakeMetadata
+from kvconnect.connectors.nixl.worker import nixl_importable, transfer_regions
 
 pytestmark = [pytest.mark.nixl,
               pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings missing")]

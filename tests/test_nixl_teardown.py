@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconnect.connectors.nixl import nixl_importable
+from kvconnect.connectors.nixl.worker import nixl_importable
 
 pytestmark = [pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed"),
               pytest.mark.nixl]

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from kvconnect.connectors.handshake import HandshakeMetadata, RegionAddress, layout_fingerprint
-from kvconnect.connectors.nixl_descriptors import registration_extents, transfer_regions
-from kvconnect.connectors.nixl_peers import peer_descriptors
-from kvconnect.connectors.offload_layout import offload_row_layout
+from kvconnect.connectors.nixl.descriptors import registration_extents, transfer_regions
+from kvconnect.connectors.nixl.handshake import HandshakeMetadata, RegionAddress, layout_fingerprint
+from kvconnect.connectors.nixl.peers import peer_descriptors
+from kvconnect.connectors.offload.layout import offload_row_layout
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import (
     PRESETS,

@@ -32,7 +32,7 @@ import pytest
 from _json_peer import JsonLinePeer
 
 from kvconnect import ExtensibleKVCache, ExtensibleTensor
-from kvconnect.connectors.nixl import nixl_importable, transfer_regions
+from kvconnect.connectors.nixl.worker import nixl_importable, transfer_regions
 from kvconnect.layout import preset
 from kvconnect.vmm import get_vmm_driver
 

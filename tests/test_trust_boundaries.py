@@ -521,7 +521,7 @@ class _Tripwire:
 def test_a_pickle_payload_is_rejected_as_not_json(tmp_path: Path) -> None:
     """A frame and a handshake document carrying a pickle are rejected as not JSON, and
     the pickle's payload never runs (a tripwire file stays absent)."""
-    from kvconnect.connectors.handshake import HandshakeMetadata, MetadataError
+    from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
 
     trip = tmp_path / "unpickled"
     payload = pickle.dumps({"op": "chunks", "x": _Tripwire(str(trip))})

@@ -168,7 +168,7 @@ def test_cuda_probes_keep_upstream_copy_engine() -> None:
     import vllm.v1.simple_kv_offload.worker as worker
 
     from kvconnect.vllm.conformance.probes import SimpleCPUOffloadProbe, probe_for
-    from kvconnect.vllm.connectors import KvconnectSimpleCPUOffloadConnector
+    from kvconnect.vllm.patched_offload import KvconnectSimpleCPUOffloadConnector
 
     probe = probe_for(KvconnectSimpleCPUOffloadConnector, "cuda:0")
     assert isinstance(probe, SimpleCPUOffloadProbe) and probe.device.type == "cuda"

@@ -1,6 +1,6 @@
 """The ipc transport's export reply as a receiver must read it: every field a peer sends.
 
-:class:`~.ipc_transport.IpcExportServer` replies with the chunk records of
+:class:`~.transport.IpcExportServer` replies with the chunk records of
 :func:`kvconnect.ipc.export_message` (validated by :func:`kvconnect.ipc.import_message`), the
 committed block count ``num_blocks`` and one record per committed region
 (``members``, ``tensor_index``, ``offset``, ``block_len``, ``block_stride``, ``num_blocks``;
@@ -21,7 +21,7 @@ from kvconnect.checks import MAX_BYTES, checked_int
 from kvconnect.framing import IpcError
 from kvconnect.views import block_span
 
-from .block_copy import BlockRegion
+from ..copy.block_copy import BlockRegion
 
 __all__ = ["MAX_PEER_REGIONS", "PeerRegion", "checked_regions", "peer_block_region"]
 

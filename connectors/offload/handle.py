@@ -10,7 +10,7 @@ import torch
 
 from kvconnect.polling import poll_until
 
-from .errors import KVConnectorError, KVTransferError
+from ..errors import KVConnectorError, KVTransferError
 
 __all__ = ["PEER_NAME", "OffloadHandle", "OffloadKeyError"]
 

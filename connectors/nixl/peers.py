@@ -15,10 +15,10 @@ import numpy as np
 
 from kvconnect.views import PagedRegion
 
-from .errors import IncompatiblePeerError, KVConnectorError
+from ..errors import IncompatiblePeerError, KVConnectorError
+from .descriptors import check_descriptors_in_chunks, region_descriptors, transfer_regions
 from .handshake import HandshakeMetadata
-from .nixl_descriptors import check_descriptors_in_chunks, region_descriptors, transfer_regions
-from .nixl_registration import RegistrationPlan
+from .registration import RegistrationPlan
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import KVConnectorError
+from ..errors import KVConnectorError
 
 logger = logging.getLogger(__name__)
 

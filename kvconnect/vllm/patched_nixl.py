@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
-from .connectors import CommittedOnly
 from .head_planes import nixl_head_planes
+from .patched_offload import CommittedOnly
 
 __all__ = ["KvconnectNixlConnector"]
 

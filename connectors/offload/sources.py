@@ -19,7 +19,7 @@ import torch
 
 from kvconnect.views import CommittedRegion
 
-from .errors import KVConnectorError
+from ..errors import KVConnectorError
 
 __all__ = ["BlockSource", "CacheSource", "TensorsSource", "block_source"]
 

@@ -10,14 +10,14 @@ the cache slept and woke: new physical memory at the same addresses).
 
 Receiving side: :class:`IpcTransport` maps a peer's chunks once
 (:class:`kvconnect.ipc.PeerMapping`), pairs the peer's regions with its own and builds one
-:class:`~.block_copy.BlockCopyPlan` per peer; each :meth:`~IpcTransport.fetch` then uploads
+:class:`~..copy.block_copy.BlockCopyPlan` per peer; each :meth:`~IpcTransport.fetch` then uploads
 the block ids and runs **one** copy launch over every layer, region and block. The mapping
 and the plan are cached across fetches and rebuilt when the peer's generation changes, when
 this cache's committed state changes, or on :meth:`~IpcTransport.invalidate` (call it after
 this worker's own sleep / wake). The set-up (connect, map, plan, and on CUDA the kernel's
 compilation and one captured graph per id-count bucket) is reported apart from the copy, in
 the first fetch after it. A fetch then stages the ids in pinned memory and replays one graph
-(:mod:`.block_copy`); :meth:`~IpcTransport.start` returns without waiting (a
+(:mod:`..copy.block_copy`); :meth:`~IpcTransport.start` returns without waiting (a
 :class:`PendingFetch`), and several requests to one peer merge into one launch
 (:meth:`~IpcTransport.fetch_many`).
 
@@ -58,12 +58,12 @@ from kvconnect.framing import (
 from kvconnect.ipc import PeerMapping, export_message, import_message
 from kvconnect.views import page_holders
 
-from ._cuda_streams import current_stream, synchronize
-from ._kernel_launch import wait_events
-from .block_copy import LAUNCH_MODES, BlockCopyPlan, BlockRegion, as_block_ids
-from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from .ipc_reply import checked_regions, peer_block_region
-from .transport import FetchResult, TransportContext, TransportSpec, register_transport
+from ..copy._cuda_streams import current_stream, synchronize
+from ..copy._kernel_launch import wait_events
+from ..copy.block_copy import LAUNCH_MODES, BlockCopyPlan, BlockRegion, as_block_ids
+from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
+from ..transport import FetchResult, TransportContext, TransportSpec, register_transport
+from .reply import checked_regions, peer_block_region
 
 log = logging.getLogger(__name__)
 

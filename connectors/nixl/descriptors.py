@@ -16,7 +16,7 @@ import numpy as np
 from kvconnect.views import page_holders
 from kvconnect.vmm import parse_device
 
-from .errors import KVConnectorError
+from ..errors import KVConnectorError
 
 __all__ = [
     "as_block_ids",

@@ -49,7 +49,7 @@ from kvconnect.views import block_span
 
 from ._host_block_copy import HostRowCopier, host_row_copier
 from ._kernel_launch import LAUNCH_MODES, KernelLauncher
-from .copy_ops import WORD_DTYPES, word_size
+from .ops import WORD_DTYPES, word_size
 
 logger = logging.getLogger(__name__)
 

@@ -3,18 +3,18 @@
 :class:`CPUOffloadConnector` copies whole logical KV blocks between an
 :class:`~kvconnect.kv_cache.ExtensibleKVCache` (or ordinary per-layer tensors, see
 :meth:`~CPUOffloadConnector.from_kv_caches`) and a CPU pool (pinned on CUDA), keyed by a
-hashable key per block (default: the block id), with LRU slots (:mod:`.slot_allocator`).
+hashable key per block (default: the block id), with LRU slots (:mod:`.slots`).
 
-Geometry (:mod:`.offload_layout`). One pool slot ("row") holds every committed region's page
+Geometry (:mod:`.layout`). One pool slot ("row") holds every committed region's page
 of one logical block side by side: ``bytes_per_block = sum(sub_blocks * block_len)`` over the
 cache's ``committed_regions()``, shared pages stored once. Every region is read through a
-**bounded** flat view (:mod:`.offload_sources`), so no copy can reach uncommitted memory.
+**bounded** flat view (:mod:`.sources`), so no copy can reach uncommitted memory.
 Nothing here looks at ``untyped_storage().nbytes()``: upstream's ``storage.nbytes() //
 num_blocks`` row geometry is exactly what faults on an over-reserved cache.
 
-Copies (:mod:`.block_copy`). The pool is slot-major: slot ``s`` is bytes ``[s *
+Copies (:mod:`..copy.block_copy`). The pool is slot-major: slot ``s`` is bytes ``[s *
 bytes_per_block, (s + 1) * bytes_per_block)``, so consecutive slots are one contiguous range.
-Each direction has a :class:`~.block_copy.BlockCopyPlan` built once (again on rebind), and a
+Each direction has a :class:`~..copy.block_copy.BlockCopyPlan` built once (again on rebind), and a
 batch is one launch over every region and block:
 
 - host backend: the plan's ``torch`` method, straight between KV memory and the pool;
@@ -24,7 +24,7 @@ batch is one launch over every region and block:
   consecutive slots; a batch moves in chunks of at most ``staging_chunk_bytes`` through two
   alternating staging buffers, so one chunk's copy overlaps the next chunk's kernel.
 
-Every kernel is a replay of a CUDA graph captured per id-count bucket (:mod:`.block_copy`):
+Every kernel is a replay of a CUDA graph captured per id-count bucket (:mod:`..copy.block_copy`):
 a batch's host work is the slot bookkeeping, the id staging and a few stream operations.
 
 ``path="auto"`` takes ``staged`` when the batch's slots form at most ``max_copy_runs`` runs
@@ -66,14 +66,14 @@ import torch
 from kvconnect.checks import checked_int
 from kvconnect.views import CommittedRegion
 
-from ._cuda_streams import current_stream, use_stream
-from .block_copy import BlockCopyPlan, BlockRegion, as_block_ids, block_runs
-from .copy_ops import contiguous_runs
-from .errors import KVConnectorError, KVTransferError
-from .offload_handle import PEER_NAME, OffloadHandle, OffloadKeyError
-from .offload_layout import RowSlice, offload_row_layout
-from .offload_sources import CacheSource, TensorsSource, block_source
-from .slot_allocator import LruSlots
+from ..copy._cuda_streams import current_stream, use_stream
+from ..copy.block_copy import BlockCopyPlan, BlockRegion, as_block_ids, block_runs
+from ..copy.ops import contiguous_runs
+from ..errors import KVConnectorError, KVTransferError
+from .handle import PEER_NAME, OffloadHandle, OffloadKeyError
+from .layout import RowSlice, offload_row_layout
+from .slots import LruSlots
+from .sources import CacheSource, TensorsSource, block_source
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from kvconnect.bounded_json import BoundedJSONError
 from kvconnect.bounded_json import loads as bounded_loads
 from kvconnect.checks import checked_int
 
-from .errors import KVConnectorError
+from ..errors import KVConnectorError
 
 __all__ = [
     "HANDSHAKE_SCHEMA",

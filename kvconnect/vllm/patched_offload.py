@@ -1,5 +1,5 @@
 """vLLM 0.33's offload connectors, patched so their workers see only committed memory (needs
-vLLM); the NIXL one is in :mod:`kvconnect.vllm.nixl_connector` (upstream's NIXL module pulls in
+vLLM); the NIXL one is in :mod:`kvconnect.vllm.patched_nixl` (upstream's NIXL module pulls in
 attention backends that need vLLM's compiled extensions on CUDA, so it loads only when asked).
 
 Each class subclasses upstream's and changes one thing: before upstream's

@@ -138,7 +138,7 @@ class KernelLauncher:
                  device: torch.device, max_blocks: int, mode: str = "graph") -> None:
         if mode not in LAUNCH_MODES:
             raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
-        from .copy_ops import WORD_DTYPES
+        from .ops import WORD_DTYPES
 
         self.device = device
         self._index = device.index if device.index is not None else current_device()

@@ -11,7 +11,7 @@ would silently hit the wrong memory.
 
 Typical use (decode pulls blocks from prefill)::
 
-    with NixlConnectorWorker("prefill") as p, NixlConnectorWorker("decode") as d:
+    with NixlRegionWorker("prefill") as p, NixlRegionWorker("decode") as d:
         p.register_kv_cache(prefill_cache)      # after extend_kv_cache(...)
         d.register_kv_cache(decode_cache)
         peer = d.add_peer(p.metadata_json())    # JSON bytes, crosses processes
@@ -23,7 +23,7 @@ send the new metadata to every peer, which loads it with :meth:`update_peer` (ni
 
 A side that is read from must make NIXL progress: by default NIXL's progress thread does it
 (one busy CPU core per agent in NIXL 1.5's Python API); with ``progress_thread=False`` call
-:meth:`NixlConnectorWorker.progress` in the serving loop.
+:meth:`NixlRegionWorker.progress` in the serving loop.
 
 Units: bytes for lengths and addresses, blocks for block ids and counts, seconds for time.
 The worker is not thread-safe: use it from one thread.
@@ -44,21 +44,15 @@ import numpy as np
 
 from kvconnect.polling import poll_until
 
-from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from .handshake import (
-    HandshakeMetadata,
-    LayoutFingerprint,
-    RegionAddress,
-    layout_fingerprint,
-)
-from .nixl_agent import (
+from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
+from .agent import (
     NixlUnavailableError,
     NotificationInbox,
     create_agent,
     drain_agent,
     nixl_importable,
 )
-from .nixl_descriptors import (
+from .descriptors import (
     as_block_ids,
     check_descriptors_in_chunks,
     layout_info_from_config,
@@ -67,7 +61,13 @@ from .nixl_descriptors import (
     registration_extents,
     transfer_regions,
 )
-from .nixl_peers import (
+from .handshake import (
+    HandshakeMetadata,
+    LayoutFingerprint,
+    RegionAddress,
+    layout_fingerprint,
+)
+from .peers import (
     MAX_PEER_DESCRIPTORS,
     LoadedPeer,
     drop_peer,
@@ -75,7 +75,7 @@ from .nixl_peers import (
     peer_descriptors,
     read_indices,
 )
-from .nixl_registration import (
+from .registration import (
     GivenRegions,
     RegistrationPlan,
     plan_registration,
@@ -88,7 +88,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_PEER_DESCRIPTORS",
-    "NixlConnectorWorker",
+    "NixlRegionWorker",
     "NixlUnavailableError",
     "TransferResult",
     "check_descriptors_in_chunks",
@@ -114,7 +114,7 @@ def _settled(state: str) -> str | None:
 
 @dataclass(frozen=True)
 class TransferResult:
-    """Outcome of one :meth:`NixlConnectorWorker.read_blocks`.
+    """Outcome of one :meth:`NixlRegionWorker.read_blocks`.
 
     ``bytes`` moved, wall ``seconds`` from posting the prepared request to seeing it complete
     (the first read from a peer includes UCX connection set-up), ``descriptors`` (blocks x
@@ -137,7 +137,7 @@ class TransferResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-class NixlConnectorWorker:
+class NixlRegionWorker:
     """One NIXL agent registering one KV cache's committed extents and reading peers' blocks.
 
     ``engine_id`` names this side in metadata and errors; ``agent_name`` defaults to a unique
@@ -595,7 +595,7 @@ class NixlConnectorWorker:
         if self._closed:
             raise KVConnectorError(f"{self.engine_id}: the NIXL connector worker is closed")
 
-    def __enter__(self) -> NixlConnectorWorker:
+    def __enter__(self) -> NixlRegionWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -604,4 +604,4 @@ class NixlConnectorWorker:
     def __repr__(self) -> str:
         state = "closed" if self._closed else (
             f"{self.num_registrations} registrations, {len(self._peers)} peers")
-        return f"<NixlConnectorWorker {self.engine_id!r} agent={self.agent_name!r} {state}>"
+        return f"<NixlRegionWorker {self.engine_id!r} agent={self.agent_name!r} {state}>"

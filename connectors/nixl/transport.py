@@ -1,5 +1,5 @@
 """The ``nixl`` transport: the :class:`~kvconnect.connectors.transport.Transport` interface
-over a registered :class:`~kvconnect.connectors.nixl.NixlConnectorWorker`.
+over a registered :class:`~kvconnect.connectors.nixl.worker.NixlRegionWorker`.
 
 The worker (agent, registrations, re-registration after sleep / wake) stays with whoever
 created it; this adapter only loads peers and READs. A peer's offer is
@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import KVConnectorError
-from .transport import FetchResult, TransportContext, TransportSpec, register_transport
+from ..errors import KVConnectorError
+from ..transport import FetchResult, TransportContext, TransportSpec, register_transport
 
 __all__ = ["NixlMetadataExporter", "NixlTransport", "slow_gpu_lane_advice"]
 
@@ -40,14 +40,14 @@ def slow_gpu_lane_advice(lanes: Sequence[str]) -> str:
 
 
 class NixlTransport:
-    """Reads peers' blocks through ``worker`` (a registered NixlConnectorWorker)."""
+    """Reads peers' blocks through ``worker`` (a registered NixlRegionWorker)."""
 
     name = "nixl"
 
     def __init__(self, worker: Any, *, timeout: float = 60.0,
                  attribution: Callable[[str], list[str]] | None = None) -> None:
         if worker is None:
-            raise KVConnectorError("the nixl transport needs a NixlConnectorWorker registered "
+            raise KVConnectorError("the nixl transport needs a NixlRegionWorker registered "
                                    "with this worker's KV cache")
         self.worker = worker
         self.timeout = float(timeout)
@@ -128,12 +128,12 @@ def _receiver(ctx: TransportContext) -> NixlTransport:
 
 def _exporter(ctx: TransportContext) -> NixlMetadataExporter:
     if ctx.nixl is None:
-        raise KVConnectorError("the nixl exporter needs a registered NixlConnectorWorker")
+        raise KVConnectorError("the nixl exporter needs a registered NixlRegionWorker")
     return NixlMetadataExporter(ctx.nixl)
 
 
 def _requires() -> str | None:
-    from .nixl import nixl_importable
+    from .worker import nixl_importable
 
     return None if nixl_importable() else "NIXL is not installed (pip install kvconnect[nixl])"
 

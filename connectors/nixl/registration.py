@@ -17,8 +17,8 @@ import numpy as np
 
 from kvconnect.undo import UndoStack
 
-from .errors import KVConnectorError
-from .nixl_descriptors import (
+from ..errors import KVConnectorError
+from .descriptors import (
     memory_type_for_device,
     region_descriptors,
     registration_extents,
