@@ -40,10 +40,32 @@ from typing import Any
 SITE, SRC = "/tmp/vllm-site", "/tmp/vllm-src"
 REPO = Path(__file__).resolve().parents[1]
 
-RUNTIME = textwrap.dedent("""
+# The first try on the H200 (benchmarks/results/vllm-gpu-engine-try.md) stopped importing
+# vLLM's Llama module: its attention layers import vllm.vllm_flash_attn, which raises without
+# the compiled FA2/FA3 extensions. This try stands a stub in its place (script-local: the
+# conformance kit's shims do not need it): flash attention reported unavailable, its kernels
+# raising if called, so that vLLM must take the Triton attention backend it is asked for.
+FLASH_ATTN_STUB = textwrap.dedent("""
+    import sys, types
+    def _absent(*a, **k):
+        raise RuntimeError("kvconnect engine try: vLLM flash attention is absent (sources only)")
+    fa = types.ModuleType("vllm.vllm_flash_attn")
+    fa.__kvconnect_shim__ = True
+    fa.FA2_AVAILABLE = fa.FA3_AVAILABLE = False
+    fa.is_fa_version_supported = lambda *a, **k: False
+    fa.fa_version_unsupported_reason = lambda *a, **k: "absent: vLLM carried as sources"
+    for _n in ("flash_attn_varlen_func", "get_scheduler_metadata",
+               "compile_flash_attn_varlen_func_from_specs"):
+        setattr(fa, _n, _absent)
+    sys.modules["vllm.vllm_flash_attn"] = fa
+""")
+
+RUNTIME = FLASH_ATTN_STUB + textwrap.dedent("""
     import json, os, sys, time, traceback
     from kvconnect.vllm.runtime import prepare_runtime
     shims = prepare_runtime(os.environ["KVC_DEVICE"])
+    if os.environ["KVC_DEVICE"].startswith("cuda"):
+        shims.append("vllm.vllm_flash_attn (stub)")
     def report(obj):
         print("KVC_RESULT " + json.dumps(obj), flush=True)
 """)
