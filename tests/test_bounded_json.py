@@ -1,5 +1,5 @@
 """Bounded JSON decoding of what peers send: kvconnect.bounded_json, and the two decoders
-built on it (kvconnect.ipc.recv_message is tested in test_ipc.py; HandshakeMetadata here)."""
+built on it (kvconnect.framing.recv_message is tested in test_ipc.py; HandshakeMetadata here)."""
 
 from __future__ import annotations
 

@@ -445,9 +445,7 @@ def test_bad_input_raises_clear_errors() -> None:
         assert h.done() and h.slots == ()
         conn.close()
         conn.close()  # idempotent
-        with pytest.deprecated_call():
-            conn.free()  # the older verb still works
-        assert conn.is_freed
+        assert conn.is_closed
         with pytest.raises(KVConnectorError, match="after close"):
             conn.save([1])
         conn2 = CPUOffloadConnector(cache, 2)
