@@ -114,6 +114,9 @@ def test_block_runs_merge_consecutive_pairs() -> None:
     assert block_runs([], []) == []
     assert block_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
     assert block_runs([1, 2, 3], [7, 6, 5]) == [(1, 7, 1), (2, 6, 1), (3, 5, 1)]
+    # batch positions against pool slots: runs of consecutive slots
+    slots = [0, 2, 3, 7, 8, 9, 1]
+    assert block_runs(range(len(slots)), slots) == [(0, 0, 1), (1, 2, 2), (3, 7, 3), (6, 1, 1)]
 
 
 @pytest.mark.parametrize("ids", ["runs", "scattered", "single"])

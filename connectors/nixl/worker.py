@@ -44,6 +44,7 @@ import numpy as np
 
 from kvconnect.polling import poll_until
 
+from ..copy.block_copy import as_block_ids
 from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .agent import (
     NixlUnavailableError,
@@ -53,7 +54,6 @@ from .agent import (
     nixl_importable,
 )
 from .descriptors import (
-    as_block_ids,
     check_descriptors_in_chunks,
     layout_info_from_config,
     memory_type_for_device,

@@ -66,7 +66,6 @@ from kvconnect.views import CommittedRegion
 
 from ..copy._cuda_streams import current_stream, use_stream
 from ..copy.block_copy import BlockCopyPlan, BlockRegion, as_block_ids, block_runs
-from ..copy.ops import contiguous_runs
 from ..errors import KVConnectorError, KVTransferError
 from .handle import PEER_NAME, OffloadHandle, OffloadKeyError
 from .layout import RowSlice, offload_row_layout
@@ -450,7 +449,7 @@ class CPUOffloadConnector:
             return "staged"
         if self._path != "auto":
             return self._path
-        runs = len(contiguous_runs(sorted(slots)))
+        runs = len(block_runs(range(len(slots)), sorted(slots)))
         return "staged" if runs <= self._max_copy_runs else "direct"
 
     def _copy(self, handle: OffloadHandle, *, to_cpu: bool) -> None:

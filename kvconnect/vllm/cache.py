@@ -20,6 +20,7 @@ import torch
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import KVCacheConfig
 from kvconnect.layout.foreign import config_from_vllm
+from kvconnect.views import committed_extents
 from kvconnect.vmm import AllocationOptions
 
 from .convert import to_vllm_config
@@ -126,16 +127,8 @@ class VllmKVCache:
         """``(address, nbytes)`` of the committed block prefixes (logical blocks, not the
         granule-rounded physical commit), adjacent ones merged, in address order."""
         (t,) = self.cache.tensors
-        tp = self.cache.plan.tensors[0]
-        used = self.num_blocks * tp.segment_bytes_per_block
-        out: list[tuple[int, int]] = []
-        for s in range(t.num_segments):
-            a = t.segment_base(s)
-            if out and out[-1][0] + out[-1][1] == a:
-                out[-1] = (out[-1][0], out[-1][1] + used)
-            else:
-                out.append((a, used))
-        return out
+        extents = committed_extents(self.cache.plan, 0, t.segment_capacity, self.num_blocks)
+        return [(t.base_ptr + start, end - start) for start, end in extents]
 
     def close(self, *, force: bool = False) -> None:
         """Release the reservation (idempotent). Refuses with ``LiveViewsError`` while views
