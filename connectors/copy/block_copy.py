@@ -177,8 +177,9 @@ def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -
             raise TypeError(f"{what} must be a 1-D integer tensor, got {values.dtype} of shape "
                             f"{tuple(values.shape)}")
         return values.detach().cpu().numpy().astype(np.int64, copy=False)
-    if not isinstance(values, np.ndarray) and isinstance(values, (list, tuple)):
-        if values and type(values[0]) is not bool:
+    # a list or tuple without bools (array.array and numpy take True as 1): the fast paths
+    if isinstance(values, (list, tuple)) and bool not in map(type, values):
+        if values:
             try:  # plain ints: the fastest conversion (no per-element Python code)
                 return np.frombuffer(array.array("q", values), dtype=np.int64)
             except (TypeError, OverflowError):
