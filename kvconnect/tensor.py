@@ -17,9 +17,8 @@ Typical life (the extensible KV cache's protocol)::
     t.close()                      # refused while views are referenced (LiveViewsError)
 
 Every view this tensor hands out is tracked (weakly): :meth:`close` refuses while one is
-referenced, and ``close(force=True)`` (what leaving a ``with`` block and the deprecated
-:meth:`free` do) releases the physical memory at once but keeps the address range reserved
-until the last view is gone, so a stale view faults instead of reaching whatever is mapped
+referenced, and ``close(force=True)`` (what leaving a ``with`` block does) releases the
+physical memory at once but keeps the address range reserved until the last view is gone, so a stale view faults instead of reaching whatever is mapped
 there next.
 
 Threads: one lock per tensor serializes every call that changes or reads its mapped state
