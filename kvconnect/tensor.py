@@ -18,8 +18,8 @@ Typical life (the extensible KV cache's protocol)::
 
 Every view this tensor hands out is tracked (weakly): :meth:`close` refuses while one is
 referenced, and ``close(force=True)`` (what leaving a ``with`` block does) releases the
-physical memory at once but keeps the address range reserved until the last view is gone, so a stale view faults instead of reaching whatever is mapped
-there next.
+physical memory at once but keeps the address range reserved until the last view is gone,
+so a stale view faults instead of reaching whatever is mapped there next.
 
 Threads: one lock per tensor serializes every call that changes or reads its mapped state
 (commit, shrink, release, recommit, views, export, close, ``committed_bytes``), so
