@@ -53,6 +53,7 @@ from transfer_timing import back_to_back, latency_rows
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import allocate_kv_caches, preset
+from kvconnect.vmm import AllocationOptions
 
 MIB = 1024 * 1024
 #: prefix of the serving process's one line of offers (libraries may print other lines)
@@ -109,7 +110,8 @@ def serve(args: argparse.Namespace) -> int:
     stdin closes. Prints one JSON line: the offers."""
     device = args.serve_device
     cfg = _config(args.block_kib[0], args.num_layers, args.num_blocks)
-    cache = ExtensibleKVCache(cfg, device, capacity_blocks=args.num_blocks * 2, shareable=True)
+    cache = ExtensibleKVCache(cfg, device, capacity_blocks=args.num_blocks * 2,
+                              options=AllocationOptions(shareable=True))
     server = nixl_vmm = nixl_plain = None
     keep: list[Any] = []
     try:
@@ -255,7 +257,8 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
     sd, dd = torch.device(src_dev), torch.device(dst_dev)
     cfg = _config(block_kib, args.num_layers, num_blocks)
     server = _Server(args, block_kib, num_blocks, src_dev)
-    cache = ExtensibleKVCache(cfg, dst_dev, capacity_blocks=num_blocks * 2, shareable=True)
+    cache = ExtensibleKVCache(cfg, dst_dev, capacity_blocks=num_blocks * 2,
+                              options=AllocationOptions(shareable=True))
     transports: dict[str, IpcTransport] = {}
     nixl_workers: list[Any] = []
     plain_keep: list[Any] = []

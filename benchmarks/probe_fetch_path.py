@@ -100,10 +100,12 @@ def _kvcache_regions(nb: int, block_kib: int, keep: list[Any]) -> list[BlockRegi
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
     from kvconnect.views import page_holders
+    from kvconnect.vmm import AllocationOptions
 
     cfg = preset("llama3-8b-like", num_blocks=nb, num_layers=REGIONS // 2,
                  block_size=block_kib * 1024 // (8 * 128 * 2))
-    cache = ExtensibleKVCache(cfg, "cuda:0", capacity_blocks=2 * nb, shareable=True)
+    cache = ExtensibleKVCache(cfg, "cuda:0", capacity_blocks=2 * nb,
+                              options=AllocationOptions(shareable=True))
     cache.allocate()
     cache.extend_kv_cache(nb, single_handle=True)
     keep.append(cache)

@@ -79,8 +79,9 @@ def _memory(kind: str, nbytes: int, device: str) -> tuple[torch.Tensor, Any]:
     if kind == "cudamalloc":
         return torch.zeros(nbytes, dtype=torch.uint8, device=device), None
     from kvconnect.tensor import ExtensibleTensor
+    from kvconnect.vmm import AllocationOptions
 
-    owner = ExtensibleTensor(2 * nbytes, device, shareable=True)
+    owner = ExtensibleTensor(2 * nbytes, device, options=AllocationOptions(shareable=True))
     owner.commit(nbytes, single_handle=True)  # one handle, as a kvconnect KV segment
     return owner.committed_view(0, nbytes), owner
 

@@ -185,6 +185,7 @@ def _fault(text: str) -> FaultSpec:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line (argument order is the order of ``--help``)."""
     p = argparse.ArgumentParser(
         prog="kvconnect-validate",
         description="Start N prefill and M decode workers, move KV blocks between every "
@@ -192,6 +193,27 @@ def build_parser() -> argparse.ArgumentParser:
                     "and fast. Exit 0 passed, 1 failed, 2 bad arguments, 3 environment lacking, "
                     "130/143 stopped by SIGINT/SIGTERM.",
     )
+    _add_run_arguments(p)
+    _add_sweep_arguments(p)
+    p.add_argument("--inject", type=_fault, action="append", default=None,
+                   metavar="FAULT@PHASE",
+                   help="inject a fault (repeatable): the run must report it (exit 1) naming "
+                        "the worker, its rank and phase within --timeout, or recover from it "
+                        f"(restart-prefill: exit 0). Faults: {', '.join(fault_names())} "
+                        "(append a rank: kill-decode1); phases: " + ", ".join(PHASES))
+    _add_multi_host_arguments(p)
+    p.add_argument("--plain", action="store_true",
+                   help="plain progress lines even on a terminal")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress, only the summary")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="everything: every phase, check and transfer as it happens and "
+                        "every check in the summary; -vv adds debug logging")
+    return p
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Workers, device, cache shape, transports, reports, limits and seed."""
     p.add_argument("--prefill", type=_positive_int, default=1, metavar="N",
                    help="prefill workers (default 1)")
     p.add_argument("--decode", type=_positive_int, default=1, metavar="M",
@@ -223,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "must fail naming that block")
     p.add_argument("--seed", type=_non_negative_int, default=0, metavar="S",
                    help="seed of the block contents and block choice (default 0)")
+
+
+def _add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     sweep = p.add_argument_group(
         "bandwidth sweep", "nccl-tests / nixlbench style: after round 1, per pair, transport "
         "and size, warm-up fetches then timed ones; average, min and max latency and GB/s, "
@@ -236,12 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--iters", type=_positive_int, default=20, metavar="N",
                        help="timed fetches per size (default 20; fewer when a size's "
                             "budget, half of --timeout, runs out)")
-    p.add_argument("--inject", type=_fault, action="append", default=None,
-                   metavar="FAULT@PHASE",
-                   help="inject a fault (repeatable): the run must report it (exit 1) naming "
-                        "the worker, its rank and phase within --timeout, or recover from it "
-                        f"(restart-prefill: exit 0). Faults: {', '.join(fault_names())} "
-                        "(append a rank: kill-decode1); phases: " + ", ".join(PHASES))
+
+
+def _add_multi_host_arguments(p: argparse.ArgumentParser) -> None:
     mh = p.add_argument_group(
         "multi-host", "one process per worker, rendezvous through torch.distributed.TCPStore "
         "(also taken from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun or srun set)")
@@ -254,14 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a file holding a shared secret (>= 16 bytes) every process of the "
                          f"run must prove it knows (HMAC over nonces; never sent); or set "
                          f"{TOKEN_ENV}. A process with a wrong token is refused (exit 3)")
-    p.add_argument("--plain", action="store_true",
-                   help="plain progress lines even on a terminal")
-    p.add_argument("-q", "--quiet", action="store_true",
-                   help="no progress, only the summary")
-    p.add_argument("-v", "--verbose", action="count", default=0,
-                   help="everything: every phase, check and transfer as it happens and "
-                        "every check in the summary; -vv adds debug logging")
-    return p
 
 
 def _check_output_path(flag: str, path: str | None) -> None:
@@ -410,6 +424,21 @@ def _main(argv: Sequence[str] | None) -> int:
         return _run(argv, signals)
 
 
+@dataclasses.dataclass
+class _Invocation:
+    """One command's state from its parsed configuration to its exit code."""
+
+    args: argparse.Namespace
+    cfg: RunConfig
+    membership: Membership | None
+    signals: InterruptSignals
+    report: Report
+    display: Display
+    started: float
+    device: ResolvedDevice | None = None
+    stage: str = "preflight"
+
+
 def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a message on bad syntax
@@ -420,58 +449,75 @@ def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
     except UsageError as exc:
         return _usage_error(parser, exc)
     started = time.monotonic()
-    report = Report(config=cfg.to_json())
     display = Display(live=False if (args.plain or args.quiet) else None, quiet=args.quiet,
                       verbose=args.verbose > 0)
-    stage = "preflight"
-    device = None
+    run = _Invocation(args, cfg, membership, signals, Report(config=cfg.to_json()), display,
+                      started)
     try:
         with signals.interruptible():
             try:
                 _check_layout(cfg, explicit_blocks=args.num_blocks is not None)
             except UsageError as exc:
                 return _usage_error(parser, exc)
-            report.config = cfg.to_json()
-            _sweep_stale_run_dirs(report)
-            try:
-                device = resolve_device(args.device)
-                cfg.device, cfg.num_gpus = device.kind, device.num_gpus
-                _select_transports(cfg, explicit=args.transports is not None)
-                report.config = cfg.to_json()
-                if device.note:
-                    display.message(device.note)
-            except EnvironmentProblem as exc:
-                report.environment_error = str(exc)
-                print(f"kvconnect-validate: cannot run: {exc}", file=sys.stderr)
-                return _finish(report, args, display, started, signals, device)
-            for name, reason in cfg.skipped_transports.items():
-                report.add_check(f"transport/{name}", "skip", reason)
-            if not _resources_suffice(cfg, membership, report):
-                return _finish(report, args, display, started, signals, device)
-            stage = "run"
-            try:
-                if membership is None:
-                    from .orchestrator import run_local
-
-                    run_local(cfg, report, display, signals)  # live display starts after fork
-                else:
-                    from .rendezvous import run_member
-
-                    display.start()
-                    run_member(cfg, membership, report, display)
-            except EnvironmentProblem as exc:  # the rendezvous store is out of reach
-                report.environment_error = str(exc)
-                print(f"kvconnect-validate: cannot run: {exc}", file=sys.stderr)
-            finally:
-                display.close()
-            report.apply_bandwidth_floor(cfg.min_gbps)
+            if _preflight(run):
+                run.stage = "run"
+                _run_workers(run)
     except KeyboardInterrupt as exc:
-        report.interrupt(getattr(exc, "signum", signal.SIGINT), stage, {})
+        run.report.interrupt(getattr(exc, "signum", signal.SIGINT), run.stage, {})
     except Exception as exc:  # noqa: BLE001 - a harness bug still gets a report
         log.exception("kvconnect-validate failed")
-        report.add_check("run", "fail", f"the harness itself failed: {type(exc).__name__}: "
-                                        f"{exc}\n{traceback.format_exc(limit=6)}")
-    return _finish(report, args, display, started, signals, device)
+        run.report.add_check("run", "fail", f"the harness itself failed: "
+                                            f"{type(exc).__name__}: {exc}\n"
+                                            f"{traceback.format_exc(limit=6)}")
+    return _finish(run.report, args, display, started, signals, run.device)
+
+
+def _preflight(run: _Invocation) -> bool:
+    """Sweep stale run folders, resolve the device and transports, check the resources;
+    False (with the report's error set) when the run cannot start."""
+    cfg, report = run.cfg, run.report
+    report.config = cfg.to_json()
+    _sweep_stale_run_dirs(report)
+    try:
+        run.device = device = resolve_device(run.args.device)
+        cfg.device, cfg.num_gpus = device.kind, device.num_gpus
+        _select_transports(cfg, explicit=run.args.transports is not None)
+        report.config = cfg.to_json()
+        if device.note:
+            run.display.message(device.note)
+    except EnvironmentProblem as exc:
+        _cannot_run(report, exc)
+        return False
+    for name, reason in cfg.skipped_transports.items():
+        report.add_check(f"transport/{name}", "skip", reason)
+    return _resources_suffice(cfg, run.membership, report)
+
+
+def _run_workers(run: _Invocation) -> None:
+    """All workers on this host (forked or spawned), or this process as one member of a
+    multi-host run; then the bandwidth floor."""
+    cfg, report, display = run.cfg, run.report, run.display
+    try:
+        if run.membership is None:
+            from .orchestrator import run_local
+
+            run_local(cfg, report, display, run.signals)  # live display starts after fork
+        else:
+            from .rendezvous import run_member
+
+            display.start()
+            run_member(cfg, run.membership, report, display)
+    except EnvironmentProblem as exc:  # the rendezvous store is out of reach
+        _cannot_run(report, exc)
+    finally:
+        display.close()
+    report.apply_bandwidth_floor(cfg.min_gbps)
+
+
+def _cannot_run(report: Report, exc: EnvironmentProblem) -> None:
+    """The environment cannot run this (exit 3): record it and say so on stderr."""
+    report.environment_error = str(exc)
+    print(f"kvconnect-validate: cannot run: {exc}", file=sys.stderr)
 
 
 def _sweep_stale_run_dirs(report: Report) -> None:

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from kvconnect.checks import check_can_create_file
+
 #: longest a write-through report (FIFO, terminal, pipe) may wait for its reader
 WRITE_THROUGH_TIMEOUT_S = 30.0
 #: bytes handed to one ``write`` of a write-through report (a pipe's atomic size)
@@ -94,12 +96,10 @@ def check_report_path(flag: str, path: str) -> None:
 def _probe_directory(where: str, directory: str) -> None:
     """A temporary file can be created (and renamed) in ``directory``."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=".kvconnect-probe-", dir=directory)
+        check_can_create_file(directory)
     except OSError as exc:
         raise ReportPathError(f"{where}: cannot create a file in {directory}: "
                               f"{exc.strerror or exc}") from None
-    os.close(fd)
-    os.unlink(probe)
 
 
 def _probe_name(where: str, target: str) -> None:

@@ -396,8 +396,9 @@ def _read_int(path: str) -> int | None:
 
 def _host_granule() -> int:
     from kvconnect.tensor import ExtensibleTensor
+    from kvconnect.vmm import AllocationOptions
 
-    return ExtensibleTensor.commit_granule("cpu", shareable=True)
+    return ExtensibleTensor.commit_granule("cpu", AllocationOptions(shareable=True))
 
 
 def _finite(limit: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from .content import (
 )
 from .control import Control
 from .footprint import Footprint
+
+if TYPE_CHECKING:
+    from kvconnect.vmm import AllocationOptions
 
 log = logging.getLogger(__name__)
 
@@ -144,58 +147,83 @@ class WorkerSteps:
 
     # -- step 1: the extensible KV cache -------------------------------------------------------
     def build_cache(self) -> None:
+        """Allocate the cache, warm a prefix up, then commit the final size (NIXL, when it is
+        among the transports, must refuse the cache until then) and check the views."""
+        segments = self._allocate_cache()
+        self._warm_up(segments)
+        self.nixl_before_final()
+        self._commit_final(segments)
+        self.check_view_sizes()
+        self.specs = region_specs(self.cache)
+
+    def _allocation_options(self) -> AllocationOptions:
+        """Shareable always (the ipc transport exports fds); GPUDirect-RDMA capable where the
+        device supports it with VMM."""
+        from kvconnect.vmm import AllocationOptions, get_vmm_driver
+
+        rdma = False
+        if self.device.startswith("cuda"):
+            drv = get_vmm_driver(self.device)
+            rdma = bool(drv is not None and drv.capabilities().gpudirect_rdma_with_vmm)
+        return AllocationOptions(shareable=True, rdma_capable=rdma)
+
+    def _allocate_cache(self) -> int:
+        """Reserve the cache and commit one block; returns the number of segments."""
         from kvconnect.kv_cache import ExtensibleKVCache
         from kvconnect.layout import preset
 
         ctl, cfg = self.ctl, self.cfg
         ctl.phase("allocate")
         kv_cfg = preset(cfg.layout, num_blocks=cfg.num_blocks, num_layers=cfg.num_layers)
-        rdma = False
-        if self.device.startswith("cuda"):
-            from kvconnect.vmm import get_vmm_driver
-
-            drv = get_vmm_driver(self.device)
-            rdma = bool(drv is not None and drv.capabilities().gpudirect_rdma_with_vmm)
+        options = self._allocation_options()
         t0 = time.perf_counter()
         self.cache = cache = ExtensibleKVCache(kv_cfg, self.device,
                                                capacity_blocks=cfg.capacity_blocks,
-                                               shareable=True, rdma_capable=rdma)
+                                               options=options)
         cache.allocate()
         tensors = cache.tensors
         segments = sum(t.num_segments for t in tensors)
-        reserved = sum(t.capacity_bytes for t in tensors)
         ok = cache.num_blocks == 1 and cache.num_physical_chunks == segments
         ctl.check("kv_cache/allocate", "pass" if ok else "fail",
-                  f"reserved {mib(reserved)} for {cache.capacity_blocks} blocks in "
-                  f"{len(tensors)} tensors / {segments} segments; committed {cache.num_blocks} "
-                  f"block ({cache.num_physical_chunks} chunks of {cache.granule} bytes)",
-                  time.perf_counter() - t0)
+                  f"reserved {mib(self._reserved_bytes())} for {cache.capacity_blocks} blocks "
+                  f"in {len(tensors)} tensors / {segments} segments; committed "
+                  f"{cache.num_blocks} block ({cache.num_physical_chunks} chunks of "
+                  f"{cache.granule} bytes)", time.perf_counter() - t0)
+        return segments
 
+    def _reserved_bytes(self) -> int:
+        return sum(t.capacity_bytes for t in self.cache.tensors)
+
+    def _warm_up(self, segments: int) -> None:
+        """Commit the warm-up prefix and write garbage into it (the final commit and the
+        transfers must not depend on the memory being clean)."""
+        ctl, cache = self.ctl, self.cache
         ctl.phase("warmup")
-        warm = min(cfg.warmup_blocks, cfg.num_blocks)
+        warm = min(self.cfg.warmup_blocks, self.cfg.num_blocks)
         cache.ensure_kv_cache_blocks(warm)
-        for t in tensors:  # warm-up writes garbage into the committed prefix
+        for t in cache.tensors:
             for s in range(t.num_segments):
                 t.segment_view(s).fill_(0xA5)
-        chunks_warm = cache.num_physical_chunks
         ctl.check("kv_cache/warmup", "pass" if cache.num_blocks == warm else "fail",
-                  f"{cache.num_blocks} blocks committed (asked {warm}); {chunks_warm} physical "
-                  f"chunks for {segments} segments")
+                  f"{cache.num_blocks} blocks committed (asked {warm}); "
+                  f"{cache.num_physical_chunks} physical chunks for {segments} segments")
 
-        self.nixl_before_final()
+    def _commit_final(self, segments: int) -> None:
+        """Commit the final size as one physical chunk per segment."""
+        ctl, cache, num_blocks = self.ctl, self.cache, self.cfg.num_blocks
         ctl.phase("final")
         t0 = time.perf_counter()
-        cache.ensure_kv_cache_blocks(cfg.num_blocks)
+        cache.ensure_kv_cache_blocks(num_blocks)
         before = cache.num_physical_chunks
-        cache.extend_kv_cache(cfg.num_blocks, single_handle=True)
+        cache.extend_kv_cache(num_blocks, single_handle=True)
         after = cache.num_physical_chunks
-        final_ok = cache.is_final and cache.num_blocks == cfg.num_blocks
+        final_ok = cache.is_final and cache.num_blocks == num_blocks
         ctl.check("kv_cache/final", "pass" if final_ok else "fail",
                   f"final size {cache.num_blocks} blocks ({mib(cache.committed_bytes)} "
-                  f"committed of {mib(reserved)} reserved), is_final={cache.is_final}",
-                  time.perf_counter() - t0)
+                  f"committed of {mib(self._reserved_bytes())} reserved), "
+                  f"is_final={cache.is_final}", time.perf_counter() - t0)
         per_seg = [len([c for c in t.physical_chunks() if c.segment == s])
-                   for t in tensors for s in range(t.num_segments)]
+                   for t in cache.tensors for s in range(t.num_segments)]
         note = "" if before > segments else (
             " (the final size fits the first granule of every segment, so there was nothing "
             "to recommit; a larger --num-blocks exercises it)")
@@ -204,8 +232,6 @@ class WorkerSteps:
                   f"{before} physical chunks before the single-handle recommit, {after} after, "
                   f"for {segments} segments (per segment: {sorted(set(per_seg))}){note}",
                   data={"chunks_before": before, "chunks_after": after, "segments": segments})
-        self.check_view_sizes()
-        self.specs = region_specs(cache)
 
     def check_view_sizes(self) -> None:
         """Committed views' storages must be exactly the committed bytes (never capacity)."""
@@ -259,7 +285,7 @@ class WorkerSteps:
         ctl.phase("register")
         tensors = cache.tensors
         granted = [t.granted for t in tensors]
-        requested = tensors[0].requested
+        requested = cache.options
         shareable = all(g.shareable for g in granted)
         rdma_flag = all(g.rdma_capable for g in granted)
         ctl.passed("allocation/flags",

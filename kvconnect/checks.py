@@ -1,4 +1,5 @@
-"""Integer checks and rounding shared by every layer (torch-free, imports nothing of kvconnect).
+"""Checks shared by every layer: integers and rounding, and whether a directory takes new
+files (torch-free, imports nothing of kvconnect).
 
 Every size, offset and count that reaches a driver call or comes from a peer passes
 :func:`checked_int` first, so that nothing is truncated silently at the ctypes boundary
@@ -8,9 +9,11 @@ Every size, offset and count that reaches a driver call or comes from a peer pas
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 
-__all__ = ["MAX_BYTES", "checked_int", "round_up"]
+__all__ = ["MAX_BYTES", "check_can_create_file", "checked_int", "round_up"]
 
 #: largest size or offset in bytes that round-trips through every platform call we make:
 #: ``ssize_t``/``off_t`` (mmap lengths and offsets, cuMemAddressReserve sizes) on 64-bit Linux
@@ -38,3 +41,12 @@ def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple`` (which must be positive)."""
     checked_int("round_up multiple", multiple)
     return -(-value // multiple) * multiple
+
+
+def check_can_create_file(directory: str) -> None:
+    """Create and remove a temporary file in ``directory``: what writing a file there the
+    safe way (a temporary file beside it, renamed into place) needs. Raises the ``OSError``
+    when it cannot (callers word it as their own error before any work starts)."""
+    fd, probe = tempfile.mkstemp(prefix=".kvconnect-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)

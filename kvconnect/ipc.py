@@ -2,8 +2,7 @@
 map a peer's chunks with the peer's layout (:class:`PeerMapping`).
 
 The wire format (frames, fds in batches, error frames, bounds) lives in the torch-free
-:mod:`kvconnect.framing`; every name of it is re-exported here, so ``from kvconnect.ipc
-import send_message`` keeps working.
+:mod:`kvconnect.framing`; import its names from there.
 
 Export message (one JSON object plus one fd per chunk, same order)::
 
@@ -28,35 +27,11 @@ import torch
 
 from ._pointer_view import ViewAnchor, pointer_view
 from .checks import MAX_BYTES, checked_int
-from .framing import (
-    MAGIC,
-    MAX_FDS,
-    MAX_MESSAGE_BYTES,
-    SCM_MAX_FD,
-    SEAL_BYTES,
-    FrameSeal,
-    IpcError,
-    PeerCredentials,
-    PeerError,
-    PeerRefusedError,
-    check_peer,
-    check_peer_uid,
-    peer_credentials,
-    private_socket_dir,
-    recv_json,
-    recv_message,
-    send_error,
-    send_message,
-)
+from .framing import IpcError
 from .undo import UndoStack
 from .vmm import AllocationOptions, PhysicalHandle, Reservation, VmmDriver, VmmError
 
-__all__ = [
-    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "SEAL_BYTES", "FrameSeal",
-    "IpcError", "PeerCredentials", "PeerError", "PeerMapping", "PeerRefusedError",
-    "check_peer", "check_peer_uid", "export_message", "import_message", "peer_credentials",
-    "private_socket_dir", "recv_json", "recv_message", "send_error", "send_message",
-]
+__all__ = ["PeerMapping", "export_message", "import_message"]
 
 #: most tensors one export message may describe
 MAX_EXPORTED_TENSORS = 1 << 16

@@ -64,18 +64,16 @@ class ExtensibleKVCache(Closeable):
     same layout with that many blocks (:func:`kvconnect.layout.allocate_kv_caches`).
     ``device`` is ``"cpu"`` (host VMM backend), ``"cuda:N"`` or a VmmDriver. ``options``
     (:class:`~kvconnect.vmm.AllocationOptions`) is what every tensor's physical memory is
-    requested with; the ``shareable=``/``rdma_capable=`` keywords are the older spelling.
+    requested with.
     """
 
     def __init__(self, cfg: KVCacheConfig, device: Any = "cpu",
-                 capacity_blocks: int | None = None, shareable: bool | None = None,
-                 rdma_capable: bool | None = None, *,
+                 capacity_blocks: int | None = None, *,
                  options: AllocationOptions | None = None) -> None:
         self._plan = plan_layout(cfg)
         self._config = cfg
         self._device_arg = device
-        self._options = AllocationOptions.resolve(options, shareable=shareable,
-                                                  rdma_capable=rdma_capable)
+        self._options = AllocationOptions.resolve(options)
         self._granule = ExtensibleTensor.commit_granule(device, self._options)
         wanted = (DEFAULT_CAPACITY_FACTOR * cfg.num_blocks if capacity_blocks is None
                   else checked_int("capacity_blocks", capacity_blocks))

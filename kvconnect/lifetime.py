@@ -3,13 +3,11 @@
 :class:`Closeable` gives a class that owns memory with views over it the shared surface:
 ``close(force=False)`` (the class implements it, refusing with :class:`LiveViewsError`
 while views are referenced unless ``force``), ``with`` blocks that close with ``force=True``
-(raising on the way out would hide the exception leaving the block), and ``free()``, the
-older verb, kept as a deprecated ``close(force=True)``.
+(raising on the way out would hide the exception leaving the block).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import TypeVar
 
 __all__ = ["Closeable", "LiveViewsError"]
@@ -30,18 +28,10 @@ class LiveViewsError(RuntimeError):
 
 
 class Closeable:
-    """Mixin: ``free()`` and ``with`` on top of the subclass's ``close(*, force)``."""
+    """Mixin: ``with`` on top of the subclass's ``close(*, force)``."""
 
     def close(self, *, force: bool = False) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
-
-    def free(self) -> None:
-        """Deprecated: ``close(force=True)``, what ``free()`` always did (now without the
-        risk of a stale view reaching a later allocation). Use ``close()``."""
-        warnings.warn(f"{type(self).__name__}.free() is deprecated: use close() (which "
-                      "refuses while views are referenced) or close(force=True)",
-                      DeprecationWarning, stacklevel=2)
-        self.close(force=True)
 
     def __enter__(self: C) -> C:
         return self

@@ -17,10 +17,9 @@ Typical life (the extensible KV cache's protocol)::
     t.close()                      # refused while views are referenced (LiveViewsError)
 
 Every view this tensor hands out is tracked (weakly): :meth:`close` refuses while one is
-referenced, and ``close(force=True)`` (what leaving a ``with`` block and the deprecated
-:meth:`free` do) releases the physical memory at once but keeps the address range reserved
-until the last view is gone, so a stale view faults instead of reaching whatever is mapped
-there next.
+referenced, and ``close(force=True)`` (what leaving a ``with`` block does) releases the
+physical memory at once but keeps the address range reserved until the last view is gone,
+so a stale view faults instead of reaching whatever is mapped there next.
 
 Threads: one lock per tensor serializes every call that changes or reads its mapped state
 (commit, shrink, release, recommit, views, export, close, ``committed_bytes``), so
@@ -158,9 +157,8 @@ class ExtensibleTensor(Closeable):
 
     ``options`` (:class:`~kvconnect.vmm.AllocationOptions`) says what the physical memory is
     requested with: ``shareable`` for POSIX-FD exportable allocations (CUDA IPC,
-    :meth:`export_handles`), ``rdma_capable`` for GPUDirect-RDMA-capable ones. The older
-    ``shareable=``/``rdma_capable=`` keywords still work. Flags the device cannot grant are
-    dropped with a warning; :attr:`granted` says what every chunk really has.
+    :meth:`export_handles`), ``rdma_capable`` for GPUDirect-RDMA-capable ones. Flags the
+    device cannot grant are dropped with a warning; :attr:`granted` says what every chunk really has.
     """
 
     def __init__(
@@ -170,13 +168,10 @@ class ExtensibleTensor(Closeable):
         *,
         num_segments: int = 1,
         options: AllocationOptions | None = None,
-        shareable: bool | None = None,
-        rdma_capable: bool | None = None,
     ) -> None:
         capacity_bytes = checked_int("capacity_bytes", capacity_bytes)
         num_segments = checked_int("num_segments", num_segments, maximum=capacity_bytes)
-        options = AllocationOptions.resolve(options, shareable=shareable,
-                                            rdma_capable=rdma_capable)
+        options = AllocationOptions.resolve(options)
         driver = _resolve_driver(device)
         granule = self.commit_granule(driver, options)
         if capacity_bytes % num_segments:
@@ -204,11 +199,9 @@ class ExtensibleTensor(Closeable):
 
     # -- static helpers --------------------------------------------------------
     @staticmethod
-    def commit_granule(device: object = "cpu", options: AllocationOptions | None = None, *,
-                       shareable: bool | None = None, rdma_capable: bool | None = None) -> int:
+    def commit_granule(device: object = "cpu", options: AllocationOptions | None = None) -> int:
         """Bytes every commit rounds up to: max(driver granularity for ``options``, 2 MiB)."""
-        options = AllocationOptions.resolve(options, shareable=shareable,
-                                            rdma_capable=rdma_capable)
+        options = AllocationOptions.resolve(options)
         return max(_resolve_driver(device).granularity(options), MIN_COMMIT_GRANULE)
 
     # -- properties ------------------------------------------------------------
@@ -268,21 +261,11 @@ class ExtensibleTensor(Closeable):
         return self._options
 
     @property
-    def requested(self) -> AllocationOptions:
-        """Same as :attr:`options` (the older name)."""
-        return self._options
-
-    @property
     def is_released(self) -> bool:
         return self._released_sizes is not None
 
     @property
     def is_closed(self) -> bool:
-        return self._state.closed
-
-    @property
-    def is_freed(self) -> bool:
-        """Same as :attr:`is_closed` (the older name)."""
         return self._state.closed
 
     @property

@@ -99,11 +99,12 @@ def make_cache(spec: dict[str, Any]) -> Any:
     """
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
+    from kvconnect.vmm import AllocationOptions
 
     cfg = preset(spec["preset"], num_blocks=spec["num_blocks"], **spec.get("overrides", {}))
     device = spec.get("device", "cpu")
     cache = ExtensibleKVCache(cfg, device=device, capacity_blocks=spec["capacity_blocks"],
-                              shareable=device != "cpu")
+                              options=AllocationOptions(shareable=device != "cpu"))
     try:
         cache.allocate()
         cache.ensure_kv_cache_blocks(spec.get("warmup_blocks", 3))

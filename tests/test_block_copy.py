@@ -22,7 +22,12 @@ import torch
 
 from kvconnect.connectors.copy._host_block_copy import HostRowCopier
 from kvconnect.connectors.copy._kernel_launch import bucket_sizes
-from kvconnect.connectors.copy.block_copy import BlockCopyPlan, BlockRegion, block_runs
+from kvconnect.connectors.copy.block_copy import (
+    BlockCopyPlan,
+    BlockRegion,
+    as_block_ids,
+    block_runs,
+)
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -114,6 +119,21 @@ def test_block_runs_merge_consecutive_pairs() -> None:
     assert block_runs([], []) == []
     assert block_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
     assert block_runs([1, 2, 3], [7, 6, 5]) == [(1, 7, 1), (2, 6, 1), (3, 5, 1)]
+    # batch positions against pool slots: runs of consecutive slots
+    slots = [0, 2, 3, 7, 8, 9, 1]
+    assert block_runs(range(len(slots)), slots) == [(0, 0, 1), (1, 2, 2), (3, 7, 3), (6, 1, 1)]
+
+
+def test_as_block_ids_takes_1d_integers_only() -> None:
+    for ids in ([3, 1], (3, 1), np.array([3, 1], dtype=np.uint16), torch.tensor([3, 1]),
+                iter([3, 1])):
+        out = as_block_ids(ids, "ids")
+        assert out.dtype == np.int64 and out.tolist() == [3, 1]
+    assert as_block_ids([], "ids").tolist() == []
+    for bad in ([True, 2], [1.0, 2], ["1"], np.zeros((2, 2), dtype=np.int64),
+                torch.tensor([True]), torch.tensor([1.5]), torch.zeros(2, 2, dtype=torch.int64)):
+        with pytest.raises(TypeError, match="remote_ids"):
+            as_block_ids(bad, "remote_ids")
 
 
 @pytest.mark.parametrize("ids", ["runs", "scattered", "single"])

@@ -1,5 +1,5 @@
 """Bounded JSON decoding of what peers send: kvconnect.bounded_json, and the two decoders
-built on it (kvconnect.ipc.recv_message is tested in test_ipc.py; HandshakeMetadata here)."""
+built on it (kvconnect.framing.recv_message is tested in test_ipc.py; HandshakeMetadata here)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnect.bounded_json import BoundedJSONError, loads, nesting_depth
+from kvconnect.bounded_json import (
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_MAX_INT_DIGITS,
+    BoundedJSONError,
+    loads,
+    nesting_depth,
+)
 from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
 
 json_docs = st.recursive(
@@ -36,11 +42,44 @@ def test_valid_documents_decode_as_json_does(doc) -> None:
     st.integers(1, 9000).map(lambda n: "-" + "1" * n),
     st.integers(1, 5000).map(lambda n: '"' + "\\" * n + '"'),
 ))
-def test_anything_else_raises_only_bounded_json_error(data) -> None:
+def test_anything_else_decodes_as_json_does_or_raises_bounded_json_error(data) -> None:
+    """Whatever arrives: the value json.loads gives, or BoundedJSONError (and nothing else)
+    where json.loads refuses it too or it is over a bound (depth, integer digits)."""
+    expected, json_refuses = _unbounded_json(data)
     try:
-        loads(data)
+        got = loads(data)
     except BoundedJSONError:
-        pass
+        assert json_refuses or _over_bounds(data, expected), data[:80]
+    else:
+        assert not json_refuses, data[:80]
+        assert json.dumps(got) == json.dumps(expected)  # dumps: NaN equals NaN
+
+
+def _unbounded_json(data: str | bytes) -> tuple[object, bool]:
+    """``(value, False)`` as plain json.loads decodes ``data`` (bytes as UTF-8), or
+    ``(None, True)`` where it refuses it."""
+    try:
+        return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data), False
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None, True
+
+
+def _over_bounds(data: str | bytes, value: object) -> bool:
+    """A JSON document json.loads accepted nests deeper than 64 levels or holds an integer
+    of more than 40 digits."""
+    text = data.decode("utf-8") if isinstance(data, bytes) else data
+    if nesting_depth(text, max_depth=1 << 30) > DEFAULT_MAX_DEPTH:
+        return True
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, int) and len(str(abs(v))) > DEFAULT_MAX_INT_DIGITS:
+            return True
+    return False
 
 
 def test_bounds() -> None:

@@ -16,7 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from kvconnect.connectors.copy.ops import block_row_view, contiguous_runs, word_size
+from kvconnect.connectors.copy.block_copy import block_runs
+from kvconnect.connectors.copy.ops import word_size
 from kvconnect.connectors.errors import KVConnectorError
 from kvconnect.connectors.offload.connector import (
     CPUOffloadConnector,
@@ -101,41 +102,11 @@ def all_bytes(cache: ExtensibleKVCache) -> list[torch.Tensor]:
 
 
 # -- copy_ops on plain tensors ---------------------------------------------------------------
-def test_block_row_view_addresses_and_bounds() -> None:
-    flat = torch.arange(200, dtype=torch.int64).to(torch.uint8)
-    v = block_row_view(flat, num_blocks=3, block_len=4, block_stride=10, sub_blocks=2, offset=5)
-    assert v.shape == (3, 2, 4)
-    # block b, kernel block j starts at offset + (2b + j) * 10
-    assert v[2, 1].tolist() == [55, 56, 57, 58]
-    assert v[0, 0].tolist() == [5, 6, 7, 8]
-    with pytest.raises(ValueError, match="bounded view holds only 200 bytes"):
-        block_row_view(flat, num_blocks=21, block_len=4, block_stride=10)
-    with pytest.raises(ValueError, match="1-D contiguous uint8"):
-        block_row_view(flat.float(), num_blocks=1, block_len=4, block_stride=4)
-    with pytest.raises(ValueError, match="overlap"):
-        block_row_view(flat, num_blocks=2, block_len=8, block_stride=4)
-
-
-def test_contiguous_runs() -> None:
-    assert contiguous_runs([]) == []
-    assert contiguous_runs([3, 4, 5]) == [(0, 3, 3)]
-    assert contiguous_runs([0, 2, 3, 7, 8, 9, 1]) == [(0, 0, 1), (1, 2, 2), (3, 7, 3), (6, 1, 1)]
-
-
-def test_word_views_move_the_same_bytes() -> None:
+def test_word_size_is_the_widest_dividing_word() -> None:
     assert word_size(64, 24, 0x1000) == 8
     assert word_size(64, 12) == 4
     assert word_size(64, 6) == 2
     assert word_size(64, 3) == 1
-    gen = torch.Generator().manual_seed(0)
-    flat = torch.randint(0, 256, (4096,), generator=gen, dtype=torch.uint8)
-    v1 = block_row_view(flat, num_blocks=5, block_len=48, block_stride=400, offset=16)
-    v8 = block_row_view(flat, num_blocks=5, block_len=48, block_stride=400, offset=16, word=8)
-    assert v8.dtype == torch.int64 and v8.shape == (5, 1, 6)
-    ids = torch.tensor([4, 1, 3])
-    assert torch.equal(v8.index_select(0, ids).view(torch.uint8), v1.index_select(0, ids))
-    with pytest.raises(ValueError, match="8-byte word does not divide"):
-        block_row_view(flat, num_blocks=5, block_len=48, block_stride=400, offset=4, word=8)
 
 
 def _region(name: str, part: str, base: int, blen: int, stride: int, n: int,
@@ -328,7 +299,7 @@ def test_non_contiguous_blocks_and_scattered_slots(vmm_device: str) -> None:
         ids = [13, 2, 11, 9]
         h = conn.save(ids, keys=["a", "b", "c", "d"])
         assert sorted(h.slots) == [1, 3, 4, 6]
-        assert len(contiguous_runs(sorted(h.slots))) == 3
+        assert len(block_runs(range(4), sorted(h.slots))) == 3
         fill(cache, seed=11)
         clobbered = {b: layer_blocks(cache, b) for b in range(NUM_BLOCKS)}
         # load scattered slots into non-contiguous, unordered blocks
@@ -445,9 +416,7 @@ def test_bad_input_raises_clear_errors() -> None:
         assert h.done() and h.slots == ()
         conn.close()
         conn.close()  # idempotent
-        with pytest.deprecated_call():
-            conn.free()  # the older verb still works
-        assert conn.is_freed
+        assert conn.is_closed
         with pytest.raises(KVConnectorError, match="after close"):
             conn.save([1])
         conn2 = CPUOffloadConnector(cache, 2)

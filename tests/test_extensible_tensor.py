@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from kvconnect import ExtensibleTensor, VmmUnavailableError
-from kvconnect.ipc import private_socket_dir, recv_message, send_message
-from kvconnect.vmm.base import DEFAULT_OPTIONS
+from kvconnect.framing import private_socket_dir, recv_message, send_message
+from kvconnect.vmm.base import DEFAULT_OPTIONS, AllocationOptions
 from kvconnect.vmm.host import HostVmmDriver
 
+SHAREABLE = AllocationOptions(shareable=True)
 MiB = 1024 * 1024
 G = 2 * MiB  # commit granule
 
@@ -190,7 +191,7 @@ def _maps_overlapping(lo: int, hi: int) -> list[str]:
 
 def test_free_leaves_no_fds_and_no_mappings() -> None:
     fds_before = set(os.listdir("/proc/self/fd"))
-    t = ExtensibleTensor(2 * 8 * G, "cpu", num_segments=2, shareable=True)
+    t = ExtensibleTensor(2 * 8 * G, "cpu", num_segments=2, options=SHAREABLE)
     lo, hi = t.base_ptr, t.base_ptr + t.capacity_bytes
     t.commit(G)
     t.commit(3 * G)
@@ -255,7 +256,8 @@ def test_reading_past_committed_prefix_fails_on_cuda() -> None:
 _IMPORT_CHILD = textwrap.dedent(
     """
     import socket, sys, torch
-    from kvconnect.ipc import PeerMapping, recv_message, send_message
+    from kvconnect.framing import recv_message, send_message
+    from kvconnect.ipc import PeerMapping
     from kvconnect.vmm import probe_vmm
     import os
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -281,7 +283,7 @@ _IMPORT_CHILD = textwrap.dedent(
 
 
 def test_export_scm_rights_import_in_another_process(vmm_device: str) -> None:
-    with ExtensibleTensor(2 * 8 * G, vmm_device, num_segments=2, shareable=True) as t:
+    with ExtensibleTensor(2 * 8 * G, vmm_device, num_segments=2, options=SHAREABLE) as t:
         t.commit(G)
         t.commit(2 * G)  # two chunks per segment
         for s in range(2):
@@ -480,24 +482,13 @@ def test_writing_through_a_stale_view_faults_instead_of_corrupting() -> None:
     assert proc.returncode == -signal.SIGSEGV, proc.stderr
 
 
-def test_free_is_a_deprecated_forced_close() -> None:
-    t = ExtensibleTensor(8 * G, "cpu")
-    t.commit(G)
-    view = t.segment_view(0)
-    with pytest.deprecated_call():
-        t.free()
-    assert t.is_closed and t.is_freed and t.live_views == 1
-    del view
-
-
-def test_options_dataclass_and_older_keywords() -> None:
-    from kvconnect import AllocationOptions
-
-    with ExtensibleTensor(4 * G, "cpu", options=AllocationOptions(shareable=True)) as a, \
-            ExtensibleTensor(4 * G, "cpu", shareable=True) as b:
-        assert a.options == b.options == AllocationOptions(shareable=True, rdma_capable=False)
-    with pytest.raises(TypeError, match="not both"):
-        ExtensibleTensor(4 * G, "cpu", options=AllocationOptions(), shareable=True)
+def test_options_dataclass() -> None:
+    with ExtensibleTensor(4 * G, "cpu", options=SHAREABLE) as a, \
+            ExtensibleTensor(4 * G, "cpu") as b:
+        assert a.options == AllocationOptions(shareable=True, rdma_capable=False)
+        assert b.options == AllocationOptions()
+    with pytest.raises(TypeError, match="must be an AllocationOptions"):
+        ExtensibleTensor(4 * G, "cpu", options={"shareable": True})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be a bool"):
         AllocationOptions(shareable=1)  # type: ignore[arg-type]
 
@@ -523,7 +514,7 @@ def _race_commits(sizes: list[int]) -> None:
     commit held and the chunks tile each segment from 0."""
     import threading
 
-    with ExtensibleTensor(2 * 8 * G, "cpu", num_segments=2, shareable=True) as t:
+    with ExtensibleTensor(2 * 8 * G, "cpu", num_segments=2, options=SHAREABLE) as t:
         barrier = threading.Barrier(len(sizes))
         seen: dict[int, tuple[int, ...]] = {}
         errors: list[BaseException] = []

@@ -27,7 +27,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvconnect import ExtensibleTensor
-from kvconnect.ipc import IpcError, PeerMapping, import_message
+from kvconnect.framing import IpcError
+from kvconnect.ipc import PeerMapping, import_message
+from kvconnect.vmm import AllocationOptions
 from kvconnect.vmm.host import HostVmmDriver
 
 G = 2 * 1024 * 1024
@@ -42,7 +44,8 @@ def exported():
     small = os.memfd_create("kvc-fuzz-small")
     os.ftruncate(small, G // 2)
     pipe_r, pipe_w = os.pipe()
-    with ExtensibleTensor(2 * 4 * G, drv, num_segments=2, shareable=True) as t:
+    with ExtensibleTensor(2 * 4 * G, drv, num_segments=2,
+                          options=AllocationOptions(shareable=True)) as t:
         t.commit(G)
         chunks = t.export_handles()
         fds = [e.fd for e in chunks]

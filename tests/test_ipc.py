@@ -14,17 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconnect import ExtensibleTensor
-from kvconnect.ipc import (
+from kvconnect.framing import (
     MAGIC,
     MAX_FDS,
     MAX_MESSAGE_BYTES,
     SCM_MAX_FD,
     IpcError,
     PeerError,
-    PeerMapping,
     check_peer_uid,
-    export_message,
-    import_message,
     peer_credentials,
     private_socket_dir,
     recv_json,
@@ -32,6 +29,8 @@ from kvconnect.ipc import (
     send_error,
     send_message,
 )
+from kvconnect.ipc import PeerMapping, export_message, import_message
+from kvconnect.vmm import AllocationOptions
 from kvconnect.vmm.host import HostVmmDriver
 
 G = 2 * 1024 * 1024
@@ -242,7 +241,8 @@ def exported():
     """A shareable two-segment tensor with one chunk per segment (segment 1 filled with 7),
     its chunk records and fds; everything closed afterwards."""
     drv = HostVmmDriver()
-    with ExtensibleTensor(2 * 4 * G, drv, num_segments=2, shareable=True) as t:
+    with ExtensibleTensor(2 * 4 * G, drv, num_segments=2,
+                          options=AllocationOptions(shareable=True)) as t:
         t.commit(G)
         t.segment_view(1).fill_(7)
         chunks = t.export_handles()
@@ -377,8 +377,8 @@ def test_export_failure_reaches_the_importer_as_the_real_error(tmp_path) -> None
     from kvconnect.layout import preset
 
     cfg = preset("llama3-8b-like", num_blocks=4, num_layers=1)
-    with ExtensibleKVCache(cfg, "cpu", shareable=False) as plain, \
-            ExtensibleKVCache(cfg, "cpu", shareable=True) as local:
+    with ExtensibleKVCache(cfg, "cpu") as plain, \
+            ExtensibleKVCache(cfg, "cpu", options=AllocationOptions(shareable=True)) as local:
         plain.allocate()
         local.allocate()
         server = IpcExportServer(plain, str(tmp_path), "prefill", lambda: {os.getpid()}, 5.0)
@@ -397,10 +397,11 @@ _TRUNCATING_PEER = """
 import os, sys
 from kvconnect import ExtensibleTensor
 from kvconnect.ipc import PeerMapping
+from kvconnect.vmm import AllocationOptions
 from kvconnect.vmm.host import HostVmmDriver
 G = 2 * 1024 * 1024
 drv = HostVmmDriver()
-with ExtensibleTensor(2 * G, drv, shareable=True) as t:
+with ExtensibleTensor(2 * G, drv, options=AllocationOptions(shareable=True)) as t:
     t.commit(G)
     (chunk,) = t.export_handles()
     m = PeerMapping.import_chunks(drv, 2 * G, 2 * G, [{"segment": 0, "offset": 0,
@@ -456,7 +457,7 @@ def test_import_accepts_only_sealed_memfds(tmp_path) -> None:
             with pytest.raises(IpcError, match=error):
                 PeerMapping.import_chunks(drv, 2 * G, 2 * G, [{"segment": 0, "offset": 0,
                                                                 "size": G}], [fd])
-        with ExtensibleTensor(2 * G, drv, shareable=True) as t:
+        with ExtensibleTensor(2 * G, drv, options=AllocationOptions(shareable=True)) as t:
             t.commit(G)
             (chunk,) = t.export_handles()
             try:

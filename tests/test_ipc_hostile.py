@@ -29,16 +29,18 @@ from hypothesis import given
 
 from kvconnect.connectors.errors import KVConnectorError
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
-from kvconnect.ipc import IpcError
+from kvconnect.framing import IpcError
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import preset
+from kvconnect.vmm import AllocationOptions
 
 NUM_BLOCKS = 8
 
 
 def _cache(layers: int = 2) -> ExtensibleKVCache:
     cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=NUM_BLOCKS, num_layers=layers),
-                              "cpu", capacity_blocks=NUM_BLOCKS * 2, shareable=True)
+                              "cpu", capacity_blocks=NUM_BLOCKS * 2,
+                              options=AllocationOptions(shareable=True))
     cache.allocate()
     cache.extend_kv_cache(NUM_BLOCKS)
     return cache

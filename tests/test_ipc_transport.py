@@ -29,6 +29,7 @@ from kvconnect.connectors.transport import (
 )
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import preset
+from kvconnect.vmm import AllocationOptions
 
 NUM_BLOCKS = 24
 
@@ -38,12 +39,14 @@ _CHILD = textwrap.dedent("""
     from _nixl_peer import fill_cache as fill
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
+    from kvconnect.vmm import AllocationOptions
     from kvconnect.connectors.ipc.transport import IpcExportServer
 
     layers, seed, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 
     cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=n, num_layers=layers),
-                              "cpu", capacity_blocks=n * 4, shareable=True)
+                              "cpu", capacity_blocks=n * 4,
+                              options=AllocationOptions(shareable=True))
     cache.allocate()
     cache.extend_kv_cache(n)
     fill(cache, seed)
@@ -78,7 +81,8 @@ def _child(layers: int, seed: int) -> JsonLinePeer:
 
 def _cache(layers: int = 2) -> ExtensibleKVCache:
     cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=NUM_BLOCKS, num_layers=layers),
-                              "cpu", capacity_blocks=NUM_BLOCKS * 4, shareable=True)
+                              "cpu", capacity_blocks=NUM_BLOCKS * 4,
+                              options=AllocationOptions(shareable=True))
     cache.allocate()
     cache.extend_kv_cache(NUM_BLOCKS)
     return cache
@@ -178,7 +182,7 @@ def test_incompatible_layout_is_refused_before_any_copy(child: JsonLinePeer) -> 
 
 
 def test_bad_offers_and_directions() -> None:
-    from kvconnect.ipc import IpcError
+    from kvconnect.framing import IpcError
 
     with _cache() as dst:
         with pytest.raises(ValueError, match="direction"):

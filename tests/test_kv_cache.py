@@ -8,7 +8,7 @@ import torch
 from kvconnect.kv_cache import ExtensibleKVCache, KVCacheStateError, capacity_step_blocks
 from kvconnect.layout import LAYOUTS, LayoutError, allocate_kv_caches, plan_layout, preset
 from kvconnect.views import committed_regions
-from kvconnect.vmm.base import DEFAULT_OPTIONS, VmmError
+from kvconnect.vmm.base import DEFAULT_OPTIONS, AllocationOptions, VmmError
 from kvconnect.vmm.host import HostVmmDriver
 
 MIB = 1024 * 1024
@@ -60,7 +60,8 @@ def _small(name: str = "llama3-8b-like", **kw):
 def test_commit_protocol(vmm_device: str) -> None:
     cfg = _small()
     assert ExtensibleKVCache(cfg, vmm_device).capacity_blocks == 4 * 16
-    with ExtensibleKVCache(cfg, vmm_device, capacity_blocks=1000, shareable=True) as cache:
+    with ExtensibleKVCache(cfg, vmm_device, capacity_blocks=1000,
+                           options=AllocationOptions(shareable=True)) as cache:
         assert cache.num_blocks == 0 and not cache.is_allocated
         assert cache.capacity_blocks == 1024  # rounded to 64 blocks: 64 x 32 KiB = 2 MiB
         cache.allocate()
@@ -87,8 +88,6 @@ def test_commit_protocol(vmm_device: str) -> None:
             cache.extend_kv_cache(120)
     assert all(t.is_closed for t in cache.tensors) and cache.is_closed
     cache.close()  # idempotent
-    with pytest.deprecated_call():
-        cache.free()  # the older verb still works
 
 
 def test_extend_without_single_handle_keeps_chunks() -> None:

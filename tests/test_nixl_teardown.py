@@ -19,8 +19,9 @@ import pytest
 
 from kvconnect.connectors.nixl.worker import nixl_importable
 
+#: slow: each scenario is a child process against real prefill processes (6-30 s each)
 pytestmark = [pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed"),
-              pytest.mark.nixl]
+              pytest.mark.nixl, pytest.mark.slow]
 
 CHILD = Path(__file__).with_name("_nixl_teardown_child.py")
 #: what each scenario's READs must have raised: the failure really happened

@@ -10,6 +10,9 @@ import pytest
 
 from kvconnect.vllm.runtime import vllm_available
 
+#: slow: each test starts fresh interpreters that import kvconnect (and torch) from scratch
+pytestmark = pytest.mark.slow
+
 
 def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _simulated_driver import SimulatedDriverLibraryNoGpu, create_props, simulated_driver
 
 from kvconnect.vmm import _driver_api as api
 from kvconnect.vmm.base import (
@@ -262,196 +263,47 @@ def test_probe_hip_on_a_machine_without_rocm() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Flag fallback logic against a simulated driver library (no GPU can exist on this machine)
+# Flag fallback logic against a simulated driver library (tests/_simulated_driver.py; no GPU
+# can exist on this machine)
 # ---------------------------------------------------------------------------------------------
-def _deref(arg: Any) -> Any:
-    """The object behind a ``ctypes.byref`` argument."""
-    return arg._obj
-
-
-class SimulatedDriverLibraryNoGpu:
-    """Stands in for libcuda/libamdhip64 on a GPU-less machine: answers the calls the driver
-    makes, with configurable attributes and cuMemCreate refusals, and records every call."""
-
-    def __init__(self, backend: api.Backend, *, gdr: int = 1, posix: int = 1,
-                 refuse_rdma: bool = False, refuse_posix: bool = False, oom: bool = False,
-                 granularity: int = 2 * MiB) -> None:
-        self.backend = backend
-        self.path = f"simulated-{backend.name}"
-        self.attrs = {backend.attr_vmm: 1, backend.attr_posix_fd: posix,
-                      backend.attr_gpudirect_rdma_with_vmm: gdr, backend.attr_fabric: 0}
-        self.refuse_rdma, self.refuse_posix, self.oom = refuse_rdma, refuse_posix, oom
-        self.gran = granularity
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-        self.created: dict[int, tuple[int, int, int]] = {}  # handle -> (size, types, rdma)
-        self.released: list[int] = []
-        self.mapped: list[tuple[int, int, int, int]] = []
-        self.current_ctx = 0
-        self.current_device = 0
-        self._next = 0x1000
-
-    # DriverLibrary interface ------------------------------------------------------------------
-    def has(self, logical: str) -> bool:
-        return logical in api.ENTRIES
-
-    def symbol(self, logical: str) -> str:
-        return api.ENTRIES[logical].symbol(self.backend.name) or logical
-
-    def error_name(self, code: int) -> str:
-        return {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY"}.get(code, str(code))
-
-    def error_string(self, code: int) -> str:
-        return ""
-
-    def error(self, logical: str, code: int, detail: str = "") -> VmmError:
-        return VmmError(self.symbol(logical), self.error_name(code), detail)
-
-    def call(self, logical: str, *args: Any) -> None:
-        rc = self.try_call(logical, *args)
-        if rc:
-            raise self.error(logical, rc)
-
-    def try_call(self, logical: str, *args: Any) -> int:
-        self.calls.append((logical, args))
-        return getattr(self, "_" + logical)(*args)
-
-    # simulated entry points --------------------------------------------------------------------
-    def _init(self, flags: int) -> int:
-        return 0
-
-    def _device_get(self, out: Any, ordinal: int) -> int:
-        _deref(out).value = ordinal
-        return 0
-
-    def _device_get_attribute(self, out: Any, attr: int, dev: int) -> int:
-        if attr not in self.attrs or self.attrs[attr] is None:
-            return 1
-        _deref(out).value = self.attrs[attr]
-        return 0
-
-    def _device_primary_ctx_retain(self, out: Any, dev: int) -> int:
-        _deref(out).value = 0xC0 + dev
-        return 0
-
-    def _ctx_get_current(self, out: Any) -> int:
-        _deref(out).value = self.current_ctx or None
-        return 0
-
-    def _ctx_set_current(self, ctx: int) -> int:
-        self.current_ctx = ctx
-        return 0
-
-    def _ctx_get_device(self, out: Any) -> int:
-        _deref(out).value = self.current_device
-        return 0
-
-    def _set_device(self, dev: int) -> int:
-        self.current_device = dev
-        return 0
-
-    def _mem_get_allocation_granularity(self, out: Any, prop: Any, option: int) -> int:
-        _deref(out).value = self.gran
-        return 0
-
-    def _mem_create(self, out: Any, size: int, prop: Any, flags: int) -> int:
-        p = _deref(prop)
-        rdma, types = p.allocFlags.gpuDirectRDMACapable, p.requestedHandleTypes
-        if self.oom:
-            return 2
-        if (rdma and self.refuse_rdma) or (types and self.refuse_posix):
-            return 1
-        self._next += 1
-        self.created[self._next] = (size, types, rdma)
-        _deref(out).value = self._next
-        return 0
-
-    def _mem_get_allocation_properties_from_handle(self, prop: Any, handle: int) -> int:
-        size, types, rdma = self.created[handle]
-        p = _deref(prop)
-        p.requestedHandleTypes = types
-        p.allocFlags.gpuDirectRDMACapable = rdma
-        return 0
-
-    def _mem_map(self, va: int, size: int, offset: int, handle: int, flags: int) -> int:
-        self.mapped.append((va, size, offset, handle))
-        return 0
-
-    def _mem_release(self, handle: int) -> int:
-        self.released.append(handle)
-        return 0
-
-    def _device_get_count(self, out: Any) -> int:
-        _deref(out).value = 1
-        return 0
-
-    def _mem_address_reserve(self, out: Any, size: int, align: int, addr: int,
-                             flags: int) -> int:
-        self._next_va = getattr(self, "_next_va", 0x7000_0000_0000)
-        _deref(out).value = self._next_va
-        self._next_va += size
-        return 0
-
-    def _mem_address_free(self, va: int, size: int) -> int:
-        return 0
-
-    def _mem_set_access(self, va: int, size: int, descs: Any, count: int) -> int:
-        return 0
-
-    def _mem_unmap(self, va: int, size: int) -> int:
-        return 0
-
-    def _ctx_synchronize(self) -> int:
-        return 0
-
-
-def _sim_driver(cls: type = CudaVmmDriver, **kw: Any) -> tuple[Any, SimulatedDriverLibraryNoGpu]:
-    lib = SimulatedDriverLibraryNoGpu(cls.backend, **kw)
-    return cls(0, library=lib), lib
-
-
-def _create_props(lib: SimulatedDriverLibraryNoGpu) -> list[tuple[int, int]]:
-    return [(_deref(a[2]).requestedHandleTypes, _deref(a[2]).allocFlags.gpuDirectRDMACapable)
-            for name, a in lib.calls if name == "mem_create"]
-
-
 def test_flags_granted_when_supported(caplog: pytest.LogCaptureFixture) -> None:
-    drv, lib = _sim_driver(gdr=1)
+    drv, lib = simulated_driver(gdr=1)
     with caplog.at_level(logging.WARNING):
         h = drv.create(4 * MiB, options=AllocationOptions(shareable=True, rdma_capable=True))
     assert h.granted == GrantedFlags(shareable=True, rdma_capable=True)
-    assert _create_props(lib) == [(api.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 1)]
+    assert create_props(lib) == [(api.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 1)]
     plain = drv.create(2 * MiB)
     assert plain.granted == GrantedFlags(False, False)
-    assert _create_props(lib)[-1] == (api.CU_MEM_HANDLE_TYPE_NONE, 0)
+    assert create_props(lib)[-1] == (api.CU_MEM_HANDLE_TYPE_NONE, 0)
     assert not caplog.records and drv.fallback_reasons == []
 
 
 def test_rdma_flag_only_where_attribute_is_one(caplog: pytest.LogCaptureFixture) -> None:
-    drv, lib = _sim_driver(gdr=0)
+    drv, lib = simulated_driver(gdr=0)
     with caplog.at_level(logging.WARNING, logger="kvconnect.vmm.cuda"):
         a = drv.create(2 * MiB, options=AllocationOptions(rdma_capable=True))
         b = drv.create(2 * MiB, options=AllocationOptions(shareable=True, rdma_capable=True))
     assert a.granted == GrantedFlags(False, False)
     assert b.granted == GrantedFlags(True, False)
     # the flag was never sent to cuMemCreate
-    assert [rdma for _, rdma in _create_props(lib)] == [0, 0]
+    assert [rdma for _, rdma in create_props(lib)] == [0, 0]
     assert len(caplog.records) == 1, "one warning per driver instance"
     assert "GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED=0" in caplog.text
     assert len(drv.fallback_reasons) == 2
     # a new driver instance warns again
-    drv2, _ = _sim_driver(gdr=0)
+    drv2, _ = simulated_driver(gdr=0)
     with caplog.at_level(logging.WARNING, logger="kvconnect.vmm.cuda"):
         drv2.create(2 * MiB, options=AllocationOptions(rdma_capable=True))
     assert len(caplog.records) == 2
 
 
 def test_refused_flags_fall_back_and_are_recorded(caplog: pytest.LogCaptureFixture) -> None:
-    drv, lib = _sim_driver(gdr=1, refuse_rdma=True, refuse_posix=True)
+    drv, lib = simulated_driver(gdr=1, refuse_rdma=True, refuse_posix=True)
     with caplog.at_level(logging.WARNING, logger="kvconnect.vmm.cuda"):
         h = drv.create(2 * MiB, options=AllocationOptions(shareable=True, rdma_capable=True))
     assert h.granted == GrantedFlags(False, False)
     # RDMA dropped first, then the handle type
-    assert _create_props(lib) == [(1, 1), (1, 0), (0, 0)]
+    assert create_props(lib) == [(1, 1), (1, 0), (0, 0)]
     assert len(caplog.records) == 1 and "refused gpuDirectRDMACapable" in caplog.text
     assert len(drv.fallback_reasons) == 2
     with pytest.raises(ValueError, match="not created shareable"):
@@ -459,16 +311,16 @@ def test_refused_flags_fall_back_and_are_recorded(caplog: pytest.LogCaptureFixtu
 
 
 def test_out_of_memory_is_not_retried() -> None:
-    drv, lib = _sim_driver(gdr=1, oom=True)
+    drv, lib = simulated_driver(gdr=1, oom=True)
     with pytest.raises(VmmError, match="CUDA_ERROR_OUT_OF_MEMORY") as err:
         drv.create(2 * MiB, options=AllocationOptions(shareable=True, rdma_capable=True))
     assert err.value.call == "cuMemCreate"
-    assert len(_create_props(lib)) == 1
+    assert len(create_props(lib)) == 1
     assert drv.fallback_reasons == []
 
 
 def test_bad_sizes_and_handles_raise_before_the_driver() -> None:
-    drv, lib = _sim_driver()
+    drv, lib = simulated_driver()
     with pytest.raises(ValueError, match="multiple of the 2097152-byte granularity; use 4194304"):
         drv.create(3 * MiB)
     with pytest.raises(ValueError, match="positive"):
@@ -488,7 +340,7 @@ def test_bad_sizes_and_handles_raise_before_the_driver() -> None:
 
 
 def test_context_made_current_only_when_none_is() -> None:
-    drv, lib = _sim_driver()
+    drv, lib = simulated_driver()
     lib.current_ctx = 0
     drv.create(2 * MiB)
     assert lib.current_ctx == 0xC0, "no context: the primary one is made current and stays"
@@ -496,7 +348,7 @@ def test_context_made_current_only_when_none_is() -> None:
 
 
 def test_hip_driver_uses_implicit_device_and_offset_zero() -> None:
-    drv, lib = _sim_driver(HipVmmDriver, gdr=1)
+    drv, lib = simulated_driver(HipVmmDriver, gdr=1)
     assert drv.capabilities().posix_fd_handles  # no HIP attribute: follows VMM support
     lib.current_device = 0
     h = drv.create(4 * MiB, options=AllocationOptions(shareable=True))
@@ -511,7 +363,7 @@ def test_hip_driver_uses_implicit_device_and_offset_zero() -> None:
 
 def test_hip_rdma_attribute_missing_reads_as_unsupported() -> None:
     """Runtimes before HIP 7.13 reject attribute 94: that means 'no GPUDirect RDMA'."""
-    drv, lib = _sim_driver(HipVmmDriver, gdr=None)
+    drv, lib = simulated_driver(HipVmmDriver, gdr=None)
     caps = drv.capabilities()
     assert caps.vmm and not caps.gpudirect_rdma_with_vmm
     h = drv.create(2 * MiB, options=AllocationOptions(rdma_capable=True))

@@ -167,15 +167,19 @@ def kernel_available(device: torch.device | str | None = None) -> str | None:
 
 
 def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -> np.ndarray:
-    """Block ids as a 1-D int64 array; ``TypeError`` naming ``what`` for bools, floats,
-    non-integers or a tensor / array that is not 1-D integer."""
+    """Block ids as a 1-D int64 array: the one check every transfer's ids pass (copy plans,
+    NIXL descriptors, the ipc and offload connectors). ``TypeError`` naming ``what`` for
+    bools, floats, non-integers or a tensor / array that is not 1-D integer. Ranges are the
+    caller's to check (they depend on the region)."""
     if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.is_floating_point() or values.is_complex():
+        if (values.dim() != 1 or values.is_floating_point() or values.is_complex()
+                or values.dtype == torch.bool):
             raise TypeError(f"{what} must be a 1-D integer tensor, got {values.dtype} of shape "
                             f"{tuple(values.shape)}")
         return values.detach().cpu().numpy().astype(np.int64, copy=False)
-    if not isinstance(values, np.ndarray) and isinstance(values, (list, tuple)):
-        if values and type(values[0]) is not bool:
+    # a list or tuple without bools (array.array and numpy take True as 1): the fast paths
+    if isinstance(values, (list, tuple)) and bool not in map(type, values):
+        if values:
             try:  # plain ints: the fastest conversion (no per-element Python code)
                 return np.frombuffer(array.array("q", values), dtype=np.int64)
             except (TypeError, OverflowError):

@@ -16,10 +16,10 @@ import numpy as np
 from kvconnect.views import page_holders
 from kvconnect.vmm import parse_device
 
+from ..copy.block_copy import as_block_ids
 from ..errors import KVConnectorError
 
 __all__ = [
-    "as_block_ids",
     "check_descriptors_in_chunks",
     "layout_info_from_config",
     "memory_type_for_device",
@@ -43,15 +43,6 @@ def memory_type_for_device(device: object) -> tuple[str, int]:
     except ValueError as exc:
         raise ValueError(f"no NIXL memory type for device {device!r}: {exc}") from None
     return ("DRAM", 0) if kind == "host" else ("VRAM", index)
-
-
-def as_block_ids(ids: Iterable[int] | np.ndarray, what: str) -> np.ndarray:
-    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be a flat sequence of block ids")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
 
 
 def region_descriptors(regions: Sequence[Any], block_ids: Iterable[int] | None = None, *,

@@ -44,6 +44,7 @@ import numpy as np
 
 from kvconnect.polling import poll_until
 
+from ..copy.block_copy import as_block_ids
 from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from .agent import (
     NixlUnavailableError,
@@ -53,7 +54,6 @@ from .agent import (
     nixl_importable,
 )
 from .descriptors import (
-    as_block_ids,
     check_descriptors_in_chunks,
     layout_info_from_config,
     memory_type_for_device,
@@ -438,14 +438,7 @@ class NixlRegionWorker:
         Any failure (an ``"ERR"`` state, a NIXL exception, the deadline) raises
         :class:`KVTransferError` naming the peer, the local blocks and the cause.
         """
-        self._check_open()
-        entry = self._peers.get(peer)
-        if entry is None:
-            raise KVConnectorError(f"{self.engine_id}: unknown peer {peer!r}; loaded: "
-                                   f"{sorted(self._peers)}")
-        plan = self._plan
-        if self._local_prep is None or plan is None:
-            raise KVConnectorError(f"{self.engine_id}: not registered")
+        entry, plan = self._read_target(peer)
         remote = as_block_ids(remote_block_ids, "remote_block_ids")
         local = as_block_ids(local_block_ids, "local_block_ids")
         if remote.size != local.size:
@@ -458,7 +451,29 @@ class NixlRegionWorker:
             notif = json.dumps({"kvconnect": "read", "engine_id": self.engine_id[:200],
                                 "num_blocks": int(local.size)}).encode()
         timeout = self.default_timeout if timeout is None else float(timeout)
-        block_list = local.tolist()
+        seconds, backend = self._read(peer, entry, local.tolist(), local_idx, remote_idx,
+                                      notif, timeout)
+        return TransferResult(peer=peer, num_blocks=int(local.size), bytes=nbytes,
+                              seconds=seconds, descriptors=int(local_idx.size),
+                              backend=backend, transport=backend)
+
+    def _read_target(self, peer: str) -> tuple[LoadedPeer, RegistrationPlan]:
+        """The loaded peer and our registration a read needs (KVConnectorError without)."""
+        self._check_open()
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise KVConnectorError(f"{self.engine_id}: unknown peer {peer!r}; loaded: "
+                                   f"{sorted(self._peers)}")
+        if self._local_prep is None or self._plan is None:
+            raise KVConnectorError(f"{self.engine_id}: not registered")
+        return entry, self._plan
+
+    def _read(self, peer: str, entry: LoadedPeer, block_list: list[int], local_idx: np.ndarray,
+              remote_idx: np.ndarray, notif: bytes, timeout: float) -> tuple[float, str]:
+        """Post one READ of the prepared descriptor rows and wait up to ``timeout`` seconds;
+        returns ``(seconds, backend)``. Any failure raises KVTransferError (the agent is
+        drained then: operations of the failed request may still be queued in UCX); the
+        transfer handle is released on every path."""
         handle = None
         failed = True
         deadline = time.monotonic() + timeout
@@ -488,9 +503,7 @@ class NixlRegionWorker:
                 drain_agent(self._agent, self.engine_id, self._inbox.keep)
             if handle is not None:
                 self._release_xfer(handle)
-        return TransferResult(peer=peer, num_blocks=int(local.size), bytes=nbytes,
-                              seconds=seconds, descriptors=int(local_idx.size),
-                              backend=backend, transport=backend)
+        return seconds, backend
 
     def _query_backend(self, handle: Any) -> str:
         try:

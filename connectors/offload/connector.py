@@ -47,16 +47,14 @@ back at the same addresses, so the plans stay valid. While the cache is asleep, 
 :meth:`CPUOffloadConnector.wait` before ``release_physical()``. The layout (layers, parts,
 block lengths) is fixed for a connector's life: ``rebind`` raises if it changes.
 
-``close()`` waits, then drops the pool (``free()`` is its deprecated alias): a pinned pool
-returns to torch's pinned-memory cache, which belongs to the process; the connector never
-empties it.
+``close()`` waits, then drops the pool: a pinned pool returns to torch's pinned-memory
+cache, which belongs to the process; the connector never empties it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +66,6 @@ from kvconnect.views import CommittedRegion
 
 from ..copy._cuda_streams import current_stream, use_stream
 from ..copy.block_copy import BlockCopyPlan, BlockRegion, as_block_ids, block_runs
-from ..copy.ops import contiguous_runs
 from ..errors import KVConnectorError, KVTransferError
 from .handle import PEER_NAME, OffloadHandle, OffloadKeyError
 from .layout import RowSlice, offload_row_layout
@@ -152,7 +149,7 @@ class CPUOffloadConnector:
         self._staging_chunk_bytes = staging_chunk_bytes
         self._max_copy_runs = max_copy_runs
         self._path = path
-        self._freed = False
+        self._closed = False
         self._pool: torch.Tensor | None = None
         self._plans: _Plans | None = None
         self._stream: Any = None
@@ -246,8 +243,8 @@ class CPUOffloadConnector:
         return self._pool is not None and self._pool.is_pinned()
 
     @property
-    def is_freed(self) -> bool:
-        return self._freed
+    def is_closed(self) -> bool:
+        return self._closed
 
     @property
     def copy_plan(self) -> BlockCopyPlan:
@@ -452,7 +449,7 @@ class CPUOffloadConnector:
             return "staged"
         if self._path != "auto":
             return self._path
-        runs = len(contiguous_runs(sorted(slots)))
+        runs = len(block_runs(range(len(slots)), sorted(slots)))
         return "staged" if runs <= self._max_copy_runs else "direct"
 
     def _copy(self, handle: OffloadHandle, *, to_cpu: bool) -> None:
@@ -563,32 +560,26 @@ class CPUOffloadConnector:
 
     # -- lifetime --------------------------------------------------------------
     def _check_alive(self) -> None:
-        if self._freed:
+        if self._closed:
             raise KVConnectorError("CPUOffloadConnector used after close()")
 
     def close(self) -> None:
         """Wait for outstanding copies, then drop the pool, the staging buffers and the
         plans. Idempotent. A pinned pool goes back to torch's pinned-memory cache (the
         process's, which this library never empties)."""
-        if self._freed:
+        if self._closed:
             return
         try:
             if self._pending:
                 self.wait()
         finally:
-            self._freed = True
+            self._closed = True
             self._pending = []
             self._slots.clear()
             self._plans = None
             self._pool = None
             self._copy_stream = None
             self._stream = None
-
-    def free(self) -> None:
-        """Deprecated alias of :meth:`close`."""
-        warnings.warn("CPUOffloadConnector.free() is deprecated: use close()",
-                      DeprecationWarning, stacklevel=2)
-        self.close()
 
     def __enter__(self) -> CPUOffloadConnector:
         return self
@@ -597,6 +588,6 @@ class CPUOffloadConnector:
         self.close()
 
     def __repr__(self) -> str:
-        state = "freed" if self._freed else f"{len(self._slots)}/{self._num_cpu_blocks} used"
+        state = "closed" if self._closed else f"{len(self._slots)}/{self._num_cpu_blocks} used"
         return (f"CPUOffloadConnector({self._num_cpu_blocks} x {self._bytes_per_block} bytes, "
                 f"{len(self._slices)} regions, {state})")

@@ -81,7 +81,7 @@ class CacheSource:
         tensors = self.cache.tensors
         if not tensors:
             raise KVConnectorError("the KV cache is not allocated: call cache.allocate() first")
-        if any(t.is_freed for t in tensors):
+        if any(t.is_closed for t in tensors):
             raise KVConnectorError("the KV cache was closed; close() this CPU offload connector")
         if self.cache.is_released or any(t.is_released for t in tensors):
             raise KVConnectorError(

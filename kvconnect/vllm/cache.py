@@ -20,6 +20,8 @@ import torch
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import KVCacheConfig
 from kvconnect.layout.foreign import config_from_vllm
+from kvconnect.views import committed_extents
+from kvconnect.vmm import AllocationOptions
 
 from .convert import to_vllm_config
 
@@ -31,20 +33,20 @@ class VllmKVCache:
 
     ``kv_cache_config`` is vLLM's (as its planner made it, for any block count);
     ``layout`` defaults to its ``kv_cache_layout``; ``kernel_block_size`` (tokens) is the
-    attention kernel's block size when it splits vLLM's blocks. Lifecycle as
+    attention kernel's block size when it splits vLLM's blocks; ``options`` is what the
+    physical memory is requested with. Lifecycle as
     :class:`~kvconnect.kv_cache.ExtensibleKVCache` (``allocate``, ``ensure_kv_cache_blocks``,
-    ``extend_kv_cache``, ``release_physical`` / ``recommit``, ``free``), which it wraps.
+    ``extend_kv_cache``, ``release_physical`` / ``recommit``, ``close``), which it wraps.
     """
 
     def __init__(self, kv_cache_config: Any, device: Any = "cpu", *,
                  layout: object = None, capacity_blocks: int | None = None,
-                 kernel_block_size: int | None = None, shareable: bool = False,
-                 rdma_capable: bool = False) -> None:
+                 kernel_block_size: int | None = None,
+                 options: AllocationOptions | None = None) -> None:
         self._template = kv_cache_config
         self._config = config_from_vllm(kv_cache_config, layout, kernel_block_size)
         self._kernel_block_size = kernel_block_size
-        self.cache = ExtensibleKVCache(self._config, device, capacity_blocks,
-                                       shareable=shareable, rdma_capable=rdma_capable)
+        self.cache = ExtensibleKVCache(self._config, device, capacity_blocks, options=options)
         self._views: dict[str, torch.Tensor] | None = None
 
     # -- what it is ------------------------------------------------------------------------
@@ -125,16 +127,8 @@ class VllmKVCache:
         """``(address, nbytes)`` of the committed block prefixes (logical blocks, not the
         granule-rounded physical commit), adjacent ones merged, in address order."""
         (t,) = self.cache.tensors
-        tp = self.cache.plan.tensors[0]
-        used = self.num_blocks * tp.segment_bytes_per_block
-        out: list[tuple[int, int]] = []
-        for s in range(t.num_segments):
-            a = t.segment_base(s)
-            if out and out[-1][0] + out[-1][1] == a:
-                out[-1] = (out[-1][0], out[-1][1] + used)
-            else:
-                out.append((a, used))
-        return out
+        extents = committed_extents(self.cache.plan, 0, t.segment_capacity, self.num_blocks)
+        return [(t.base_ptr + start, end - start) for start, end in extents]
 
     def close(self, *, force: bool = False) -> None:
         """Release the reservation (idempotent). Refuses with ``LiveViewsError`` while views
@@ -142,10 +136,6 @@ class VllmKVCache:
         ``ExtensibleKVCache.close``)."""
         self._views = None
         self.cache.close(force=force)
-
-    def free(self) -> None:
-        """Deprecated name of ``close(force=True)``."""
-        self.close(force=True)
 
     def __enter__(self) -> VllmKVCache:
         return self

@@ -185,12 +185,10 @@ def allocate_extensible_kv_cache(kv_cache_config: Any, device: torch.device, lay
                                 rdma_capable=connector is not None and backend != "host")
     num_blocks = int(kv_cache_config.num_blocks)
     sizing = VllmKVCache(kv_cache_config, device, layout=layout, capacity_blocks=num_blocks,
-                         kernel_block_size=kernel, shareable=options.shareable,
-                         rdma_capable=options.rdma_capable)
+                         kernel_block_size=kernel, options=options)
     capacity, source = _capacity_blocks(sizing, device, backend, num_blocks)
     vkc = VllmKVCache(kv_cache_config, device, layout=layout, capacity_blocks=capacity,
-                      kernel_block_size=kernel, shareable=options.shareable,
-                         rdma_capable=options.rdma_capable)
+                      kernel_block_size=kernel, options=options)
     vkc.allocate()  # reserve + one block (released again on its own failure)
     try:
         vkc.extend_kv_cache(num_blocks, single_handle=connector is not None)

@@ -58,9 +58,6 @@ class KvconnectSimpleCPUOffloadConnector(CommittedOnly, SimpleCPUOffloadConnecto
     """vLLM's ``SimpleCPUOffloadConnector`` whose worker places regions in committed memory
     (its worker reads ``layer_stride`` / ``offset`` from the config: bounded too)."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker_handler is None:  # scheduler role, or offload disabled upstream
             super().register_kv_caches(kv_caches)
@@ -76,9 +73,6 @@ class KvconnectOffloadingConnector(CommittedOnly, OffloadingConnector):
     ``num_blocks``; its packed path assumes row 0 at the storage start, which bounding
     guarantees), with LHBNC's head planes as canonical tensors (upstream mistakes LHBNC for
     a packed layout)."""
-
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.connector_worker is not None

@@ -67,18 +67,14 @@ class AllocationOptions:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
-    def resolve(cls, options: AllocationOptions | None, *, shareable: bool | None = None,
-                rdma_capable: bool | None = None) -> AllocationOptions:
-        """``options``, or options built from the older ``shareable=``/``rdma_capable=``
-        keywords (kept for callers written before this class); giving both is an error."""
-        if options is not None:
-            if shareable is not None or rdma_capable is not None:
-                raise TypeError("pass either options=AllocationOptions(...) or the "
-                                "shareable=/rdma_capable= keywords, not both")
-            if not isinstance(options, AllocationOptions):
-                raise TypeError(f"options must be an AllocationOptions, got {options!r}")
-            return options
-        return cls(bool(shareable), bool(rdma_capable))
+    def resolve(cls, options: AllocationOptions | None) -> AllocationOptions:
+        """``options``, or the plain options (neither flag) for ``None``; ``TypeError`` for
+        anything else."""
+        if options is None:
+            return cls()
+        if not isinstance(options, AllocationOptions):
+            raise TypeError(f"options must be an AllocationOptions, got {options!r}")
+        return options
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import tempfile
+from collections.abc import Sequence
 
+from kvconnect.checks import check_can_create_file
 from kvconnect.layout.formats import VLLM_LAYOUTS
 
 __all__ = ["OptionError", "check_output_path", "gpu_absent_reason", "parse_caches",
@@ -29,21 +30,20 @@ class OptionError(ValueError):
 
 def parse_layouts(text: str) -> list[str]:
     """``"LBHNC,BLHNC"`` -> the layouts; every name must be one of vLLM's six."""
-    out = [x.strip() for x in str(text).split(",") if x.strip()]
-    bad = [x for x in out if x not in VLLM_LAYOUTS]
-    if bad or not out:
-        raise OptionError(f"unknown layouts {bad or [text]}; choose from "
-                          f"{', '.join(VLLM_LAYOUTS)}")
-    return out
+    return _parse_names(text, VLLM_LAYOUTS, "layouts")
 
 
 def parse_caches(text: str) -> list[str]:
     """``"extensible,plain"`` -> the engine-mode caches (each one of :data:`ENGINE_CACHES`)."""
+    return _parse_names(text, ENGINE_CACHES, "caches")
+
+
+def _parse_names(text: str, choices: Sequence[str], what: str) -> list[str]:
+    """A comma-separated list of at least one of ``choices``."""
     out = [x.strip() for x in str(text).split(",") if x.strip()]
-    bad = [x for x in out if x not in ENGINE_CACHES]
+    bad = [x for x in out if x not in choices]
     if bad or not out:
-        raise OptionError(f"unknown caches {bad or [text]}; choose from "
-                          f"{', '.join(ENGINE_CACHES)}")
+        raise OptionError(f"unknown {what} {bad or [text]}; choose from {', '.join(choices)}")
     return out
 
 
@@ -98,12 +98,10 @@ def check_output_path(flag: str, path: str | None) -> None:
     if not os.path.isdir(directory):
         raise OptionError(f"{flag} {path}: directory {directory} does not exist")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".kvconnect-probe-", dir=directory)
+        check_can_create_file(directory)
     except OSError as exc:
         raise OptionError(f"{flag} {path}: cannot create a file in {directory}: "
                           f"{exc.strerror or exc}") from None
-    os.close(fd)
-    os.unlink(probe)
 
 
 def gpu_absent_reason(device: str) -> str | None:

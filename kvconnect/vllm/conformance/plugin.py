@@ -90,7 +90,20 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_OPTIONS] = _options(config)
 
 
-class ConformanceItem(pytest.Item):
+class _KitItem(pytest.Item):
+    """A test the kit adds: a failure shows the case's JSON result."""
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
+                     ) -> str:
+        if isinstance(excinfo.value, ConformanceFailure):
+            return json.dumps(excinfo.value.result, indent=1)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[str, int, str]:
+        return "kvconnect-conformance", 0, self.name
+
+
+class ConformanceItem(_KitItem):
     """One (connector, layout) case."""
 
     def __init__(self, *, spec: dict[str, Any], timeout: float, **kwargs: Any) -> None:
@@ -110,17 +123,8 @@ class ConformanceItem(pytest.Item):
         if result["status"] != "pass":
             raise ConformanceFailure(result)
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
-                     ) -> str:
-        if isinstance(excinfo.value, ConformanceFailure):
-            return json.dumps(excinfo.value.result, indent=1)
-        return super().repr_failure(excinfo)
 
-    def reportinfo(self) -> tuple[str, int, str]:
-        return "kvconnect-conformance", 0, self.name
-
-
-class EngineConformanceItem(pytest.Item):
+class EngineConformanceItem(_KitItem):
     """One connector in engine mode (both caches); fails unless the extensible row passes."""
 
     def __init__(self, *, connector: str, timeout: float, **kwargs: Any) -> None:
@@ -139,15 +143,6 @@ class EngineConformanceItem(pytest.Item):
         ext = next(r for r in out["results"] if r["cache"] == "extensible")
         if ext["status"] != "pass":
             raise ConformanceFailure(ext)
-
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
-                     ) -> str:
-        if isinstance(excinfo.value, ConformanceFailure):
-            return json.dumps(excinfo.value.result, indent=1)
-        return super().repr_failure(excinfo)
-
-    def reportinfo(self) -> tuple[str, int, str]:
-        return "kvconnect-conformance", 0, self.name
 
 
 class ConformanceFailure(Exception):
