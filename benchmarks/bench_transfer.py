@@ -7,9 +7,10 @@ layers):
 - ``ipc/<method>``: the library ipc transport (:class:`IpcTransport`: POSIX-fd mapping cached
   per peer, one block-copy launch per fetch); methods ``kernel`` (Triton; one CUDA graph
   replay per fetch, and with ``--launch eager`` also ``ipc/kernel-eager``: the same upload and
-  kernel issued one by one), ``memcpy_batch`` (cuMemcpyBatchAsync), ``host`` (numpy row
-  gathers, the host backend's default) and ``torch`` (index_select + index_copy_ per column:
-  the old path's shape); across GPUs each of ``push`` and ``pull``;
+  kernel issued one by one), ``memcpy_batch`` (cuMemcpyBatchAsync), ``host`` (the host
+  backend's default: torch row gathers or one memmove per run, chosen per batch; the row's
+  ``host_engine`` names the one that ran) and ``torch`` (index_select + index_copy_ per
+  column: the old path's shape); across GPUs each of ``push`` and ``pull``;
 - ``nixl-vmm``: stock NIXL READs of the same VMM-backed caches;
 - ``nixl-cudamalloc``: NIXL READs between ordinary cudaMalloc allocations of the same layout
   (the control: what NIXL does on memory UCX can export);
@@ -358,9 +359,11 @@ def _ipc_row(args: argparse.Namespace, t: IpcTransport, name: str, offer: dict[s
     sec = statistics.median(t.fetch("serve", src_ids, dst_ids).seconds
                             for _ in range(args.iters))
     gbps = nbytes / sec / 1e9
+    facts = plan.describe()
     return {"transport": name, "gbps": gbps, "seconds": sec, "ratio": gbps / ref_gbps,
             "verified": verified, "setup_seconds_first": first, "setup_seconds_cached": again,
-            "open_seconds": open_s, "backend": res.backend, "plan": plan.describe(),
+            "open_seconds": open_s, "backend": res.backend, "plan": facts,
+            "host_engine": facts.get("host_last_engine"),  # None unless the host method
             "copies_back_to_back_seconds": back_to_back(plan, src_ids, dst_ids)}
 
 
@@ -371,7 +374,8 @@ def _print_row(r: dict[str, Any]) -> None:
                " GB/s)")
     print(f"{r['pair']:9s} {r['block_bytes'] // 1024:5d} KiB {r['request_bytes'] / MIB:8.0f} MiB "
           f"{r['transport']:26s} {r['gbps']:8.1f} GB/s  ratio {r['ratio']:5.2f} vs "
-          f"{r['reference']} {r['references_gbps'][r['reference']]:7.1f}  {ok}", flush=True)
+          f"{r['reference']} {r['references_gbps'][r['reference']]:7.1f}  {ok}"
+          + (f"  [{r['host_engine']}]" if r.get("host_engine") else ""), flush=True)
 
 
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -510,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-block-kib", type=int, default=32)
     ap.add_argument("--sweep-request-mib", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--host", action="store_true",
-                    help="smoke run on the host VMM backend (torch method; no GPU figures)")
+                    help="run on the host VMM backend (methods host and torch; no GPU "
+                         "figures; rows carry host_engine)")
     ap.add_argument("--json", default="")
     ap.add_argument("--png", default="")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)

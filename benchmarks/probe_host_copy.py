@@ -12,12 +12,23 @@ run (``numpy.copyto``, and torch's ``copy_``, which uses its thread pool):
   (torch's own threads, GIL released for the whole batch);
 - ``torch-rows-direct``: ``dst.index_copy_(0, d, src.index_select(0, s))`` without staging
   reuse (what a one-liner costs);
-- ``numpy-take``: ``np.take`` into a chunked buffer + fancy assignment (the old engine);
+- ``numpy-take``: ``np.take`` into a chunked buffer + fancy assignment (the engine before
+  ``torch-rows``);
 - ``numpy-void-T``: ``dst[d] = src[s]`` over views whose one element is a whole run (a void
   dtype of the run's bytes), in chunks of about 4 MiB, split over T threads;
 - ``torch-i64-rows``: ``torch-rows`` over int64 views of the same rows;
 - ``copy_file_range-T``: the kernel copies each run between the two memfds
-  (``os.copy_file_range``), split over T threads.
+  (``os.copy_file_range``), split over T threads;
+- ``torch-i64-rows-chunk-M``: ``torch-i64-rows`` through a staging buffer of M MiB, chunk by
+  chunk (does a cache-sized staging help?);
+- ``process_vm_readv-T``: the kernel copies up to 1024 runs per call from this very process
+  (iovec lists built by numpy, the GIL released for each whole call), split over T threads;
+- ``engine-auto``, ``engine-torch-rows``, ``engine-memmove``: the library's
+  :class:`HostRowCopier` (the ``host`` copy method) with that engine setting; the row's
+  ``engine`` field names the engine that ran.
+
+``--only`` keeps the engines whose names start with one of its prefixes (the references
+always run).
 
     python benchmarks/probe_host_copy.py --mib 64 256 --json probe-host-copy.json
 """
@@ -37,6 +48,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kvconnect.connectors.copy._host_block_copy import HostRowCopier, host_row_copier
+
+#: most iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
+IOV_MAX = 1024
 
 
 def _shared(nbytes: int) -> tuple[np.ndarray, int]:
@@ -98,7 +114,57 @@ def _more_engines(src: np.ndarray, dst: np.ndarray, fds: tuple[int, int], s_idx:
         torch.index_select(ts, 0, si, out=stage)
         td.index_copy_(0, di, stage)
     engines["torch-i64-rows"] = rows64
+    for mib in (4, 16):
+        step = max(1, (mib << 20) // run)
+
+        def chunked(step: int = step) -> None:
+            for i in range(0, len(s_idx), step):
+                out = stage[:min(step, len(s_idx) - i)]
+                torch.index_select(ts, 0, si[i:i + step], out=out)
+                td.index_copy_(0, di[i:i + step], out)
+        engines[f"torch-i64-rows-chunk-{mib}"] = chunked
     return engines
+
+
+def _process_vm_engines(src: np.ndarray, dst: np.ndarray, s_idx: np.ndarray,
+                        d_idx: np.ndarray, run: int, threads: list[int]) -> dict[str, Any]:
+    """``process_vm_readv`` on this process: iovec lists (address, length) as numpy rows."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    readv = libc.process_vm_readv
+    readv.restype = ctypes.c_ssize_t
+    readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                      ctypes.c_ulong, ctypes.c_ulong]
+    local = np.empty((len(d_idx), 2), dtype=np.uint64)  # where the bytes go
+    remote = np.empty((len(s_idx), 2), dtype=np.uint64)  # where they come from
+    local[:, 0], local[:, 1] = dst.ctypes.data + d_idx * run, run
+    remote[:, 0], remote[:, 1] = src.ctypes.data + s_idx * run, run
+    pid = os.getpid()
+
+    def pvm_slice(lo: int, hi: int) -> None:
+        for i in range(lo, hi, IOV_MAX):
+            m = min(IOV_MAX, hi - i)
+            got = readv(pid, local[i:].ctypes.data, m, remote[i:].ctypes.data, m, 0)
+            if got != m * run:
+                raise OSError(ctypes.get_errno(), f"process_vm_readv moved {got} bytes")
+    engines: dict[str, Any] = {}
+    for t in threads:
+        pool = ThreadPoolExecutor(t)
+        engines[f"process_vm_readv-{t}"] = (
+            lambda p=pool, k=t: _split(p, pvm_slice, len(s_idx), k))
+    return engines
+
+
+def _library_engines(src: np.ndarray, dst: np.ndarray, s_idx: np.ndarray, d_idx: np.ndarray,
+                     run: int) -> dict[str, tuple[Any, HostRowCopier]]:
+    """The library's host copier over the two mappings (one column: a block is a run)."""
+    ts, td = torch.from_numpy(src), torch.from_numpy(dst)
+    columns = np.array([[src.ctypes.data, run, dst.ctypes.data, run, run]], dtype=np.int64)
+    out = {}
+    for engine in ("auto", "torch-rows", "memmove"):
+        copier = host_row_copier(columns, [ts], [td], (ts, td), engine=engine)
+        assert isinstance(copier, HostRowCopier), copier
+        out[f"engine-{engine}"] = (lambda c=copier: c.copy(s_idx, d_idx), copier)
+    return out
 
 
 def _engines(src: np.ndarray, dst: np.ndarray, s_idx: np.ndarray, d_idx: np.ndarray,
@@ -145,7 +211,8 @@ def _engines(src: np.ndarray, dst: np.ndarray, s_idx: np.ndarray, d_idx: np.ndar
     return engines
 
 
-def probe(mib: int, run_kib: int, reps: int, threads: list[int]) -> dict[str, Any]:
+def probe(mib: int, run_kib: int, reps: int, threads: list[int], only: list[str]
+          ) -> dict[str, Any]:
     run = run_kib << 10
     nbytes = mib << 20
     blocks = nbytes // run
@@ -164,22 +231,33 @@ def probe(mib: int, run_kib: int, reps: int, threads: list[int]) -> dict[str, An
     rows["reference torch copy_"] = tref_t
     engines = _engines(src, dst, s_idx, d_idx, run, threads)
     engines.update(_more_engines(src, dst, (src_fd, dst_fd), s_idx, d_idx, run, threads))
+    engines.update(_process_vm_engines(src, dst, s_idx, d_idx, run, threads))
+    library = _library_engines(src, dst, s_idx, d_idx, run)
+    engines.update({name: fn for name, (fn, _) in library.items()})
     for name, fn in engines.items():
+        if only and not name.startswith(tuple(only)):
+            continue
         dst[:] = 0
-        times = _timed(fn, reps)
+        try:
+            times = _timed(fn, reps)
+        except OSError as exc:  # e.g. process_vm_readv refused by a seccomp policy
+            rows[name] = f"{type(exc).__name__}: {exc}"
+            continue
         ok = all(np.array_equal(dst[d * run:(d + 1) * run], src[s * run:(s + 1) * run])
                  for s, d in zip(s_idx[:64].tolist(), d_idx[:64].tolist(), strict=True))
-        rows[name] = times if ok else None
+        rows[name] = times if ok else "wrong bytes"
     out = {"mib": mib, "run_kib": run_kib, "blocks": blocks, "engines": {}}
     best_ref = nbytes / min(min(ref), min(tref_t)) / 1e9
     for name, times in rows.items():
-        if times is None:
-            out["engines"][name] = {"error": "wrong bytes"}
+        if isinstance(times, str):
+            out["engines"][name] = {"error": times}
             continue
         gbps = nbytes / min(times) / 1e9
         out["engines"][name] = {"best_gbps": round(gbps, 2),
                                 "median_gbps": round(nbytes / statistics.median(times) / 1e9, 2),
                                 "ratio_to_best_reference": round(gbps / best_ref, 3)}
+        if name in library:
+            out["engines"][name]["engine"] = library[name][1].last_engine
         print(f"{mib:5d} MiB {run_kib:4d} KiB runs  {name:24s} {gbps:8.2f} GB/s  "
               f"ratio {gbps / best_ref:5.2f}", flush=True)
     return out  # the mappings close when their last view is collected
@@ -191,12 +269,14 @@ def main() -> None:
     ap.add_argument("--run-kib", type=int, nargs="+", default=[32])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--only", nargs="*", default=[],
+                    help="run only the engines whose names start with one of these")
     ap.add_argument("--json")
     args = ap.parse_args()
     results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                            "numpy": np.__version__},
-               "probes": [probe(m, r, args.reps, args.threads)
+               "probes": [probe(m, r, args.reps, args.threads, args.only)
                           for m in args.mib for r in args.run_kib]}
     if args.json:
         with open(args.json, "w") as f:

@@ -15,12 +15,13 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from kvconnect.connectors.copy._host_block_copy import HostRowCopier
+from kvconnect.connectors.copy._host_block_copy import HostRowCopier, host_row_copier
 from kvconnect.connectors.copy._kernel_launch import bucket_sizes
 from kvconnect.connectors.copy.block_copy import (
     BlockCopyPlan,
@@ -148,15 +149,23 @@ def test_torch_method_is_byte_exact(ids: str) -> None:
     _check(src, dst, before, s_ids, d_ids, n)
 
 
-@pytest.mark.parametrize("engine", ["memmove", "numpy"])
+def _force_engine(monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    """Make ``auto`` pick ``engine`` for every batch (through its thresholds)."""
+    import kvconnect.connectors.copy._host_block_copy as hb
+
+    monkeypatch.setattr(hb, "SMALL_BATCH_RUNS", 0)
+    monkeypatch.setattr(hb, "TORCH_ROWS_MIN_THREADS", 1)
+    monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 0 if engine == "memmove" else 1 << 40)
+
+
+@pytest.mark.parametrize("engine", ["memmove", "torch-rows"])
 @pytest.mark.parametrize("ids", ["runs", "scattered", "single"])
 @pytest.mark.parametrize("direction", ["to_pool", "from_pool"])
 def test_host_method_is_byte_exact(ids: str, direction: str, engine: str,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both host copies (a memmove per merged run; numpy gather + scatter) byte-exact."""
-    import kvconnect.connectors.copy._host_block_copy as hb
-
-    monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 0 if engine == "memmove" else 1 << 40)
+    """Both host engines (a memmove per merged run; torch gather + scatter of int64 rows)
+    byte-exact, picked by ``auto``'s thresholds and reported by ``describe()``."""
+    _force_engine(monkeypatch, engine)
     n = 24
     src, dst, _keep = _row_layouts(n)
     if direction == "from_pool":
@@ -167,25 +176,125 @@ def test_host_method_is_byte_exact(ids: str, direction: str, engine: str,
     before = [_block_bytes(dst, b) for b in range(n)]
     assert plan.copy(np.array(s_ids), d_ids) == len(s_ids) * plan.bytes_per_block
     _check(src, dst, before, s_ids, d_ids, n)
+    facts = plan.describe()
+    assert facts["host_last_engine"] == engine and facts["host_element_bytes"] == 8
 
 
-@pytest.mark.parametrize("engine", ["memmove", "numpy"])
-def test_host_method_threads_a_large_batch(engine: str, monkeypatch: pytest.MonkeyPatch
-                                          ) -> None:
-    """Over the parallel threshold the work is split over the worker threads, byte-exact."""
+def test_host_auto_engine_follows_run_length_and_torch_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto``: memmove for few runs, long runs, or too few torch threads; else torch rows."""
     import kvconnect.connectors.copy._host_block_copy as hb
 
-    monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 0 if engine == "memmove" else 1 << 40)
+    src, dst, _keep = _row_layouts(40, seed=9)
+    plan = BlockCopyPlan(src, dst)
+    rng = np.random.default_rng(2)
+    many = (rng.permutation(40)[:30], rng.permutation(40)[:30])  # ~120 runs of 4-16 KiB
+    monkeypatch.setattr(hb, "TORCH_ROWS_MIN_THREADS", 1)
+    plan.copy([5], [7])  # 4 runs (2 in the region of 2 kernel blocks)
+    assert plan.describe()["host_last_engine"] == "memmove"
+    plan.copy(*many)
+    assert plan.describe()["host_last_engine"] == "torch-rows"
+    monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 4096)
+    plan.copy(*many)
+    assert plan.describe()["host_last_engine"] == "memmove"
+    monkeypatch.setattr(hb, "MEMMOVE_MIN_RUN_BYTES", 1 << 40)
+    monkeypatch.setattr(hb, "TORCH_ROWS_MIN_THREADS", torch.get_num_threads() + 1)
+    plan.copy(*many)
+    assert plan.describe()["host_last_engine"] == "memmove"
+
+
+def test_host_method_threads_a_large_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the parallel threshold the memmove engine splits the runs by bytes over its
+    threads, byte-exact."""
+    import kvconnect.connectors.copy._host_block_copy as hb
+
+    _force_engine(monkeypatch, "memmove")
     monkeypatch.setattr(hb, "PARALLEL_MIN_BYTES", 1)
-    monkeypatch.setattr(hb, "CHUNK_BYTES", 8192)  # many chunks per task
+    pool = ThreadPoolExecutor(3)  # 3 threads: uneven byte shares
+    monkeypatch.setattr(hb, "_pool", lambda: (pool, 3))
     n = 40
     src, dst, _keep = _row_layouts(n, seed=4)
     plan = BlockCopyPlan(src, dst, method="host")
     s_ids = np.random.default_rng(5).permutation(n)[:30]
     d_ids = np.random.default_rng(6).permutation(n)[:30]
     before = [_block_bytes(dst, b) for b in range(n)]
-    plan.copy(s_ids, d_ids)
+    try:
+        plan.copy(s_ids, d_ids)
+    finally:
+        pool.shutdown()
     _check(src, dst, before, s_ids.tolist(), d_ids.tolist(), n)
+
+
+def _one_region_copy(block: int, n: int, engine: str, s_ids: list[int], d_ids: list[int],
+                     offset: int = 0, seed: int = 0) -> tuple[HostRowCopier, bool]:
+    """A copier over one region of ``n`` back-to-back ``block``-byte blocks per side (each
+    ``offset`` bytes into a buffer with guard bytes around it), forced to ``engine``; copies
+    ``s_ids -> d_ids`` and says whether the whole destination buffer, guards included, holds
+    exactly the expected bytes."""
+    guard = 1024
+    src_buf = _random_bytes(2 * guard + offset + n * block, seed)
+    dst_buf = _random_bytes(src_buf.numel(), seed + 1)
+    lo = guard + offset
+    src, dst = src_buf[lo:lo + n * block], dst_buf[lo:lo + n * block]
+    columns = np.array([[src.data_ptr(), block, dst.data_ptr(), block, block]], dtype=np.int64)
+    copier = host_row_copier(columns, [src], [dst], (src_buf, dst_buf), engine=engine)
+    assert isinstance(copier, HostRowCopier)
+    want = dst_buf.clone()
+    for s, d in zip(s_ids, d_ids, strict=True):
+        want[lo + d * block:lo + (d + 1) * block] = src[s * block:(s + 1) * block]
+    copier.copy(np.array(s_ids, dtype=np.int64), np.array(d_ids, dtype=np.int64))
+    assert copier.last_engine == engine
+    return copier, bool(torch.equal(dst_buf, want))
+
+
+@pytest.mark.parametrize("engine", ["memmove", "torch-rows"])
+@pytest.mark.parametrize(("block", "offset", "element"),
+                         [(264, 0, 8), (300, 0, 4), (258, 0, 2), (257, 0, 1), (264, 4, 4)])
+def test_host_engines_handle_rows_not_multiple_of_8(block: int, offset: int, element: int,
+                                                    engine: str) -> None:
+    """Rows (or a base address) not a multiple of 8 bytes: the torch engine falls back to
+    the widest dividing integer; both engines byte-exact, also at the first and last block of
+    each side (the ends of the row arrays), guard bytes untouched."""
+    n = 16
+    s_ids, d_ids = [15, 0, 3, 4, 9], [0, 15, 7, 8, 2]
+    copier, exact = _one_region_copy(block, n, engine, s_ids, d_ids, offset)
+    assert exact
+    assert copier.row_bytes == block and copier.describe()["host_element_bytes"] == element
+
+
+def test_host_torch_rows_chunks_large_batches_and_splits_wide_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch over the staging bound moves in chunks through a buffer that stays within the
+    bound; rows wider than the torch row bound move as sub-rows; byte-exact."""
+    import kvconnect.connectors.copy._host_block_copy as hb
+
+    monkeypatch.setattr(hb, "STAGING_BYTES", 5 * 4096)  # 40 blocks: 8 chunks
+    monkeypatch.setattr(hb, "TORCH_ROW_MAX_BYTES", 1024)
+    monkeypatch.setattr(hb, "_STAGING", hb._Staging())
+    rng = np.random.default_rng(11)
+    s_ids, d_ids = rng.permutation(64)[:40].tolist(), rng.permutation(64)[:40].tolist()
+    copier, exact = _one_region_copy(4096, 64, "torch-rows", s_ids, d_ids, seed=12)
+    assert exact and copier.describe()["host_torch_row_bytes"] == 1024
+    assert hb._STAGING._buf.numel() == 5 * 4096  # grown to the bound, not to the batch
+
+
+def test_host_torch_rows_share_the_staging_buffer_across_threads() -> None:
+    """Copiers driven from several threads at once (each plan from one thread) stay exact:
+    the process's staging buffer is held for a whole copy."""
+    rng = np.random.default_rng(13)
+    jobs = [(rng.permutation(48)[:32].tolist(), rng.permutation(48)[:32].tolist(), seed)
+            for seed in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda j: _one_region_copy(8192, 48, "torch-rows", j[0], j[1],
+                                                           seed=j[2])[1], jobs * 3))
+    assert all(results)
+
+
+def test_host_engine_must_be_known() -> None:
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    columns = np.array([[buf.data_ptr(), 1024, buf.data_ptr(), 1024, 1024]], dtype=np.int64)
+    with pytest.raises(ValueError, match="unknown host copy engine 'numpy'"):
+        host_row_copier(columns, [buf], [buf], buf, engine="numpy")
 
 
 def test_copy_many_is_one_copy_and_checks_ids_across_requests(

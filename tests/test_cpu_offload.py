@@ -318,6 +318,7 @@ def test_copies_are_batched_not_per_block(scattered: bool, monkeypatch: pytest.M
     """The number of data-moving calls per save/load does not grow with the number of
     blocks: on the host backend one row-gather copy per call (the plan's ``host`` method) and
     no torch data op at all, never one copy per block per layer."""
+    import kvconnect.connectors.copy._host_block_copy as hb
     from kvconnect.connectors.copy._host_block_copy import HostRowCopier
 
     calls: list[str] = []
@@ -332,6 +333,9 @@ def test_copies_are_batched_not_per_block(scattered: bool, monkeypatch: pytest.M
     for meth in ("index_select", "index_copy_", "copy_", "index_put_", "__setitem__"):
         monkeypatch.setattr(torch.Tensor, meth, counting(meth, getattr(torch.Tensor, meth)))
     monkeypatch.setattr(HostRowCopier, "copy", counting("host", HostRowCopier.copy))
+    # the memmove engine whatever the core count (the torch-rows engine is two torch ops
+    # per copy; tests/test_block_copy.py covers it)
+    monkeypatch.setattr(hb, "TORCH_ROWS_MIN_THREADS", 1 << 30)
     with make_cache("qwen-small-like", {"num_layers": 4}, num_blocks=64) as cache:
         fill(cache, seed=12)
         counts = []

@@ -1,27 +1,40 @@
-"""The ``host`` method of :class:`~.block_copy.BlockCopyPlan`: block copies in host memory as
-row gathers, one vectorised copy per batch.
+"""The ``host`` method of :class:`~.block_copy.BlockCopyPlan`: block copies in host memory
+(the host VMM backend's memfd mappings), as row gathers or as one memmove per run.
 
-Each side of a plan (its regions' bounded views) is laid over one numpy array of *rows*: the
-bytes from the side's lowest region address to its highest end, cut into rows of
-``row_bytes``, the greatest common divisor of every column offset (from that lowest
-address), stride and length on both sides. Every column of every block is then a run of
-whole rows on both sides, so a batch is two row-index arrays built with numpy broadcasting
-(no per-column or per-block Python, no per-column index tensors). Rows that follow each
-other on both sides merge into *runs* (a run of consecutive blocks, adjacent columns), and
-the batch moves as one of two copies:
+Each side of a plan (its regions' bounded views) is laid over one array of *rows*: the bytes
+from the side's lowest region address to its highest end, cut into rows of ``row_bytes``,
+the greatest common divisor of every column offset (from that lowest address), stride and
+length on both sides. Every column of every block is then a run of whole rows on both sides,
+so a batch is two row-index arrays built with numpy broadcasting (no per-column or per-block
+Python). Rows that follow each other on both sides merge into *runs* (consecutive blocks,
+adjacent columns), and the batch moves by one of two engines (:data:`ENGINES`), chosen per
+batch by ``auto`` from the average run length (measured on a 16-core host,
+``benchmarks/results/probe-host-copy-h200.json``):
 
-- runs of at least :data:`MEMMOVE_MIN_RUN_BYTES` on average: one ``memmove`` per run, straight
-  from source to destination (ctypes releases the GIL during each call, so threads overlap);
-- shorter runs: ``dst_rows[d] = src_rows[s]`` with numpy, in chunks of about
-  :data:`CHUNK_BYTES` (the gathered rows stay in cache between the gather and the scatter).
-
-Batches of at least :data:`PARALLEL_MIN_BYTES` are split over the process's host-copy
-threads.
+- ``torch-rows`` (runs shorter than :data:`MEMMOVE_MIN_RUN_BYTES` on average, where torch
+  has at least :data:`TORCH_ROWS_MIN_THREADS` intra-op threads):
+  ``torch.index_select`` of the source rows into a reusable staging buffer, then
+  ``index_copy_`` into the destination rows, both over views of the widest integer dtype
+  dividing the rows and both sides' base addresses (int64 normally; int32/int16/uint8 as a
+  correct, slower fallback). Torch runs each op on its intra-op threads with the GIL released
+  (``torch.get_num_threads()``, never raised here): the one engine that scales for short runs
+  (0.39-0.47 of a contiguous copy for 32 KiB runs, where Python threads convoy on the GIL).
+  Rows wider than :data:`TORCH_ROW_MAX_BYTES` are cut into sub-rows (torch's gather turns
+  serial on wider rows). Batches over :data:`STAGING_BYTES` move in chunks of at most that
+  size; the staging buffer is one per process, grown up to that bound, and held under a lock
+  for the copy;
+- ``memmove`` (long runs, batches of at most :data:`SMALL_BATCH_RUNS` runs, and everything
+  where torch has fewer threads, e.g. a 2-core CI machine): one
+  ``ctypes.memmove`` per run straight from source to destination (ctypes releases the GIL
+  during each call), batches of :data:`PARALLEL_MIN_BYTES` or more split by bytes over up to
+  :data:`MEMMOVE_MAX_THREADS` threads (bounded by the cpu count and torch's thread count):
+  0.30-0.77 of a contiguous copy for 256 KiB runs.
 
 The row arrays span whatever lies between a side's regions (other reservations, unmapped
 gaps): like the kernel's anchor-relative table, only rows of validated block ids are ever
-touched. A plan whose geometry gives rows under :data:`MIN_ROW_BYTES`, or sides spanning more
-than :data:`MAX_SPAN_BYTES`, does not get this method (:func:`host_row_copier` says why).
+touched (torch checks every index against the span again). A plan whose geometry gives rows
+under :data:`MIN_ROW_BYTES`, or sides spanning more than :data:`MAX_SPAN_BYTES`, does not get
+this method (:func:`host_row_copier` says why).
 
 Units: bytes for sizes, offsets and addresses; rows of ``row_bytes``; logical blocks for ids.
 """
@@ -32,6 +45,7 @@ import ctypes
 import functools
 import math
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -39,27 +53,64 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHUNK_BYTES", "MIN_ROW_BYTES", "HostRowCopier", "host_row_copier"]
+__all__ = ["ENGINES", "MEMMOVE_MIN_RUN_BYTES", "MIN_ROW_BYTES", "STAGING_BYTES",
+           "HostRowCopier", "host_row_copier"]
 
+#: the host copy engines; ``auto`` picks per batch (see the module docstring)
+ENGINES = ("auto", "torch-rows", "memmove")
 #: rows narrower than this make a per-row copy too slow: such plans keep the torch method
 MIN_ROW_BYTES = 256
 #: a side whose regions spread over more virtual address space is not laid over one array
 MAX_SPAN_BYTES = 1 << 46
-#: bytes gathered per step (stays in cache between the gather and the scatter)
-CHUNK_BYTES = 1 << 20
-#: batches smaller than this run on the calling thread
+#: average run length from which ``auto`` moves a batch by memmove (16-core host: torch rows
+#: 0.39-0.47 of a contiguous copy at 32 KiB runs, memmove 0.03-0.09; at 256 KiB runs memmove
+#: in 8 threads 0.30-0.77, torch rows 0.06-0.12)
+MEMMOVE_MIN_RUN_BYTES = 128 << 10
+#: batches of at most this many runs move by memmove on the calling thread whatever their
+#: run length (two torch ops cost more than a few memmove calls)
+SMALL_BATCH_RUNS = 8
+#: fewest torch intra-op threads for ``auto`` to pick torch rows (16-core host: torch rows
+#: gave about 1.9 GB/s per thread, one memmove thread 4.8 GB/s; a loaded 2-core machine makes
+#: torch's threads slower still)
+TORCH_ROWS_MIN_THREADS = 4
+#: the memmove engine splits batches of at least this many bytes over its threads
 PARALLEL_MIN_BYTES = 8 << 20
-#: average run length from which a batch moves by one memmove per run (measured on the host
-#: backend: a memmove per 32 KiB run beats numpy's gather + scatter, whose scatter holds the
-#: GIL; for short runs the per-call Python cost wins)
-MEMMOVE_MIN_RUN_BYTES = 16 << 10
+#: most threads of the memmove engine (4-8 measured best on 16 cores; 16 convoy)
+MEMMOVE_MAX_THREADS = 8
+#: the torch-rows engine's staging bound: larger batches move in chunks of this many bytes
+STAGING_BYTES = 64 << 20
+#: widest row the torch-rows engine gathers as one (its gather is serial from 32768 elements)
+TORCH_ROW_MAX_BYTES = 64 << 10
+
+_INT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @functools.lru_cache(maxsize=1)
 def _pool() -> tuple[ThreadPoolExecutor, int]:
-    """The process's host-copy threads (created on first use) and their count."""
-    workers = max(1, min(os.cpu_count() or 1, torch.get_num_threads(), 16))
+    """The process's memmove threads (created on first use) and their count."""
+    workers = max(1, min(os.cpu_count() or 1, torch.get_num_threads(), MEMMOVE_MAX_THREADS))
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvc-host-copy"), workers
+
+
+class _Staging:
+    """The process's staging buffer of the torch-rows engine: grown on demand up to
+    :data:`STAGING_BYTES`, never shrunk; ``lock`` is held for the whole of a copy that uses
+    it (torch already spreads each copy over every intra-op thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def rows(self, nrows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
+        """A ``(nrows, row_elems)`` view of the buffer (caller holds ``lock``)."""
+        nbytes = nrows * row_elems * torch.empty(0, dtype=dtype).element_size()
+        if nbytes > self._buf.numel():  # grow by doubling, to the bound at most
+            grown = max(nbytes, min(2 * self._buf.numel(), STAGING_BYTES))
+            self._buf = torch.empty(grown, dtype=torch.uint8)
+        return self._buf[:nbytes].view(dtype).view(nrows, row_elems)
+
+
+_STAGING = _Staging()
 
 
 def _span_rows(flats: Sequence[torch.Tensor], row_bytes: int) -> tuple[int, np.ndarray]:
@@ -72,18 +123,43 @@ def _span_rows(flats: Sequence[torch.Tensor], row_bytes: int) -> tuple[int, np.n
     return lo, np.frombuffer(buf, dtype=np.uint8).reshape(nrows, row_bytes)
 
 
+def _torch_row_shape(row_bytes: int, src_lo: int, dst_lo: int) -> tuple[torch.dtype, int]:
+    """The torch-rows engine's element dtype (the widest integer dividing the rows and both
+    base addresses) and sub-rows per row: the fewest that keep a sub-row of whole elements
+    under :data:`TORCH_ROW_MAX_BYTES`, none if that needs sub-rows under
+    :data:`MIN_ROW_BYTES`."""
+    width = next(w for w in (8, 4, 2, 1) if math.gcd(row_bytes, src_lo, dst_lo) % w == 0)
+    elems = row_bytes // width
+    fewest = -(-row_bytes // TORCH_ROW_MAX_BYTES)
+    split = next((k for k in range(fewest, row_bytes // MIN_ROW_BYTES + 1) if elems % k == 0),
+                 1)
+    return _INT_DTYPES[width], split
+
+
 class HostRowCopier:
-    """Row-gather copies for one plan's columns (see the module docstring); build it with
+    """Host copies for one plan's columns (see the module docstring); build it with
     :func:`host_row_copier`. ``columns``: the plan's ``(columns, 5)`` int64 rows of absolute
     byte values (src address of block 0, src stride, dst address, dst stride, length);
-    ``keep``: objects the row arrays depend on (the regions' views)."""
+    ``keep``: objects the row arrays depend on (the regions' views); ``engine``: one of
+    :data:`ENGINES` (``auto`` outside measurements and tests). Not thread-safe, like its
+    plan; :attr:`last_engine` names the engine of the latest batch."""
 
     def __init__(self, columns: np.ndarray, src: Sequence[torch.Tensor],
-                 dst: Sequence[torch.Tensor], row_bytes: int, keep: Any) -> None:
+                 dst: Sequence[torch.Tensor], row_bytes: int, keep: Any,
+                 engine: str = "auto") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown host copy engine {engine!r}; choose from {ENGINES}")
         self.row_bytes = row_bytes
+        self.engine = engine
+        #: the engine that moved the latest batch (``None`` before the first)
+        self.last_engine: str | None = None
         self._keep = keep
         self._src_lo, self._src_rows = _span_rows(src, row_bytes)
         self._dst_lo, self._dst_rows = _span_rows(dst, row_bytes)
+        self._dtype, self._split = _torch_row_shape(row_bytes, self._src_lo, self._dst_lo)
+        sub_elems = row_bytes // self._split // torch.empty(0, dtype=self._dtype).element_size()
+        self._src_t = torch.from_numpy(self._src_rows).view(self._dtype).view(-1, sub_elems)
+        self._dst_t = torch.from_numpy(self._dst_rows).view(self._dtype).view(-1, sub_elems)
         t = columns // 1  # int64 copy
         rows = t[:, 4] // row_bytes
         #: per distinct rows-per-column: (src base row, src stride rows, dst base, dst stride)
@@ -93,6 +169,15 @@ class HostRowCopier:
             self._groups.append((int(per), (g[:, 0] - self._src_lo) // row_bytes,
                                  g[:, 1] // row_bytes, (g[:, 2] - self._dst_lo) // row_bytes,
                                  g[:, 3] // row_bytes))
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able facts: ``row_bytes``, the ``host_engine`` setting, the
+        ``host_last_engine`` of the latest batch, and the torch-rows engine's element and
+        sub-row bytes."""
+        element = torch.empty(0, dtype=self._dtype).element_size()
+        return {"row_bytes": self.row_bytes, "host_engine": self.engine,
+                "host_last_engine": self.last_engine, "host_element_bytes": element,
+                "host_torch_row_bytes": self.row_bytes // self._split}
 
     def row_indices(self, src_ids: np.ndarray, dst_ids: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -108,61 +193,79 @@ class HostRowCopier:
             return s_parts[0], d_parts[0]
         return np.concatenate(s_parts), np.concatenate(d_parts)
 
+    def choose_engine(self, nbytes: int, runs: int) -> str:
+        """The engine of a batch of ``nbytes`` in ``runs`` runs (:attr:`engine` unless
+        ``auto``; see the module docstring)."""
+        if self.engine != "auto":
+            return self.engine
+        if runs <= SMALL_BATCH_RUNS or nbytes >= MEMMOVE_MIN_RUN_BYTES * runs \
+                or torch.get_num_threads() < TORCH_ROWS_MIN_THREADS:
+            return "memmove"
+        return "torch-rows"
+
     def copy(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """Copy logical blocks ``src_ids[i] -> dst_ids[i]`` of every column (ids validated
         by the plan); synchronous."""
         s, d = self.row_indices(src_ids, dst_ids)
         nbytes = s.size * self.row_bytes
         # runs: where both row numbers go on by one, the copy goes on in one piece
-        cut = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-        starts = np.concatenate(([0], cut))
-        if nbytes >= MEMMOVE_MIN_RUN_BYTES * starts.size:
+        starts = np.concatenate(([0], np.flatnonzero((np.diff(s) != 1)
+                                                     | (np.diff(d) != 1)) + 1))
+        engine = self.choose_engine(nbytes, int(starts.size))
+        if engine == "memmove":
             lengths = np.diff(np.concatenate((starts, [s.size]))) * self.row_bytes
-            work = (self._memmove_runs, (s[starts] * self.row_bytes,
-                                         d[starts] * self.row_bytes, lengths))
+            self._memmove_runs(s[starts] * self.row_bytes, d[starts] * self.row_bytes,
+                               lengths, nbytes)
         else:
-            work = (self._copy_range, (s, d))
-        self._run_parallel(work, nbytes)
+            self._torch_rows(s, d)
+        self.last_engine = engine
 
-    def _run_parallel(self, work: tuple[Any, tuple[np.ndarray, ...]], nbytes: int) -> None:
-        """Run ``fn(*arrays)`` over slices of the arrays: on this thread for small batches,
-        else split over the host-copy threads."""
-        fn, arrays = work
-        n = arrays[0].size
+    def _torch_rows(self, s: np.ndarray, d: np.ndarray) -> None:
+        """Rows ``s[i] -> d[i]``: gather into the staging buffer, scatter from it, in chunks
+        of at most :data:`STAGING_BYTES`."""
+        k = self._split
+        if k > 1:  # sub-rows: row r is sub-rows r*k .. r*k+k-1
+            sub = np.arange(k, dtype=np.int64)
+            s = (s[:, None] * k + sub).reshape(-1)
+            d = (d[:, None] * k + sub).reshape(-1)
+        step = max(1, STAGING_BYTES * k // self.row_bytes)
+        row_elems = self._src_t.shape[1]
+        with _STAGING.lock:
+            for i in range(0, s.size, step):
+                si = torch.from_numpy(s[i:i + step])
+                stage = _STAGING.rows(si.numel(), row_elems, self._dtype)
+                torch.index_select(self._src_t, 0, si, out=stage)
+                self._dst_t.index_copy_(0, torch.from_numpy(d[i:i + step]), stage)
+
+    def _memmove_runs(self, src_off: np.ndarray, dst_off: np.ndarray, lengths: np.ndarray,
+                      nbytes: int) -> None:
+        """One memmove per run (byte offsets from each side's lowest address): on this
+        thread under :data:`PARALLEL_MIN_BYTES`, else split by bytes over the threads."""
         pool, workers = _pool()
-        tasks = 1 if nbytes < PARALLEL_MIN_BYTES else min(workers, n)
+        tasks = 1 if nbytes < PARALLEL_MIN_BYTES else min(workers, lengths.size)
         if tasks <= 1:
-            fn(*arrays)
+            self._memmove_slice(src_off, dst_off, lengths)
             return
-        cut = math.ceil(n / tasks)
-        futures = [pool.submit(fn, *(a[i:i + cut] for a in arrays)) for i in range(0, n, cut)]
+        ends = np.cumsum(lengths)
+        cuts = np.searchsorted(ends, np.arange(1, tasks) * (nbytes / tasks), side="right")
+        bounds = [0, *sorted(set(cuts.tolist()) - {0, lengths.size}), lengths.size]
+        futures = [pool.submit(self._memmove_slice, src_off[a:b], dst_off[a:b], lengths[a:b])
+                   for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         for f in futures:
             f.result()  # re-raises a worker's error here
 
-    def _memmove_runs(self, src_off: np.ndarray, dst_off: np.ndarray,
-                      lengths: np.ndarray) -> None:
-        """One memmove per run (byte offsets from each side's lowest address)."""
+    def _memmove_slice(self, src_off: np.ndarray, dst_off: np.ndarray,
+                       lengths: np.ndarray) -> None:
         sp, dp = self._src_rows.ctypes.data, self._dst_rows.ctypes.data
         move = ctypes.memmove
         for so, do, n in zip(src_off.tolist(), dst_off.tolist(), lengths.tolist(),
                              strict=True):
             move(dp + do, sp + so, n)
 
-    def _copy_range(self, s: np.ndarray, d: np.ndarray) -> None:
-        """Rows ``s[i] -> d[i]`` as numpy gathers + scatters of :data:`CHUNK_BYTES`."""
-        step = max(1, CHUNK_BYTES // self.row_bytes)
-        src, dst = self._src_rows, self._dst_rows
-        buf = np.empty((min(step, s.size), self.row_bytes), dtype=np.uint8)
-        for i in range(0, s.size, step):
-            m = min(step, s.size - i)
-            out = buf[:m]
-            # mode="clip": no bounds buffering; the plan validated every id already
-            np.take(src, s[i:i + m], axis=0, out=out, mode="clip")
-            dst[d[i:i + m]] = out
-
 
 def host_row_copier(columns: np.ndarray, src: Sequence[torch.Tensor],
-                    dst: Sequence[torch.Tensor], keep: Any) -> HostRowCopier | str:
+                    dst: Sequence[torch.Tensor], keep: Any, engine: str = "auto"
+                    ) -> HostRowCopier | str:
     """A :class:`HostRowCopier` for a plan's merged ``columns`` over the flat views ``src``
     and ``dst`` (host tensors), or why the plan cannot have one."""
     if any(f.device.type != "cpu" for f in (*src, *dst)):
@@ -180,4 +283,4 @@ def host_row_copier(columns: np.ndarray, src: Sequence[torch.Tensor],
     if row < MIN_ROW_BYTES:
         return (f"columns, strides and offsets share only {row}-byte rows "
                 f"(< {MIN_ROW_BYTES})")
-    return HostRowCopier(columns, src, dst, row, keep)
+    return HostRowCopier(columns, src, dst, row, keep, engine)

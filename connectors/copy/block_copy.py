@@ -21,8 +21,8 @@ Methods (:data:`COPY_METHODS`), chosen per plan or per call:
 - ``memcpy_batch``: one ``cuMemcpyBatchAsync`` call (copy engines) with one descriptor per
   column and *run* of consecutive blocks (:func:`block_runs`): merged runs mean fewer,
   larger copies (:mod:`._cuda_memcpy_batch`).
-- ``host``: host memory on both sides (the host VMM backend): every column of a batch as one
-  numpy row gather over the sides' address spans, chunked and threaded
+- ``host``: host memory on both sides (the host VMM backend): a batch as rows over the sides'
+  address spans, moved by torch row gathers or one memmove per run, chosen per batch
   (:mod:`._host_block_copy`). ``auto``'s choice on the host where the geometry allows it.
 - ``torch``: the portable fallback, and the reference shape: per column, one strided
   ``copy_`` per run when a batch has at most two runs, else one ``index_select`` + one
@@ -527,7 +527,7 @@ class BlockCopyPlan:
             out.update(self._launcher.describe() if self._launcher is not None
                        else {"launch": self.launch})
         elif self.method == "host" and isinstance(self._host, HostRowCopier):
-            out["row_bytes"] = self._host.row_bytes
+            out.update(self._host.describe())
         return out
 
 
