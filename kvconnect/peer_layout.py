@@ -235,10 +235,13 @@ class PeerLayout:
         return cls(tuple(out), n, layer_names=tuple(layers), **info)
 
     @classmethod
-    def from_cache(cls, cache: Any) -> PeerLayout:
+    def from_cache(cls, cache: Any, regions: Sequence[PagedRegion] | None = None
+                   ) -> PeerLayout:
         """The layout of an :class:`~kvconnect.kv_cache.ExtensibleKVCache`'s committed
-        regions, offsets from its tensors' bases, facts from its config."""
-        return cls.from_regions(cache.committed_regions(), int(cache.num_blocks),
+        regions (``regions``: ``cache.committed_regions()`` already taken, to keep their
+        order), offsets from its tensors' bases, facts from its config."""
+        regions = cache.committed_regions() if regions is None else regions
+        return cls.from_regions(regions, int(cache.num_blocks),
                                 tensor_bases=[t.base_ptr for t in cache.tensors],
                                 config=getattr(cache, "config", None))
 

@@ -200,9 +200,9 @@ def test_the_rule_on_an_extensible_cache_and_on_a_peers_handshake(name: str) -> 
         descs, offsets, counts = peer_descriptors(md, local)
         assert counts.tolist() == [r.num_blocks for r in local]
         assert descs[:, 1].tolist() == [r.block_len for r in local for _ in range(r.num_blocks)]
-        slices, kept = offload_row_layout(regions, cfg.num_blocks)
-        assert kept == local and [s.members for s in slices] == [m for _, m in
-                                                                 page_holders(regions)]
+        slices = offload_row_layout(md.layout)
+        assert [regions[s.index] for s in slices] == local
+        assert [s.members for s in slices] == [m for _, m in page_holders(regions)]
 
 
 # -- the edge cases where the old rules differed ----------------------------------------------
