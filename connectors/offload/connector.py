@@ -8,10 +8,10 @@ hashable key per block (default: the block id), with LRU slots (:mod:`.slots`).
 Geometry (:mod:`.layout`). One pool slot ("row") holds every committed region's page
 of one logical block side by side: ``bytes_per_block = sum(sub_blocks * block_len)`` over the
 regions of the cache's :class:`~kvconnect.peer_layout.PeerLayout` that hold their own pages
-(shared pages stored once). Every region is read through a
-**bounded** flat view (:mod:`.sources`), so no copy can reach uncommitted memory.
-Nothing here looks at ``untyped_storage().nbytes()``: upstream's ``storage.nbytes() //
-num_blocks`` row geometry is exactly what faults on an over-reserved cache.
+(shared pages stored once). Every region is read through a **bounded** flat view
+(:mod:`.sources`), so no copy can reach uncommitted memory. Nothing here looks at
+``untyped_storage().nbytes()``: upstream's ``storage.nbytes() // num_blocks`` row geometry is
+exactly what faults on an over-reserved cache.
 
 Copies (:mod:`..copy.block_copy`). The pool is slot-major: slot ``s`` is bytes ``[s *
 bytes_per_block, (s + 1) * bytes_per_block)``, so consecutive slots are one contiguous range.
@@ -46,9 +46,8 @@ plans were built from and calls :meth:`CPUOffloadConnector.rebind` when it diffe
 back at the same addresses, so the plans stay valid. While the cache is asleep, ``save`` /
 ``load`` raise :class:`KVConnectorError`; the pool and its keys survive sleep. Call
 :meth:`CPUOffloadConnector.wait` before ``release_physical()``. The layout is fixed for a
-connector's life: ``rebind`` raises when :meth:`PeerLayout.differences
-<kvconnect.peer_layout.PeerLayout.differences>` finds any (the rule every transport uses;
-more committed blocks are not one).
+connector's life: ``rebind`` raises when ``PeerLayout.differences`` finds any (more blocks are
+not one).
 
 ``close()`` waits, then drops the pool: a pinned pool returns to torch's pinned-memory
 cache, which belongs to the process; the connector never empties it.
@@ -172,8 +171,7 @@ class CPUOffloadConnector:
         self._num_blocks = self._layout.num_blocks
         self._token = self._src.state_token()
         self._bytes_per_block = sum(s.width for s in self._slices)
-        first = regions[self._slices[0].index]
-        flat0 = self._src.flat_view(first, first.block_len)
+        flat0 = self._src.flat_view(regions[0], regions[0].block_len)
         self._device = flat0.device
         self._is_cuda = self._device.type == "cuda"
         pin = self._is_cuda if pin_memory is None else bool(pin_memory)
@@ -327,8 +325,7 @@ class CPUOffloadConnector:
         self._token = self._src.state_token()
 
     def _derive_layout(self) -> tuple[PeerLayout, list[CommittedRegion]]:
-        """The cache's layout now, and the committed regions it was built from (same
-        order: ``regions[slice.index]`` is the slice's region)."""
+        """The cache's layout now and its regions (``regions[slice.index]``: a slice's)."""
         if self._src.num_blocks <= 0:
             raise KVConnectorError("the KV cache has no committed blocks")
         regions = self._src.regions()
