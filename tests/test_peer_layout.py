@@ -30,6 +30,7 @@ from kvconnect.peer_layout import (
     PeerLayoutError,
 )
 from kvconnect.views import CommittedRegion
+from kvconnect.vmm import AllocationOptions
 
 #: the caches the layouts come from: every preset (K/V split, MLA, hybrid, packed, vLLM's)
 NAMES = sorted(PRESETS)
@@ -46,7 +47,8 @@ def layouts() -> Iterator[dict[str, PeerLayout]]:
 
 def _cache(name: str, num_blocks: int = 4, capacity: int = 16) -> ExtensibleKVCache:
     cache = ExtensibleKVCache(preset(name, num_blocks=num_blocks, num_layers=4), "cpu",
-                              capacity_blocks=capacity, shareable=True)
+                              capacity_blocks=capacity,
+                              options=AllocationOptions(shareable=True))
     cache.allocate()
     cache.extend_kv_cache(num_blocks)
     return cache
