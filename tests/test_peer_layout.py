@@ -242,23 +242,24 @@ def test_every_user_of_a_cache_publishes_the_same_layout(nixl_worker: Any) -> No
     from kvconnect.connectors.offload.connector import CPUOffloadConnector
 
     directory = tempfile.mkdtemp(prefix="kvl-", dir="/tmp")
-    with _cache("jamba-hybrid-like") as cache:
-        harness = PeerLayout.from_cache(cache)
-        server = IpcExportServer(cache, directory, "x", lambda: {os.getpid()}, timeout=5.0)
-        try:
-            ipc = PeerLayout.from_json(server._reply({})["layout"])
-        finally:
-            server.close()
-            shutil.rmtree(directory, ignore_errors=True)
-        offload = CPUOffloadConnector(cache, num_cpu_blocks=2)
-        try:
-            assert offload.layout == harness
-        finally:
-            offload.close()
-        assert ipc == harness
-        if nixl_importable():
-            md = nixl_worker("layout", progress_thread=False).register_kv_cache(cache)
-            assert md.layout == harness
+    try:
+        with _cache("jamba-hybrid-like") as cache:
+            harness = PeerLayout.from_cache(cache)
+            server = IpcExportServer(cache, directory, "x", lambda: {os.getpid()}, timeout=5.0)
+            try:
+                assert PeerLayout.from_json(server._reply({})["layout"]) == harness
+            finally:
+                server.close()
+            offload = CPUOffloadConnector(cache, num_cpu_blocks=2)
+            try:
+                assert offload.layout == harness
+            finally:
+                offload.close()
+            if nixl_importable():
+                md = nixl_worker("layout", progress_thread=False).register_kv_cache(cache)
+                assert md.layout == harness
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # -- a peer's declared page sharing must match its addresses (NIXL) ---------------------------
