@@ -3,8 +3,9 @@ installs as ``kvconnect.connectors`` (a setuptools ``package-dir`` mapping); sub
 ``ipc``, ``nixl`` and ``offload`` hold one family each.
 
 - :class:`NixlRegionWorker`: NIXL/UCX registration of committed regions (one per physical
-  chunk, deferred until the final commit), JSON handshake with a layout fingerprint, READs with
-  deadlines, re-registration after sleep/wake. NIXL itself is imported lazily.
+  chunk, deferred until the final commit), JSON handshake with a
+  :class:`~kvconnect.peer_layout.PeerLayout`, READs with deadlines, re-registration after
+  sleep/wake. NIXL itself is imported lazily.
 - :class:`CPUOffloadConnector`: a (pinned, on CUDA) CPU pool sized from committed per-block
   bytes, batched save/load with LRU slots.
 - :class:`BlockCopyPlan`: the block-copy engine (one launch per transfer over every layer,
@@ -24,14 +25,13 @@ from .ipc.transport import (  # registers "ipc" (transport.py)
     IpcTransport,
     PendingFetch,
 )
-from .nixl.handshake import HandshakeMetadata, LayoutFingerprint, MetadataError
+from .nixl.handshake import HandshakeMetadata, MetadataError
 from .nixl.transport import NixlTransport, slow_gpu_lane_advice  # registers "nixl"
 from .nixl.worker import (
     NixlRegionWorker,
     NixlUnavailableError,
     TransferResult,
     check_descriptors_in_chunks,
-    layout_info_from_config,
     memory_type_for_device,
     nixl_importable,
     region_descriptors,
@@ -81,7 +81,6 @@ __all__ = [
     "IncompatiblePeerError",
     "KVConnectorError",
     "KVTransferError",
-    "LayoutFingerprint",
     "MetadataError",
     "NixlRegionWorker",
     "NixlUnavailableError",
@@ -90,7 +89,6 @@ __all__ = [
     "RowSlice",
     "TransferResult",
     "check_descriptors_in_chunks",
-    "layout_info_from_config",
     "memory_type_for_device",
     "nixl_importable",
     "offload_row_layout",

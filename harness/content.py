@@ -9,9 +9,11 @@ Digests are BLAKE2b-128 over each (block, region) byte range: any flipped byte c
 When a digest differs, :func:`first_difference` regenerates the expected bytes and names the
 first differing offset.
 
-Regions come from :meth:`ExtensibleKVCache.committed_regions`. Layers that alias the same
-pages by design (hybrid attention + Mamba) give regions contained in another region; those
-are *covered* and not filled or checked on their own (the covering region holds their bytes).
+Regions come from the cache's :class:`~kvconnect.peer_layout.PeerLayout` (the one a prefill
+publishes and a decode compares with its own by ``PeerLayout.differences``).
+Layers that alias the same pages by design (hybrid attention + Mamba) give regions held by
+another region; those are not filled or checked on their own (the holder holds their bytes):
+only :func:`owners` are.
 
 Units: bytes for lengths and offsets, blocks for block ids.
 """
@@ -20,12 +22,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from kvconnect.views import block_span, page_owners
+from kvconnect.peer_layout import LayoutRegion, PeerLayout
 
 _M32 = 0xFFFFFFFF
 #: bound on the int64 scratch of one fill batch (bytes of generated content)
@@ -34,84 +35,54 @@ PART_NAMES = {"k": "K", "v": "V", "kv": "K+V", "latent": "latent", "state": "sta
               "packed": "packed"}
 
 
-@dataclass(frozen=True)
-class RegionSpec:
-    """A committed region as both sides of a transfer describe it (JSON-able).
-
-    ``offset`` is bytes from the start of KV tensor ``tensor_index``'s reservation to block 0;
-    ``covered_by`` is the index of the region that contains this one (aliased pages), or -1.
-    """
-
-    index: int
-    layer_name: str
-    part: str
-    block_len: int
-    block_stride: int
-    num_blocks: int
-    tensor_index: int
-    segment: int
-    offset: int
-    covered_by: int = -1
-
-    @property
-    def label(self) -> str:
-        return f"layer {self.layer_name} part {PART_NAMES.get(self.part, self.part)}"
-
-    @property
-    def signature(self) -> tuple[str, str, int, int]:
-        return (self.layer_name, self.part, self.block_len, self.block_stride)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> RegionSpec:
-        return cls(**{k: (str(v) if k in ("layer_name", "part") else int(v))
-                      for k, v in obj.items()})
+def region_label(region: LayoutRegion) -> str:
+    """``"layer <name> part <K|V|K+V|...>"``, as reports name a region."""
+    return f"layer {region.layer_name} part {PART_NAMES.get(region.part, region.part)}"
 
 
-def region_specs(cache: Any) -> list[RegionSpec]:
-    """The cache's committed regions as :class:`RegionSpec`, each region whose pages another
-    holds marked ``covered_by`` that holder (kvconnect's one page-sharing rule,
-    :func:`kvconnect.views.page_owners`; partial overlaps raise ``ValueError``)."""
-    tensors = cache.tensors
-    regions = list(cache.committed_regions())
-    holder = page_owners(regions)
-    specs: list[RegionSpec] = []
-    for i, r in enumerate(regions):
-        base = tensors[r.tensor_index].base_ptr
-        specs.append(RegionSpec(i, r.layer_name, r.part, int(r.block_len), int(r.block_stride),
-                                int(r.num_blocks), int(r.tensor_index), int(r.segment),
-                                int(r.base_ptr - base), -1 if holder[i] == i else holder[i]))
-    return specs
+def owners(layout: PeerLayout) -> list[LayoutRegion]:
+    """The regions that hold their bytes themselves (:meth:`PeerLayout.holders`), in order."""
+    return [r for _, r, _ in layout.holders()]
 
 
-def owners(specs: Sequence[RegionSpec]) -> list[RegionSpec]:
-    """The regions that hold their bytes themselves (not covered by another)."""
-    return [s for s in specs if s.covered_by < 0]
+def paired_owners(local: PeerLayout, remote: PeerLayout
+                  ) -> list[tuple[LayoutRegion, LayoutRegion, int]]:
+    """``(local region, remote region, the remote's position in owners(remote))`` for each
+    local owner, paired by ``layer/part``; the layouts must have no
+    :meth:`~PeerLayout.differences` (``KeyError`` for a region the remote lacks)."""
+    position = {r.key: j for j, r in enumerate(owners(remote))}
+    return [(r, remote.region(r.key), position[r.key]) for r in owners(local)]
 
 
-def rows_view(flat: torch.Tensor, spec: RegionSpec, num_blocks: int | None = None) -> torch.Tensor:
-    """``(num_blocks, block_len)`` uint8 view over a bounded flat view of the region's span."""
-    n = spec.num_blocks if num_blocks is None else num_blocks
-    span = block_span(n, spec.block_stride, spec.block_len)
+def rows_view(flat: torch.Tensor, region: LayoutRegion, num_blocks: int) -> torch.Tensor:
+    """``(num_blocks, bytes_per_block)`` uint8 view (one row per logical block) over a
+    bounded flat view of the region's span. A region split into kernel blocks must have them
+    adjacent (``block_stride == block_len``)."""
+    if region.sub_blocks > 1 and region.block_stride != region.block_len:
+        raise ValueError(f"{region_label(region)}: {region.sub_blocks} kernel blocks per "
+                         "block that are not adjacent cannot be one row")
+    span = region.span(num_blocks)
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < span:
-        raise ValueError(f"{spec.label}: need a flat uint8 view of {span} bytes, got "
+        raise ValueError(f"{region_label(region)}: need a flat uint8 view of {span} bytes, got "
                          f"{flat.dtype} {tuple(flat.shape)}")
-    return flat.as_strided((n, spec.block_len), (spec.block_stride, 1), flat.storage_offset())
+    return flat.as_strided((num_blocks, region.bytes_per_block), (region.logical_stride, 1),
+                           flat.storage_offset())
 
 
-def cache_rows(cache: Any, spec: RegionSpec) -> torch.Tensor:
-    """The region's rows in ``cache`` (bounded to committed memory by ``committed_view``)."""
-    t = cache.tensors[spec.tensor_index]
-    span = block_span(spec.num_blocks, spec.block_stride, spec.block_len)
-    return rows_view(t.committed_view(spec.offset, span), spec)
+def cache_rows(cache: Any, region: LayoutRegion) -> torch.Tensor:
+    """The region's rows (its ``cache.num_blocks`` committed logical blocks) in ``cache``,
+    bounded to committed memory by ``committed_view``; ``region`` from
+    ``PeerLayout.from_cache(cache)``."""
+    n = int(cache.num_blocks)
+    if region.offset is None:
+        raise ValueError(f"{region_label(region)}: a region without offset is not in a cache")
+    t = cache.tensors[region.tensor_index]
+    return rows_view(t.committed_view(region.offset, region.span(n)), region, n)
 
 
-def content_key(seed: int, source: str, spec: RegionSpec) -> int:
+def content_key(seed: int, source: str, region: LayoutRegion) -> int:
     """32-bit key of one region's contents written by ``source`` (e.g. ``prefill0``)."""
-    h = hashlib.blake2b(f"{seed}/{source}/{spec.layer_name}/{spec.part}/{spec.index}".encode(),
-                        digest_size=8).digest()
+    h = hashlib.blake2b(f"{seed}/{source}/{region.key}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & _M32
 
 

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from kvconnect.peer_layout import PeerLayout, PeerLayoutError
+
 from .config import DECODE, PREFILL, pair_name, worker_name
 from .content import (
-    RegionSpec,
     cache_rows,
     content_key,
     digest_blocks,
@@ -33,6 +34,8 @@ from .content import (
     first_difference,
     generate,
     owners,
+    paired_owners,
+    region_label,
 )
 from .control import Control
 from .faults import restarted_workers
@@ -143,8 +146,7 @@ class DecodeWorker(WorkerSteps):
         ctl.phase(f"wait:{prefill}:round{round_no}")
         info = ctl.wait(prefill, f"round{round_no}", timeout=round_wait(cfg))
         self.note_incarnation(prefill, pair, round_no, info)
-        remote_specs = [RegionSpec.from_json(s) for s in info["regions"]]
-        diffs = _layout_differences(self.specs, remote_specs)
+        diffs = _layout_differences(self.layout, info.get("layout"))
         if diffs:
             ctl.failed(f"compat/{pair}", f"{prefill}'s KV layout differs: "
                                          + "; ".join(diffs[:MAX_QUOTED]))
@@ -232,7 +234,7 @@ class DecodeWorker(WorkerSteps):
         ctl.publish(f"handshake/{prefill}/round{round_no}",
                     {"incarnation": incarnation, "opened": opened, "failed": sorted(failed)})
         expected = info["digests"][self.name]
-        remote_specs = [RegionSpec.from_json(s) for s in info["regions"]]
+        remote_layout = PeerLayout.from_json(info["layout"])  # checked in fetch_from
         reference: dict[int, float] = {}  # bytes -> GB/s of the same-run reference copy
         for transport in opened:
             name = f"transfer/{pair}/{transport}/round{round_no}"
@@ -251,7 +253,7 @@ class DecodeWorker(WorkerSteps):
                 continue
             if notifies_exporter(transport):
                 self.count_notice(prefill, incarnation)
-            mismatches = self.verify(prefill, remote_specs, remote_ids, local_ids, expected)
+            mismatches = self.verify(prefill, remote_layout, remote_ids, local_ids, expected)
             src = self.reference_source(p, info)
             if result.bytes not in reference:
                 reference[result.bytes] = reference_copy_gbps(result.bytes, src, self.device)
@@ -283,7 +285,7 @@ class DecodeWorker(WorkerSteps):
         """Digests of every block a fetch into ``local_ids`` must not touch."""
         dest = set(local_ids)
         others = [b for b in range(self.cfg.num_blocks) if b not in dest]
-        return [digest_blocks(cache_rows(self.cache, s), others) for s in owners(self.specs)]
+        return [digest_blocks(cache_rows(self.cache, s), others) for s in owners(self.layout)]
 
     def intact(self, guard: list[list[str]] | None,
                local_ids: list[int]) -> dict[str, Any] | None:
@@ -338,19 +340,18 @@ class DecodeWorker(WorkerSteps):
 
     def poison(self, local_ids: list[int]) -> None:
         """Overwrite the destination blocks with our own contents (a no-op transfer fails)."""
-        for spec in owners(self.specs):
+        for spec in owners(self.layout):
             fill(cache_rows(self.cache, spec), content_key(self.cfg.seed, self.name, spec),
                  local_ids)
 
-    def verify(self, prefill: str, remote_specs: list[RegionSpec], remote_ids: list[int],
+    def verify(self, prefill: str, remote_layout: PeerLayout, remote_ids: list[int],
                local_ids: list[int], expected: list[list[str]]) -> list[dict[str, Any]]:
         """Compare arrived blocks with the prefill's digests; one record per mismatch:
         ``block`` (prefill's id), ``decode_block``, ``region`` and the first differing byte
         ``offset`` with its ``expected`` and ``got`` values (None where the bytes equal the
         expected pattern but not the prefill's digest)."""
         out = []
-        pairs = zip(owners(self.specs), owners(remote_specs), strict=True)
-        for j, (lspec, rspec) in enumerate(pairs):
+        for lspec, rspec, j in paired_owners(self.layout, remote_layout):
             rows = cache_rows(self.cache, lspec)
             got = digest_blocks(rows, local_ids)
             for i, (r, loc) in enumerate(zip(remote_ids, local_ids, strict=True)):
@@ -358,10 +359,10 @@ class DecodeWorker(WorkerSteps):
                     continue
                 want = generate(content_key(self.cfg.seed, prefill, rspec),
                                 torch.tensor([r], dtype=torch.int64, device=rows.device),
-                                lspec.block_len)[0]
+                                lspec.bytes_per_block)[0]
                 diff = first_difference(rows[loc], want)
                 offset, exp, got_byte = diff if diff else (None, None, None)
-                out.append({"block": r, "decode_block": loc, "region": rspec.label,
+                out.append({"block": r, "decode_block": loc, "region": region_label(rspec),
                             "offset": offset, "expected": exp, "got": got_byte})
         return out
 
@@ -375,9 +376,11 @@ def _mismatch_text(m: dict[str, Any]) -> str:
     return f"block {m['block']} (decode block {m['decode_block']}) {m['region']}: {where}"
 
 
-def _layout_differences(local: list[RegionSpec], remote: list[RegionSpec]) -> list[str]:
-    if len(local) != len(remote):
-        return [f"{len(remote)} regions != our {len(local)}"]
-    return [f"region {a.index}: {b.signature} != ours {a.signature}"
-            for a, b in zip(local, remote, strict=True) if a.signature != b.signature
-            or a.num_blocks != b.num_blocks or a.covered_by != b.covered_by]
+def _layout_differences(local: PeerLayout, published: Any) -> list[str]:
+    """What a decode cannot read of a prefill's published layout: its
+    :meth:`PeerLayout.differences` from ours, or why it cannot be read."""
+    try:
+        remote = PeerLayout.from_json(published)
+    except PeerLayoutError as exc:
+        return [f"its layout cannot be read: {exc}"]
+    return local.differences(remote)

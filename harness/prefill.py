@@ -21,7 +21,7 @@ import torch
 
 from . import environment
 from .config import DECODE, PREFILL, worker_name
-from .content import cache_rows, owners
+from .content import cache_rows, owners, region_label
 from .control import Control
 from .steps import MAX_QUOTED, WorkerSteps, mib, round_wait, same_blocks
 
@@ -68,7 +68,7 @@ class PrefillWorker(WorkerSteps):
         ctl.phase("fill")
         t0 = time.perf_counter()
         nbytes = self.fill_all(self.name)
-        ctl.passed("content/fill", f"{cfg.num_blocks} blocks x {len(owners(self.specs))} "
+        ctl.passed("content/fill", f"{cfg.num_blocks} blocks x {len(owners(self.layout))} "
                                    f"regions ({mib(nbytes)}) filled with position-dependent "
                                    "contents", time.perf_counter() - t0)
         for round_no in (1, 2):
@@ -103,7 +103,7 @@ class PrefillWorker(WorkerSteps):
         info = {
             "pid": os.getpid(), "boot_id": self.boot_id, "hostname": environment.hostname(),
             "incarnation": ctl.incarnation,
-            "regions": [s.to_json() for s in self.specs], "digests": digests,
+            "layout": self.layout.to_json(), "digests": digests,
             "exports": {name: e.describe() for name, e in self.exporters.items()},
         }
         ctl.publish(f"round{round_no}", info)
@@ -175,14 +175,15 @@ class PrefillWorker(WorkerSteps):
         if rank != self.rank:
             return
         rng = random.Random(f"{self.cfg.seed}/corrupt-byte")
-        spec = rng.choice(owners(self.specs))
+        spec = rng.choice(owners(self.layout))
         offset = rng.randrange(spec.block_len)
         rows = cache_rows(self.cache, spec)
         rows[block, offset] ^= 0xFF
+        label = region_label(spec)
         self.ctl.passed("negative_control/armed",
-                        f"--corrupt: flipped byte {offset} of block {block} {spec.label} after "
+                        f"--corrupt: flipped byte {offset} of block {block} {label} after "
                         "digesting; the transfers of this block must fail",
-                        data={"block": block, "region": spec.label, "offset": offset})
+                        data={"block": block, "region": label, "offset": offset})
 
     def offload_round_trip(self) -> None:
         """CPU offload: save, clobber, load back (and into other blocks), compare bytes."""
@@ -200,7 +201,7 @@ class PrefillWorker(WorkerSteps):
         try:
             conn.wait(conn.save(ids), timeout_s=cfg.timeout)
             idx = torch.tensor(ids, dtype=torch.int64, device=self.cache.device)
-            for spec in owners(self.specs):
+            for spec in owners(self.layout):
                 cache_rows(self.cache, spec).index_fill_(0, idx, 0)
             clobbered = self.snapshot(ids)
             conn.wait(conn.load(ids), timeout_s=cfg.timeout)
@@ -229,7 +230,7 @@ class PrefillWorker(WorkerSteps):
     def snapshot(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Copies of ``block_ids``' bytes, one ``(len(ids), block_len)`` tensor per region."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device)
-        return [cache_rows(self.cache, s).index_select(0, idx) for s in owners(self.specs)]
+        return [cache_rows(self.cache, s).index_select(0, idx) for s in owners(self.layout)]
 
 
 class _ProgressPump:

@@ -17,18 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvconnect.peer_layout import PeerLayout
+
 from . import environment
 from .config import RunConfig, worker_name
-from .content import (
-    RegionSpec,
-    all_zero,
-    cache_rows,
-    content_key,
-    digest_blocks,
-    fill,
-    owners,
-    region_specs,
-)
+from .content import all_zero, cache_rows, content_key, digest_blocks, fill, owners
 from .control import Control
 from .footprint import Footprint
 
@@ -62,7 +55,8 @@ class WorkerSteps:
         self.ipc_dir = ipc_dir
         self.cache: Any = None
         self.nixl: Any = None
-        self.specs: list[RegionSpec] = []
+        #: the cache's layout (what a prefill publishes, what a decode compares with)
+        self.layout: PeerLayout | None = None
         self.boot_id = environment.boot_id(self.name)
 
     def run(self) -> None:
@@ -154,7 +148,7 @@ class WorkerSteps:
         self.nixl_before_final()
         self._commit_final(segments)
         self.check_view_sizes()
-        self.specs = region_specs(self.cache)
+        self.layout = PeerLayout.from_cache(self.cache)
 
     def _allocation_options(self) -> AllocationOptions:
         """Shareable always (the ipc transport exports fds); GPUDirect-RDMA capable where the
@@ -337,7 +331,7 @@ class WorkerSteps:
     def fill_all(self, source: str) -> int:
         """Fill every committed block of every owner region with ``source``'s contents."""
         total = 0
-        for spec in owners(self.specs):
+        for spec in owners(self.layout):
             rows = cache_rows(self.cache, spec)
             fill(rows, content_key(self.cfg.seed, source, spec))
             total += rows.shape[0] * rows.shape[1]
@@ -346,7 +340,7 @@ class WorkerSteps:
     def digests(self, block_ids: list[int]) -> list[list[str]]:
         """``[block][owner region]`` digests of ``block_ids``."""
         per_region = [digest_blocks(cache_rows(self.cache, s), block_ids)
-                      for s in owners(self.specs)]
+                      for s in owners(self.layout)]
         if not per_region:
             return []
         return [list(x) for x in zip(*per_region, strict=True)]
@@ -380,7 +374,7 @@ class WorkerSteps:
                   "pass" if same and cache.num_physical_chunks == segs else "fail",
                   f"addresses unchanged: {same}; {cache.num_physical_chunks} chunks for "
                   f"{segs} segments; {cache.num_blocks} blocks")
-        self.specs = region_specs(cache)
+        self.layout = PeerLayout.from_cache(cache)
         self.fill_all(refill_source)
         if self.nixl is not None:
             t0 = time.perf_counter()

@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
+from kvconnect.peer_layout import PeerLayout
+
 from .config import DECODE, PREFILL, RunConfig, pair_name, worker_name
-from .content import RegionSpec, cache_rows, content_key, generate, owners
+from .content import cache_rows, content_key, generate, paired_owners
 from .report import SweepPoint
 from .steps import mib
 from .transports import notifies_exporter, reference_copy_gbps
@@ -111,8 +113,8 @@ def _verify(worker: Any, prefill: str, info: dict[str, Any], remote_ids: list[in
             local_ids: list[int]) -> bool:
     """True when every destination block holds the prefill's bytes of its source block
     (regenerated here from the content key, in batches)."""
-    remote_specs = [RegionSpec.from_json(s) for s in info["regions"]]
-    for lspec, rspec in zip(owners(worker.specs), owners(remote_specs), strict=True):
+    remote = PeerLayout.from_json(info["layout"])  # checked in DecodeWorker.fetch_from
+    for lspec, rspec, _ in paired_owners(worker.layout, remote):
         rows = cache_rows(worker.cache, lspec)
         key = content_key(worker.cfg.seed, prefill, rspec)
         for at in range(0, len(remote_ids), _VERIFY_BATCH):
@@ -120,6 +122,6 @@ def _verify(worker: Any, prefill: str, info: dict[str, Any], remote_ids: list[in
                                device=rows.device)
             dst = torch.tensor(local_ids[at:at + _VERIFY_BATCH], dtype=torch.int64,
                                device=rows.device)
-            if not torch.equal(rows.index_select(0, dst), generate(key, src, lspec.block_len)):
+            if not torch.equal(rows.index_select(0, dst), generate(key, src, lspec.bytes_per_block)):
                 return False
     return True

@@ -37,6 +37,9 @@ _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     "lifetime": ("LiveViewsError",),
     "undo": ("UndoStack",),
     "polling": ("poll_until",),
+    "peer_layout": (
+        "PEER_LAYOUT_SCHEMA", "LayoutRegion", "PeerLayout", "PeerLayoutError", "layout_facts",
+    ),
     "views": (
         "CommittedRegion", "PagedRegion", "block_span", "bound_packed_storage",
         "committed_regions", "narrow_kv_caches_to_num_blocks", "page_holders", "page_owners",

@@ -74,19 +74,16 @@ def fill_cache(cache: Any, seed: int) -> None:
 
 def sample_metadata() -> Any:
     """A valid handshake document of a two-region (K, V) peer, built by hand (no NIXL)."""
-    from kvconnect.connectors.nixl.handshake import (
-        HandshakeMetadata,
-        LayoutFingerprint,
-        RegionAddress,
-        RegionFingerprint,
-    )
+    from kvconnect.connectors.nixl.handshake import HandshakeMetadata, RegionAddress
+    from kvconnect.peer_layout import LayoutRegion, PeerLayout
 
-    fp = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 4096, 4096),
-                                    RegionFingerprint("layer0", "v", 4096, 4096)),
-                           block_size=16, dtype="bfloat16", layout="kv_split_nhd")
+    layout = PeerLayout(regions=(LayoutRegion("layer0", "k", 4096, 4096),
+                                 LayoutRegion("layer0", "v", 4096, 4096)), num_blocks=8,
+                        block_size=16, dtype="bfloat16", layout="kv_split_nhd",
+                        layer_names=("layer0",))
     return HandshakeMetadata(engine_id="p", agent_name="p-1", agent_metadata=b"\x00\x01md",
-                             memory_type="DRAM", fingerprint=fp,
-                             regions=(RegionAddress(1 << 40, 8), RegionAddress(1 << 41, 8)),
+                             memory_type="DRAM", layout=layout,
+                             regions=(RegionAddress(1 << 40), RegionAddress(1 << 41)),
                              registrations=((1 << 40, 32768, 0), (1 << 41, 32768, 0)),
                              generation=3)
 

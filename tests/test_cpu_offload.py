@@ -27,6 +27,7 @@ from kvconnect.connectors.offload.connector import (
 from kvconnect.connectors.offload.slots import LruSlots
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import allocate_kv_caches, preset
+from kvconnect.peer_layout import PeerLayout
 from kvconnect.views import CommittedRegion
 
 NUM_BLOCKS = 16
@@ -120,17 +121,19 @@ def test_row_layout_stores_shared_pages_once_and_rejects_bad_regions() -> None:
         _region("mamba", "state", 0x10000, 3000, 4096, 8),  # aliases attn's pages
         _region("attn2", "kv", 0x90000, 1024, 1024, 16, tensor=1),  # kernel split: 2 per block
     ]
-    slices, kept = offload_row_layout(regions, 8)
+    slices = offload_row_layout(PeerLayout.from_regions(regions, 8))
     assert [s.members for s in slices] == [("attn/kv", "mamba/state"), ("attn2/kv",)]
     assert [(s.column, s.width, s.sub_blocks) for s in slices] == [(0, 4096, 1), (4096, 2048, 2)]
-    assert kept[0].block_len == 4096
+    assert [s.index for s in slices] == [0, 2] and regions[slices[0].index].block_len == 4096
     with pytest.raises(ValueError, match="not a multiple"):
-        offload_row_layout([_region("x", "kv", 0, 64, 64, 9)], 8)
+        PeerLayout.from_regions([_region("x", "kv", 0, 64, 64, 9)], 8)
     with pytest.raises(ValueError, match="share bytes"):
-        offload_row_layout([_region("x", "kv", 0, 64, 64, 8),
-                            _region("y", "kv", 32, 64, 128, 8)], 8)
+        PeerLayout.from_regions([_region("x", "kv", 0, 64, 64, 8),
+                                 _region("y", "kv", 32, 64, 128, 8)], 8)
     with pytest.raises(ValueError, match="no committed regions"):
-        offload_row_layout([], 8)
+        PeerLayout.from_regions([], 8)
+    with pytest.raises(ValueError, match="do not describe disjoint blocks"):
+        PeerLayout.from_regions([_region("x", "kv", 0, 64, 32, 8)], 8)
 
 
 def test_lru_slots_reserve_commit_abandon() -> None:

@@ -4,7 +4,7 @@ whole export messages for ``import_message``, handshake documents for
 
 Inputs start from a real, valid value (real exported chunks with real memfds; real NIXL
 metadata) and are mutated: fields deleted or replaced by huge or negative integers, wrong
-types, deep nesting, long strings, another schema version, another layout fingerprint,
+types, deep nesting, long strings, another schema version, another peer layout,
 corrupted agent metadata. Each gives the module's own error (IpcError; MetadataError /
 IncompatiblePeerError / KVConnectorError) or a valid result, and leaves nothing behind:
 no fd, no mapped chunk, no reservation, no loaded peer.
@@ -235,28 +235,28 @@ def test_handshake_documents_through_add_peer(registered_pair) -> None:
         return json.dumps(doc).encode()
 
     @st.composite
-    def other_fingerprint(draw: st.DrawFn) -> bytes:
-        """A well-formed document for another layout: one fingerprint field changed to
-        another value of the right type."""
+    def other_layout(draw: st.DrawFn) -> bytes:
+        """A well-formed document for another layout: one layout field changed to another
+        value of the right type."""
         doc = json.loads(base)
-        fp = doc["fingerprint"]
-        field = draw(st.sampled_from(["block_len", "block_stride", "block_size", "dtype",
-                                      "layout", "kernel_block_size", "kvconnect_version",
-                                      "layers", "part"]))
-        if field in ("block_len", "block_stride", "part"):
-            region = fp["regions"][draw(st.integers(0, len(fp["regions"]) - 1))]
+        lay = doc["layout"]
+        field = draw(st.sampled_from(["block_len", "block_stride", "sub_blocks", "block_size",
+                                      "dtype", "layout", "kernel_block_size",
+                                      "kvconnect_version", "layers", "part", "num_blocks"]))
+        if field in ("block_len", "block_stride", "sub_blocks", "part"):
+            region = lay["regions"][draw(st.integers(0, len(lay["regions"]) - 1))]
             region[field] = draw(st.integers(1, 1 << 40) if field != "part" else
                                  st.sampled_from(["kv", "latent", "state"]))
-        elif field in ("block_size", "kernel_block_size"):
-            fp[field] = draw(st.integers(1, 1 << 20))
+        elif field in ("block_size", "kernel_block_size", "num_blocks"):
+            lay[field] = draw(st.integers(1, 1 << 20))
         elif field == "layers":
-            fp["layers"] = draw(st.lists(st.text(min_size=1, max_size=8), max_size=3))
+            lay["layers"] = draw(st.lists(st.text(min_size=1, max_size=8), max_size=3))
         else:
-            fp[field] = draw(st.text(min_size=1, max_size=12))
+            lay[field] = draw(st.text(min_size=1, max_size=12))
         return json.dumps(doc).encode()
 
     @fuzz.fuzz_settings(300)
-    @given(st.one_of(raw_documents(base), blob_damaged(), other_fingerprint(),
+    @given(st.one_of(raw_documents(base), blob_damaged(), other_layout(),
                      st.just(base)))
     def run(data: bytes) -> None:
         got = tally.run(lambda: decode.add_peer(data), (KVConnectorError,))

@@ -1,7 +1,7 @@
 """The ipc transport against a hostile or busy exporter (issue 16, defects 4 and 5), with a
 real IpcExportServer on a real Unix socket in this process (host backend, real memfds).
 
-- Defect 4: an exporter whose reply has its regions or block count changed. 160 of 300
+- Defect 4: an exporter whose reply has its regions or block count (now: its layout) changed. 160 of 300
   variants escaped ``IpcTransport.open_peer`` as a plain TypeError, KeyError or ValueError.
 - Defect 5: 24 receivers connecting while the server was busy for 2 s (7 failed at once with
   ``BlockingIOError [Errno 11]``: a listen backlog of 16 and a connect with a timeout that
@@ -92,7 +92,7 @@ def test_a_hostile_exporters_reply_is_an_ipc_error_or_incompatible(
         ipc.open_peer("hostile", server.describe())
         ipc.invalidate("hostile")
         _settled(server)
-        base = {"num_blocks": real["num_blocks"], "regions": real["regions"]}
+        base = {"layout": real["layout"]}
         n = fuzz.examples(300)
         tally = fuzz.Tally("ipc export replies: IpcTransport.open_peer", "KVConnectorError", n)
         baseline_fds, baseline_vmm = fuzz.open_fds(), vmm_footprint()

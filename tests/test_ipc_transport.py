@@ -175,7 +175,7 @@ def test_requests_merge_into_one_copy_and_start_returns_a_pending_fetch(
 
 def test_incompatible_layout_is_refused_before_any_copy(child: JsonLinePeer) -> None:
     with _cache(layers=3) as dst, IpcTransport(dst, timeout=30) as ipc:
-        with pytest.raises(IncompatiblePeerError, match="regions only here"):
+        with pytest.raises(IncompatiblePeerError, match="regions missing on remote"):
             ipc.open_peer("child", child.hello["offer"])
         with pytest.raises(KVConnectorError, match="no open peer"):
             ipc.fetch("child", [0], [0])

@@ -24,12 +24,7 @@ import pytest
 from _json_peer import JsonLinePeer
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from kvconnect.connectors.nixl.handshake import (
-    HandshakeMetadata,
-    LayoutFingerprint,
-    MetadataError,
-    RegionFingerprint,
-)
+from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
 from kvconnect.connectors.nixl.worker import (
     NixlRegionWorker,
     check_descriptors_in_chunks,
@@ -201,9 +196,9 @@ def test_registrations_cover_exactly_the_committed_extent(pair: Pair) -> None:
     assert md.memory_type == "DRAM" and pair.workers["kv_split"].memory_type == "DRAM"
     # The packed layout registers one region of block-stride rows holding every layer.
     packed = HandshakeMetadata.from_json(pair.metadata["packed"])
-    (region,) = packed.fingerprint.regions
+    (region,) = packed.layout.regions
     assert region.block_len == region.block_stride
-    assert len(packed.fingerprint.layers) == 4
+    assert len(packed.layout.layer_names) == 4
     assert packed.registrations == ((packed.regions[0].base_ptr,
                                      PREFILL_BLOCKS * region.block_stride, 0),)
 
@@ -217,15 +212,17 @@ def test_incompatible_layout_fails_before_any_transfer(pair: Pair, nixl_worker: 
     assert "block_size (tokens): local 64 != remote 16" in text
     assert "regions missing on remote: model.layers.0.self_attn.attn/latent" in text
     assert "layout: local blocks_first != remote kv_split_nhd" in text
-    # Same layers, one block length different: the message names layer and both sizes.
+    # Same layers, one block length different (half: a longer one than the stride is a
+    # malformed document, MetadataError): the message names region, field and both sizes.
     doc = json.loads(pair.metadata["kv_split"])
     doc["engine_id"] = "prefill-doubled"
-    doc["fingerprint"]["regions"][0]["block_len"] *= 2
+    doc["layout"]["regions"][0]["block_len"] //= 2
     fresh = nixl_worker("decode-fresh")  # no agent until it registers
     with pytest.raises(IncompatiblePeerError) as err:
         pair.workers["kv_split"].add_peer(json.dumps(doc))
-    assert err.value.differences == [
-        "block_len of layer model.layers.0.self_attn.attn/k: local 32768 != remote 65536"]
+    (diff,) = err.value.differences
+    assert diff.startswith("block_len (bytes per kernel block) of region "
+                           "model.layers.0.self_attn.attn/k: local 32768 != remote 16384: ")
     assert err.value.peer == "prefill-doubled"
     assert "prefill-doubled" not in pair.workers["kv_split"].peers
     with pytest.raises(KVConnectorError, match="unknown peer"):
@@ -342,7 +339,7 @@ def test_register_regions_of_a_plain_allocation(nixl_worker: Any) -> None:
     assert md.memory_type == "DRAM" and worker.num_registrations == len(raw)
     want = sorted((r.data_ptr(), r.numel(), 0) for r in raw)
     assert sorted(worker.registered_extents) == want
-    assert md.fingerprint.block_size == 16 and md.fingerprint.layout == cfg.layout
+    assert md.layout.block_size == 16 and md.layout.layout == cfg.layout
     with pytest.raises(TypeError, match="unknown layout facts"):
         nixl_worker("plain2").register_regions(regions, [], colour="blue")
 
@@ -421,36 +418,32 @@ def test_metadata_roundtrip_and_validation() -> None:
     bad(lambda d: d.pop("engine_id"), "missing field 'engine_id'")
     bad(lambda d: d.update(memory_type="FILE"), "memory_type must be")
     bad(lambda d: d["regions"][0].__setitem__(0, "0x1000"), r"regions\[0\].base_ptr must be an int")
-    bad(lambda d: d["regions"][0].__setitem__(1, True), r"num_blocks must be an int")
+    bad(lambda d: d["regions"][0].__setitem__(1, True), r"regions\[0\].device_id must be an int")
     bad(lambda d: d["regions"][0].__setitem__(0, -1), "must be >= 0")
-    bad(lambda d: d["regions"].pop(), "1 region addresses for 2 fingerprint regions")
-    bad(lambda d: d["fingerprint"]["regions"][1].__setitem__("block_len", 0), "must be positive")
-    bad(lambda d: d["fingerprint"].update(num_regions=3), "num_regions = 3")
-    bad(lambda d: d["fingerprint"]["regions"][1].update(part="k"), "layer/part twice")
-    bad(lambda d: d["fingerprint"].update(layers="layer0"), "fingerprint.layers must be a list")
+    bad(lambda d: d["regions"][0].pop(), r"regions\[0\] must be \[base_ptr, device_id\]")
+    bad(lambda d: d["regions"].pop(), "1 region addresses for 2 layout regions")
+    bad(lambda d: d["layout"]["regions"][1].__setitem__("block_len", 0),
+        r"layout.regions\[1\].block_len must be positive")
+    bad(lambda d: d["layout"].update(num_blocks=True), "layout.num_blocks must be an int")
+    bad(lambda d: d["layout"]["regions"][1].update(part="k"), "layer/part 'layer0/k' twice")
+    bad(lambda d: d["layout"].update(layers="layer0"), "layout.layers must be a list")
+    bad(lambda d: d["layout"].update(schema="kvconnect.peer_layout/0"), "unknown layout schema")
+    bad(lambda d: d.pop("layout"), "missing field 'layout'")
     bad(lambda d: d["registrations"].append([1, 2]), r"registrations\[2\] must be")
     assert base64.b64decode(doc["agent_metadata_b64"]) == b"\x00\x01md"
 
 
-def test_fingerprint_differences_are_readable() -> None:
-    a = peerlib.sample_metadata().fingerprint
-    b = LayoutFingerprint(regions=(RegionFingerprint("layer0", "k", 8192, 8192),
-                                   RegionFingerprint("layer1", "v", 4096, 4096)),
-                          block_size=32, dtype="float16", layout="kv_split_hnd",
-                          kvconnect_version="0.0.1-other")
+def test_handshake_layout_differences_are_readable() -> None:
+    """The handshake's layout is compared by PeerLayout.differences (its cases:
+    tests/test_peer_layout.py); the error names the peer and quotes them."""
+    a = peerlib.sample_metadata().layout
+    b = replace(a, block_size=32, regions=(replace(a.regions[0], block_len=8192),
+                                           a.regions[1]))
     assert a.differences(a) == []
     # Another package version alone is compatible: the wire schema decides, not the release.
     assert a.differences(replace(a, kvconnect_version="9.9.9")) == []
-    assert a.differences(b) == [
-        "block_size (tokens): local 16 != remote 32",
-        "dtype: local bfloat16 != remote float16",
-        "layout: local kv_split_nhd != remote kv_split_hnd",
-        "number of layers: local 1 != remote 2",
-        "regions missing on remote: layer0/v",
-        "regions only on remote: layer1/v",
-        "block_len of layer layer0/k: local 4096 != remote 8192",
-        "block_stride of layer layer0/k: local 4096 != remote 8192",
-    ]
+    assert [d.split(":")[0] for d in a.differences(b)] == [
+        "block_size (tokens)", "block_len (bytes per kernel block) of region layer0/k"]
     err = IncompatiblePeerError(a.differences(b), peer="p")
     assert "peer 'p' has an incompatible KV layout: block_size (tokens)" in str(err)
     t = KVTransferError("p", [1, 2], RuntimeError("boom"))

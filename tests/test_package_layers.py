@@ -10,7 +10,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
 1. vmm: the VMM drivers;
 2. tensor: ExtensibleTensor, pointer views, POSIX-fd handle exchange (``ipc``);
 3. layout: configs, plans, page formats, presets;
-4. views: the committed-extent helpers and the page-sharing rule;
+4. views: the committed-extent helpers, the page-sharing rule and the peer layout built on
+   them;
 5. kv_cache: ExtensibleKVCache (built on views) and sizing;
 6. connectors and the vLLM integration (``kvconnect.vllm``);
 7. harness.
@@ -37,7 +38,7 @@ LAYER_OF = {
     "kvconnect.vmm": "vmm",
     "kvconnect._pointer_view": "tensor", "kvconnect.tensor": "tensor", "kvconnect.ipc": "tensor",
     "kvconnect.layout": "layout",
-    "kvconnect.views": "views",
+    "kvconnect.views": "views", "kvconnect.peer_layout": "views",
     "kvconnect.kv_cache": "kv_cache", "kvconnect.sizing": "kv_cache",
     "kvconnect.connectors": "connectors", "kvconnect.vllm": "connectors",
     "kvconnect.harness": "harness",

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvconnect.connectors.nixl.descriptors import registration_extents, transfer_regions
-from kvconnect.connectors.nixl.handshake import HandshakeMetadata, RegionAddress, layout_fingerprint
+from kvconnect.connectors.nixl.handshake import HandshakeMetadata, RegionAddress
 from kvconnect.connectors.nixl.peers import peer_descriptors
 from kvconnect.connectors.offload.layout import offload_row_layout
 from kvconnect.kv_cache import ExtensibleKVCache
@@ -34,6 +34,7 @@ from kvconnect.layout import (
     mla_config,
     preset,
 )
+from kvconnect.peer_layout import PeerLayout
 from kvconnect.views import (
     CommittedRegion,
     PagedRegion,
@@ -191,17 +192,17 @@ def test_the_rule_on_an_extensible_cache_and_on_a_peers_handshake(name: str) -> 
         chunks = [c for t in cache.tensors for c in t.physical_chunks()]
         md = HandshakeMetadata(
             engine_id="peer", agent_name="peer-agent", agent_metadata=b"x", memory_type="DRAM",
-            fingerprint=layout_fingerprint(regions),
-            regions=tuple(RegionAddress(r.base_ptr, r.num_blocks, 0) for r in regions),
+            layout=PeerLayout.from_cache(cache),
+            regions=tuple(RegionAddress(r.base_ptr, 0) for r in regions),
             registrations=tuple(registration_extents(regions, chunks)))
         local = transfer_regions(regions)
         assert local == old_longest(regions)
         descs, offsets, counts = peer_descriptors(md, local)
         assert counts.tolist() == [r.num_blocks for r in local]
         assert descs[:, 1].tolist() == [r.block_len for r in local for _ in range(r.num_blocks)]
-        slices, kept = offload_row_layout(regions, cfg.num_blocks)
-        assert kept == local and [s.members for s in slices] == [m for _, m in
-                                                                 page_holders(regions)]
+        slices = offload_row_layout(md.layout)
+        assert [regions[s.index] for s in slices] == local
+        assert [s.members for s in slices] == [m for _, m in page_holders(regions)]
 
 
 # -- the edge cases where the old rules differed ----------------------------------------------

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.peer_layout import LayoutRegion
 from kvconnect.views import block_span
 
 from ._host_block_copy import HostRowCopier, host_row_copier
@@ -62,6 +63,7 @@ __all__ = [
     "as_block_ids",
     "block_runs",
     "kernel_available",
+    "layout_block_region",
 ]
 
 #: ways a plan can move blocks (see the module docstring)
@@ -133,6 +135,17 @@ class BlockRegion:
             else:
                 out.append((off, self.block_len))
         return out
+
+
+def layout_block_region(flat: torch.Tensor, region: LayoutRegion, num_blocks: int,
+                        name: str = "") -> BlockRegion:
+    """The copy engine's view of one :class:`~kvconnect.peer_layout.PeerLayout` region (the
+    one place a layout region becomes a :class:`BlockRegion`): ``num_blocks`` logical blocks
+    of ``region.sub_blocks`` kernel blocks each, over ``flat`` (bounded to
+    ``region.span(num_blocks)`` bytes from block 0). Raises ``ValueError`` as
+    :class:`BlockRegion`."""
+    return BlockRegion(flat, region.block_len, region.block_stride, num_blocks,
+                       region.sub_blocks, name=name)
 
 
 def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:

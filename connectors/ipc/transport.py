@@ -3,13 +3,15 @@
 Serving side: an :class:`IpcExportServer` answers on a Unix socket in a private 0700
 directory. A connecting process is checked with SO_PEERCRED (our uid, and a pid the owner
 allows) and receives the KV tensors' chunk fds (``ExtensibleTensor.export_handles()``) with a
-JSON description: tensor geometry, chunk records, the committed regions (one per set of layers
-sharing pages, :func:`kvconnect.views.page_holders`), the logical block count, the
-device's UUID and a *generation* that grows on every :meth:`~IpcExportServer.resume` (after
+JSON description: tensor geometry, chunk records, its
+:class:`~kvconnect.peer_layout.PeerLayout` (the committed regions, the page holders and the
+logical block count), the device's UUID and a *generation* that grows on every :meth:`~IpcExportServer.resume` (after
 the cache slept and woke: new physical memory at the same addresses).
 
 Receiving side: :class:`IpcTransport` maps a peer's chunks once
-(:class:`kvconnect.ipc.PeerMapping`), pairs the peer's regions with its own and builds one
+(:class:`kvconnect.ipc.PeerMapping`), compares the peer's layout with its own
+(:meth:`~kvconnect.peer_layout.PeerLayout.differences`, kvconnect's one rule), pairs the
+regions that hold their pages and builds one
 :class:`~..copy.block_copy.BlockCopyPlan` per peer; each :meth:`~IpcTransport.fetch` then uploads
 the block ids and runs **one** copy launch over every layer, region and block. The mapping
 and the plan are cached across fetches and rebuilt when the peer's generation changes, when
@@ -56,14 +58,14 @@ from kvconnect.framing import (
     send_message,
 )
 from kvconnect.ipc import PeerMapping, export_message, import_message
-from kvconnect.views import page_holders
+from kvconnect.peer_layout import PeerLayout
 
 from ..copy._cuda_streams import current_stream, synchronize
 from ..copy._kernel_launch import wait_events
-from ..copy.block_copy import LAUNCH_MODES, BlockCopyPlan, BlockRegion, as_block_ids
+from ..copy.block_copy import LAUNCH_MODES, BlockCopyPlan, as_block_ids, layout_block_region
 from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from ..transport import FetchResult, TransportContext, TransportSpec, register_transport
-from .reply import checked_regions, peer_block_region
+from .reply import checked_layout, peer_block_region
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ __all__ = ["DIRECTIONS", "IpcExportServer", "IpcTransport", "PendingFetch", "dev
 #: where a cross-GPU copy runs: the exporter's GPU (push), ours (pull), or push when possible
 DIRECTIONS = ("auto", "push", "pull")
 #: the JSON layout of the export reply; bump when a field changes meaning
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 
 def device_uuid(device: torch.device) -> str:
@@ -91,19 +93,6 @@ def _local_ordinal(uuid: str) -> int | None:
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return i
     return None
-
-
-def _region_records(cache: Any) -> list[dict[str, Any]]:
-    """The cache's committed regions (one per set sharing pages) as JSON records; ``offset`` is
-    bytes from the start of KV tensor ``tensor_index``'s reservation."""
-    tensors = cache.tensors
-    out = []
-    for r, members in page_holders(cache.committed_regions()):
-        out.append({"members": list(members), "tensor_index": int(r.tensor_index),
-                    "offset": int(r.base_ptr - tensors[r.tensor_index].base_ptr),
-                    "block_len": int(r.block_len), "block_stride": int(r.block_stride),
-                    "num_blocks": int(r.num_blocks)})
-    return out
 
 
 class IpcExportServer:
@@ -240,10 +229,9 @@ class IpcExportServer:
             self.served += 1
 
     def _reply(self, message: dict[str, Any]) -> dict[str, Any]:
-        """The export reply: ``message`` (chunk records) with the regions, block count,
-        device and generation added."""
-        message.update(version=WIRE_VERSION, regions=_region_records(self.cache),
-                       num_blocks=int(self.cache.num_blocks),
+        """The export reply: ``message`` (chunk records) with the layout
+        (``PeerLayout.from_cache``), device and generation added."""
+        message.update(version=WIRE_VERSION, layout=PeerLayout.from_cache(self.cache).to_json(),
                        device=device_uuid(self.cache.device), generation=self.generation)
         return message
 
@@ -445,32 +433,20 @@ class IpcTransport:
     def _plan(self, peer: str, reply: Mapping[str, Any], mappings: list[PeerMapping],
               launch: torch.device) -> BlockCopyPlan:
         cache = self.cache
-        local_n = int(cache.num_blocks)
-        # every field of the peer's regions is validated there (IpcError)
-        remote_n, remote = checked_regions(peer, reply, len(mappings))
-        local = {tuple(m): r for r, m in page_holders(cache.committed_regions())}
-        diffs = [f"regions only here: {sorted(set(local) - set(remote))[:4]}"] \
-            if set(local) - set(remote) else []
-        if set(remote) - set(local):
-            diffs.append(f"regions only on {peer}: {sorted(set(remote) - set(local))[:4]}")
-        src, dst = [], []
-        for members, lr in local.items():
-            rr = remote.get(members)
-            if rr is None:
-                continue
-            r_sub = rr.num_blocks // remote_n
-            l_sub = lr.num_blocks // local_n
-            if rr.block_len * r_sub != lr.block_len * l_sub:
-                diffs.append(f"{'+'.join(members)}: {rr.block_len * r_sub} bytes per "
-                             f"block on {peer} != {lr.block_len * l_sub} here")
-                continue
-            src.append(peer_block_region(peer, rr, mappings, remote_n))
-            t = cache.tensors[lr.tensor_index]
-            dst.append(BlockRegion(t.committed_view(lr.base_ptr - t.base_ptr, lr.span),
-                                   lr.block_len, lr.block_stride, local_n, l_sub,
-                                   name="+".join(members)))
+        # every field of the peer's layout is validated there (IpcError)
+        remote = checked_layout(peer, reply, len(mappings))
+        local = PeerLayout.from_cache(cache)
+        diffs = local.differences(remote)
         if diffs:
             raise IncompatiblePeerError(diffs, peer)
+        remote_index = {r.key: j for j, r in enumerate(remote.regions)}
+        src, dst = [], []
+        for _, r, members in local.holders():
+            name = "+".join(members)
+            src.append(peer_block_region(peer, remote, remote_index[r.key], mappings, name))
+            t = cache.tensors[r.tensor_index]
+            flat = t.committed_view(int(r.offset or 0), r.span(local.num_blocks))
+            dst.append(layout_block_region(flat, r, local.num_blocks, name=name))
         return BlockCopyPlan(src, dst, device=launch, method=self.method, launch=self.launch)
 
     # -- transfers -----------------------------------------------------------------------

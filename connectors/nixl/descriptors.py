@@ -21,7 +21,6 @@ from ..errors import KVConnectorError
 
 __all__ = [
     "check_descriptors_in_chunks",
-    "layout_info_from_config",
     "memory_type_for_device",
     "region_descriptors",
     "registration_extents",
@@ -162,32 +161,3 @@ def registration_extents(regions: Sequence[Any], chunks: Sequence[Any]) -> list[
             raise KVConnectorError(f"regions on different devices share the chunk at {lo:#x}")
         out.append((lo, hi - lo, int(devs[0])))
     return out
-
-
-def layout_info_from_config(config: Any) -> dict[str, Any]:
-    """Fingerprint facts of a :class:`kvconnect.layout.KVCacheConfig`: ``block_size`` (tokens,
-    of the first group), ``dtype`` (every spec dtype, in order, joined by ``","``), ``layout``
-    and ``kernel_block_size``. Missing attributes give ``None``."""
-    if config is None:
-        return {}
-    block_size = None
-    dtypes: list[str] = []
-    for group in getattr(config, "kv_cache_groups", ()) or ():
-        spec = getattr(group, "kv_cache_spec", None)
-        if block_size is None and getattr(spec, "block_size", None) is not None:
-            block_size = int(spec.block_size)
-        found = list(getattr(spec, "dtypes", ()) or ())
-        if getattr(spec, "dtype", None) is not None:
-            found.insert(0, spec.dtype)
-        for dt in found:
-            name = str(dt).removeprefix("torch.")
-            if name not in dtypes:
-                dtypes.append(name)
-    kbs = getattr(config, "kernel_block_size", None)
-    layout = getattr(config, "layout", None)
-    return {
-        "block_size": block_size,
-        "dtype": ",".join(dtypes) or None,
-        "layout": None if layout is None else str(layout),
-        "kernel_block_size": None if kbs is None else int(kbs),
-    }

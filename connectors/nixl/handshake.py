@@ -1,12 +1,13 @@
-"""Handshake metadata for KV connectors: a layout fingerprint plus NIXL agent metadata, as JSON.
+"""Handshake metadata for the NIXL worker: a :class:`~kvconnect.peer_layout.PeerLayout`, where
+its regions lie, and NIXL agent metadata, as JSON.
 
 Both sides of a transfer publish :class:`HandshakeMetadata`; the reading side loads the remote
 one with :meth:`HandshakeMetadata.from_json` (size-bounded, type-checked: it comes from another
-process, so it is never unpickled) and compares fingerprints with
-:meth:`LayoutFingerprint.differences` before any transfer.
+process, so it is never unpickled) and compares layouts with
+:meth:`kvconnect.peer_layout.PeerLayout.differences` (kvconnect's one compatibility rule)
+before any transfer.
 
-Units: bytes for ``block_len`` / ``block_stride`` / addresses / lengths, tokens for
-``block_size``, blocks for ``num_blocks``.
+Units: bytes for addresses and lengths (the layout names its own units).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvconnect.bounded_json import BoundedJSONError
 from kvconnect.bounded_json import loads as bounded_loads
 from kvconnect.checks import checked_int
+from kvconnect.peer_layout import PeerLayout, PeerLayoutError
 
 from ..errors import KVConnectorError
 
@@ -28,16 +29,12 @@ __all__ = [
     "HANDSHAKE_SCHEMA",
     "MAX_METADATA_BYTES",
     "HandshakeMetadata",
-    "LayoutFingerprint",
     "MetadataError",
     "RegionAddress",
-    "RegionFingerprint",
-    "kvconnect_version",
-    "layout_fingerprint",
 ]
 
 #: schema tag written into every metadata document; a different tag is rejected.
-HANDSHAKE_SCHEMA = "kvconnect.nixl.handshake/1"
+HANDSHAKE_SCHEMA = "kvconnect.nixl.handshake/2"
 #: largest metadata document accepted from a peer, in bytes.
 MAX_METADATA_BYTES = 64 * 1024 * 1024
 _MAX_STR = 4096
@@ -45,27 +42,8 @@ _MAX_ITEMS = 1 << 20
 _U64 = (1 << 64) - 1
 
 
-class MetadataError(KVConnectorError, ValueError):
-    """Peer metadata is malformed, too large or of an unknown schema."""
-
-
-def kvconnect_version() -> str:
-    """The installed kvconnect version string (``"unknown"`` when it cannot be determined)."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version("kvconnect")
-        except PackageNotFoundError:
-            pass
-    except ImportError:  # pragma: no cover - stdlib always has it on 3.10+
-        pass
-    try:
-        import kvconnect
-
-        return str(getattr(kvconnect, "__version__", "unknown"))
-    except ImportError:  # pragma: no cover
-        return "unknown"
+class MetadataError(KVConnectorError, PeerLayoutError):
+    """Peer metadata is malformed, too large or of an unknown schema (its layout too)."""
 
 
 # -- validation helpers --------------------------------------------------------------------------
@@ -83,20 +61,12 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = _U64) -> int:
         raise MetadataError(str(exc)) from None
 
 
-def _opt_int(value: Any, what: str) -> int | None:
-    return None if value is None else _int(value, what)
-
-
 def _str(value: Any, what: str, max_len: int = _MAX_STR) -> str:
     if not isinstance(value, str):
         raise MetadataError(f"{what} must be a string, got {type(value).__name__}")
     if len(value) > max_len:
         raise MetadataError(f"{what} is {len(value)} characters long (limit {max_len})")
     return value
-
-
-def _opt_str(value: Any, what: str) -> str | None:
-    return None if value is None else _str(value, what)
 
 
 def _list(value: Any, what: str, max_items: int = _MAX_ITEMS) -> list:
@@ -113,187 +83,15 @@ def _dict(value: Any, what: str) -> dict:
     return value
 
 
-# -- fingerprint ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RegionFingerprint:
-    """The geometry of one registration region that both peers must agree on (bytes)."""
-
-    layer_name: str
-    part: str
-    block_len: int
-    block_stride: int
-
-    @property
-    def key(self) -> str:
-        """``"layer/part"``, the name used to pair regions across peers and in messages."""
-        return f"{self.layer_name}/{self.part}"
-
-
-@dataclass(frozen=True)
-class LayoutFingerprint:
-    """What must match between two peers before blocks can be copied between them.
-
-    ``block_size`` is in tokens; ``dtype`` is the KV dtype name (e.g. ``"bfloat16"``, several
-    joined by ``","`` for Mamba states); ``layout`` the physical layout name (``"kv_split_hnd"``
-    and ``"kv_split_nhd"`` have equal block lengths but different byte orders);
-    ``kernel_block_size`` the kernel block split in tokens. A field that is ``None`` on either
-    side is not compared. ``kvconnect_version`` is informational (reports show it); the wire
-    schema, not the package version, decides whether two peers can talk.
-    """
-
-    regions: tuple[RegionFingerprint, ...]
-    block_size: int | None = None
-    dtype: str | None = None
-    layout: str | None = None
-    kernel_block_size: int | None = None
-    kvconnect_version: str = field(default_factory=kvconnect_version)
-    #: every layer whose KV lives in the regions (a packed region holds all layers); empty
-    #: means "the regions' layer names"
-    layer_names: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "regions", tuple(self.regions))
-        names = tuple(self.layer_names) or tuple(dict.fromkeys(r.layer_name for r in self.regions))
-        object.__setattr__(self, "layer_names", names)
-
-    @property
-    def num_regions(self) -> int:
-        return len(self.regions)
-
-    @property
-    def layers(self) -> tuple[str, ...]:
-        """Every layer name (``layer_names``; by default the regions' own, deduplicated)."""
-        return self.layer_names
-
-    def to_json_dict(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            "dtype": self.dtype,
-            "layout": self.layout,
-            "kernel_block_size": self.kernel_block_size,
-            "kvconnect_version": self.kvconnect_version,
-            "num_regions": self.num_regions,
-            "layers": list(self.layers),
-            "regions": [
-                {"layer": r.layer_name, "part": r.part, "block_len": r.block_len,
-                 "block_stride": r.block_stride}
-                for r in self.regions
-            ],
-        }
-
-    @classmethod
-    def from_json_dict(cls, doc: Any) -> LayoutFingerprint:
-        doc = _dict(doc, "fingerprint")
-        regions = []
-        for i, item in enumerate(_list(_req(doc, "regions", "fingerprint"), "fingerprint.regions")):
-            where = f"fingerprint.regions[{i}]"
-            item = _dict(item, where)
-            block_len = _int(_req(item, "block_len", where), f"{where}.block_len", 1)
-            stride = _int(_req(item, "block_stride", where), f"{where}.block_stride", 1)
-            regions.append(RegionFingerprint(
-                layer_name=_str(_req(item, "layer", where), f"{where}.layer"),
-                part=_str(_req(item, "part", where), f"{where}.part"),
-                block_len=block_len, block_stride=stride))
-        layers = tuple(_str(x, f"fingerprint.layers[{i}]")
-                       for i, x in enumerate(_list(doc.get("layers", []), "fingerprint.layers")))
-        keys = [r.key for r in regions]
-        if len(set(keys)) != len(keys):
-            raise MetadataError("fingerprint.regions lists a layer/part twice")
-        num = _int(_req(doc, "num_regions", "fingerprint"), "fingerprint.num_regions")
-        if num != len(regions):
-            raise MetadataError(f"fingerprint.num_regions = {num} but {len(regions)} regions listed")
-        return cls(
-            regions=tuple(regions),
-            block_size=_opt_int(doc.get("block_size"), "fingerprint.block_size"),
-            dtype=_opt_str(doc.get("dtype"), "fingerprint.dtype"),
-            layout=_opt_str(doc.get("layout"), "fingerprint.layout"),
-            kernel_block_size=_opt_int(doc.get("kernel_block_size"),
-                                       "fingerprint.kernel_block_size"),
-            kvconnect_version=_str(_req(doc, "kvconnect_version", "fingerprint"),
-                                   "fingerprint.kvconnect_version"),
-            layer_names=layers,
-        )
-
-    def differences(self, remote: LayoutFingerprint) -> list[str]:
-        """Readable differences between this (local) fingerprint and ``remote``; empty if compatible.
-
-        Regions are paired by ``layer/part`` (order may differ). Example entry:
-        ``"block_len of layer model.layers.0/k: local 4096 != remote 8192"``.
-        """
-        diffs: list[str] = []
-        # The package version is reported, never compared: peers of different kvconnect
-        # releases talk as long as the wire schema (HANDSHAKE_SCHEMA, checked on parse) and
-        # the layout agree, as vLLM's NIXL connector compares a protocol version.
-        if (self.block_size is not None and remote.block_size is not None
-                and self.block_size != remote.block_size):
-            diffs.append(f"block_size (tokens): local {self.block_size} != remote {remote.block_size}")
-        for name in ("dtype", "layout", "kernel_block_size"):
-            mine, theirs_v = getattr(self, name), getattr(remote, name)
-            if mine is not None and theirs_v is not None and mine != theirs_v:
-                diffs.append(f"{name}: local {mine} != remote {theirs_v}")
-        if len(self.layers) != len(remote.layers):
-            diffs.append(f"number of layers: local {len(self.layers)} != remote {len(remote.layers)}")
-        elif self.layers != remote.layers:
-            diffs.append(f"layer names: local {_short(list(self.layers))} != remote "
-                         f"{_short(list(remote.layers))}")
-        if self.num_regions != remote.num_regions:
-            diffs.append(f"number of regions: local {self.num_regions} != remote {remote.num_regions}")
-        theirs = {r.key: r for r in remote.regions}
-        ours = {r.key: r for r in self.regions}
-        missing = [k for k in ours if k not in theirs]
-        extra = [k for k in theirs if k not in ours]
-        if missing:
-            diffs.append(f"regions missing on remote: {_short(missing)}")
-        if extra:
-            diffs.append(f"regions only on remote: {_short(extra)}")
-        for key, mine in ours.items():
-            other = theirs.get(key)
-            if other is None:
-                continue
-            if mine.block_len != other.block_len:
-                diffs.append(f"block_len of layer {key}: local {mine.block_len} != "
-                             f"remote {other.block_len}")
-            if mine.block_stride != other.block_stride:
-                diffs.append(f"block_stride of layer {key}: local {mine.block_stride} != "
-                             f"remote {other.block_stride}")
-        return diffs
-
-
-def _short(items: Sequence[str], limit: int = 8) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
-
-
-def layout_fingerprint(regions: Sequence[Any], *, block_size: int | None = None,
-                       dtype: str | None = None, layout: str | None = None,
-                       kernel_block_size: int | None = None) -> LayoutFingerprint:
-    """Fingerprint of committed regions (objects with ``layer_name``, ``part``, ``block_len``,
-    ``block_stride``, e.g. :class:`kvconnect.views.CommittedRegion`) plus config facts."""
-    layers: dict[str, None] = {}
-    for r in regions:
-        for name in (getattr(r, "layers", ()) or (r.layer_name,)):
-            layers.setdefault(str(name))
-    return LayoutFingerprint(
-        regions=tuple(RegionFingerprint(str(r.layer_name), str(r.part), int(r.block_len),
-                                        int(r.block_stride)) for r in regions),
-        layer_names=tuple(layers),
-        block_size=None if block_size is None else int(block_size),
-        dtype=None if dtype is None else str(dtype),
-        layout=None if layout is None else str(layout),
-        kernel_block_size=None if kernel_block_size is None else int(kernel_block_size),
-    )
-
-
 # -- full metadata document ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class RegionAddress:
-    """Where one region lives in the publishing process: base address (bytes), committed block
-    count, and the NIXL device id (0 for DRAM, the GPU index for VRAM)."""
+    """Where one layout region lives in the publishing process: the address of its block 0
+    (bytes) and the NIXL device id (0 for DRAM, the GPU index for VRAM). Its block count is
+    the layout's (``PeerLayout.kernel_blocks``)."""
 
     base_ptr: int
-    num_blocks: int
     device_id: int = 0
 
 
@@ -301,7 +99,7 @@ class RegionAddress:
 class HandshakeMetadata:
     """Everything a peer needs to read our blocks: agent metadata, layout and addresses.
 
-    ``regions[i]`` is the address of ``fingerprint.regions[i]``. ``registrations`` are the
+    ``regions[i]`` is the address of ``layout.regions[i]``. ``registrations`` are the
     registered extents ``(addr, length, device_id)``, one per physical chunk; every remote
     descriptor must lie inside one of them. ``generation`` grows on every re-registration;
     ``incarnation`` (random, up to 64 characters) names the publishing worker instance, so a
@@ -313,7 +111,7 @@ class HandshakeMetadata:
     agent_name: str
     agent_metadata: bytes
     memory_type: str
-    fingerprint: LayoutFingerprint
+    layout: PeerLayout
     regions: tuple[RegionAddress, ...]
     registrations: tuple[tuple[int, int, int], ...]
     generation: int = 0
@@ -329,8 +127,8 @@ class HandshakeMetadata:
             "memory_type": self.memory_type,
             "generation": self.generation,
             "incarnation": self.incarnation,
-            "fingerprint": self.fingerprint.to_json_dict(),
-            "regions": [[r.base_ptr, r.num_blocks, r.device_id] for r in self.regions],
+            "layout": self.layout.to_json(),
+            "regions": [[r.base_ptr, r.device_id] for r in self.regions],
             "registrations": [list(x) for x in self.registrations],
         }
         return json.dumps(doc, separators=(",", ":")).encode("utf-8")
@@ -365,18 +163,20 @@ class HandshakeMetadata:
         memory_type = _str(_req(doc, "memory_type", "metadata"), "memory_type")
         if memory_type not in ("DRAM", "VRAM"):
             raise MetadataError(f"memory_type must be 'DRAM' or 'VRAM', got {memory_type!r}")
-        fingerprint = LayoutFingerprint.from_json_dict(_req(doc, "fingerprint", "metadata"))
+        try:
+            layout = PeerLayout.from_json(_req(doc, "layout", "metadata"))
+        except PeerLayoutError as exc:
+            raise MetadataError(str(exc)) from None
         regions = []
         for i, item in enumerate(_list(_req(doc, "regions", "metadata"), "regions")):
-            item = _list(item, f"regions[{i}]", 3)
-            if len(item) != 3:
-                raise MetadataError(f"regions[{i}] must be [base_ptr, num_blocks, device_id]")
+            item = _list(item, f"regions[{i}]", 2)
+            if len(item) != 2:
+                raise MetadataError(f"regions[{i}] must be [base_ptr, device_id]")
             regions.append(RegionAddress(_int(item[0], f"regions[{i}].base_ptr"),
-                                         _int(item[1], f"regions[{i}].num_blocks", 0, 1 << 40),
-                                         _int(item[2], f"regions[{i}].device_id", 0, 1 << 16)))
-        if len(regions) != fingerprint.num_regions:
+                                         _int(item[1], f"regions[{i}].device_id", 0, 1 << 16)))
+        if len(regions) != len(layout.regions):
             raise MetadataError(f"{len(regions)} region addresses for "
-                                f"{fingerprint.num_regions} fingerprint regions")
+                                f"{len(layout.regions)} layout regions")
         regs = []
         for i, item in enumerate(_list(_req(doc, "registrations", "metadata"), "registrations")):
             item = _list(item, f"registrations[{i}]", 3)
@@ -390,7 +190,7 @@ class HandshakeMetadata:
             agent_name=_str(_req(doc, "agent_name", "metadata"), "agent_name"),
             agent_metadata=agent_md,
             memory_type=memory_type,
-            fingerprint=fingerprint,
+            layout=layout,
             regions=tuple(regions),
             registrations=tuple(regs),
             generation=_int(doc.get("generation", 0), "generation"),

@@ -13,17 +13,17 @@ from typing import Any
 
 import numpy as np
 
-from kvconnect.views import PagedRegion
+from kvconnect.views import PagedRegion, page_owners
 
 from ..errors import IncompatiblePeerError, KVConnectorError
-from .descriptors import check_descriptors_in_chunks, region_descriptors, transfer_regions
+from .descriptors import check_descriptors_in_chunks, region_descriptors
 from .handshake import HandshakeMetadata
 from .registration import RegistrationPlan
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_PEER_DESCRIPTORS", "LoadedPeer", "drop_peer", "load_peer", "peer_descriptors",
-           "read_indices"]
+           "read_indices", "remote_paged_regions"]
 
 #: most block descriptors (blocks x regions) accepted from one peer's metadata
 MAX_PEER_DESCRIPTORS = 1 << 25
@@ -49,6 +49,31 @@ def _first_diff(ours: list[str], theirs: list[str]) -> str:
     return f"(only local: {only_ours[:4]}, only remote: {only_theirs[:4]})"
 
 
+def remote_paged_regions(md: HandshakeMetadata) -> list[PagedRegion]:
+    """The peer's layout regions at the addresses its handshake gives, in its order.
+
+    Raises :class:`IncompatiblePeerError` when the pages its regions share at those
+    addresses are not the ones its layout says (``held_by``), or cannot be moved block by
+    block at all (:func:`kvconnect.views.page_owners`)."""
+    layout = md.layout
+    regions = [layout.paged_region(i, a.base_ptr,
+                                   "cpu" if md.memory_type == "DRAM" else f"cuda:{a.device_id}")
+               for i, a in enumerate(md.regions)]
+    try:
+        owners = page_owners(regions)
+    except ValueError as exc:
+        raise IncompatiblePeerError([f"the peer's regions cannot be read: {exc}"],
+                                    peer=md.engine_id) from None
+    declared = [i if r.holds_own else r.held_by for i, r in enumerate(layout.regions)]
+    if owners != declared:
+        bad = next(i for i, (a, b) in enumerate(zip(owners, declared, strict=True)) if a != b)
+        raise IncompatiblePeerError(
+            [f"the peer's layout says region {layout.regions[bad].key} is held by "
+             f"{layout.regions[declared[bad]].key}, its addresses put it in "
+             f"{layout.regions[owners[bad]].key}"], peer=md.engine_id)
+    return regions
+
+
 def peer_descriptors(md: HandshakeMetadata, local_xfer_regions: list[Any]
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The peer's block descriptors paired with ours: ``(descs, offsets, counts)``.
@@ -56,30 +81,23 @@ def peer_descriptors(md: HandshakeMetadata, local_xfer_regions: list[Any]
     ``descs`` (``N x 3`` uint64 ``(addr, len, device_id)``) holds every committed block of each
     remote region, region after region in the order of ``local_xfer_regions``; ``offsets[i]``
     is the first row of local region ``i``'s partner and ``counts[i]`` its block count.
-    Raises :class:`IncompatiblePeerError` when the regions that alias pages differ, and
-    :class:`KVConnectorError` for an empty region, too many descriptors, or a block outside the
-    peer's registrations.
+    Raises :class:`IncompatiblePeerError` when the regions that alias pages differ (from
+    ours, or from what the peer's addresses say: :func:`remote_paged_regions`), and
+    :class:`KVConnectorError` for too many descriptors or a block outside the peer's
+    registrations.
     """
     # Pair remote regions with ours by layer/part, in local transfer-region order.
-    index = {r.key: i for i, r in enumerate(md.fingerprint.regions)}
-    remote_regions = [
-        PagedRegion(fp.layer_name, fp.part, a.base_ptr, fp.block_len, fp.block_stride,
-                    a.num_blocks, "cpu" if md.memory_type == "DRAM" else f"cuda:{a.device_id}")
-        for fp, a in zip(md.fingerprint.regions, md.regions, strict=True)]
-    try:
-        theirs = [f"{r.layer_name}/{r.part}" for r in transfer_regions(remote_regions)]
-    except ValueError as exc:
-        raise IncompatiblePeerError([f"the peer's regions cannot be read: {exc}"],
-                                    peer=md.engine_id) from None
+    layout = md.layout
+    index = {r.key: i for i, r in enumerate(layout.regions)}
+    remote_regions = remote_paged_regions(md)
+    theirs = [r.key for _, r, _ in layout.holders()]
     ours = [f"{r.layer_name}/{r.part}" for r in local_xfer_regions]
     if sorted(theirs) != sorted(ours):
         raise IncompatiblePeerError(
             [f"page aliasing differs: regions moved locally {_first_diff(ours, theirs)} "
              "vs remotely"], peer=md.engine_id)
     order = [index[k] for k in ours]
-    remote_counts = np.array([md.regions[j].num_blocks for j in order], dtype=np.int64)
-    if np.any(remote_counts <= 0):
-        raise KVConnectorError(f"peer {md.engine_id!r} advertises a region with no blocks")
+    remote_counts = np.array([remote_regions[j].num_blocks for j in order], dtype=np.int64)
     if int(remote_counts.sum()) > MAX_PEER_DESCRIPTORS:
         raise KVConnectorError(
             f"peer {md.engine_id!r} advertises {int(remote_counts.sum())} block descriptors, "

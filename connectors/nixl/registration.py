@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect.peer_layout import PeerLayout
 from kvconnect.undo import UndoStack
 
 from ..errors import KVConnectorError
@@ -26,7 +27,7 @@ from .descriptors import (
 )
 
 __all__ = ["LOCAL_AGENT", "GivenRegions", "RegistrationPlan", "plan_registration",
-           "register_plan", "source_regions"]
+           "register_plan", "source_layout", "source_regions"]
 
 #: NIXL's name for the local side of a prepared descriptor list
 LOCAL_AGENT = "NIXL_INIT_AGENT"
@@ -53,6 +54,21 @@ def source_regions(src: Any, who: str) -> tuple[list[Any], list[Any]]:
                                "call cache.recommit() before registering")
     return (list(src.committed_regions()),
             [c for t in src.tensors for c in t.physical_chunks()])
+
+
+def source_layout(src: Any, regions: Sequence[Any], facts: dict[str, Any], who: str
+                  ) -> PeerLayout:
+    """The layout a worker publishes for ``regions`` of ``src``: a cache's
+    ``PeerLayout.from_cache`` (the one every user of that cache builds), or for
+    :class:`GivenRegions` the regions' layout with ``facts`` (``block_size``, ``dtype``,
+    ``layout``, ``kernel_block_size``). Raises :class:`KVConnectorError` prefixed with
+    ``who`` when the regions do not form a layout."""
+    try:
+        if isinstance(src, GivenRegions):
+            return PeerLayout.from_regions(regions, **facts)
+        return PeerLayout.from_cache(src)
+    except ValueError as exc:
+        raise KVConnectorError(f"{who}: {exc}") from None
 
 
 @dataclass(frozen=True)

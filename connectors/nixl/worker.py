@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect.peer_layout import PeerLayout, layout_facts
 from kvconnect.polling import poll_until
 
 from ..copy.block_copy import as_block_ids
@@ -55,18 +56,12 @@ from .agent import (
 )
 from .descriptors import (
     check_descriptors_in_chunks,
-    layout_info_from_config,
     memory_type_for_device,
     region_descriptors,
     registration_extents,
     transfer_regions,
 )
-from .handshake import (
-    HandshakeMetadata,
-    LayoutFingerprint,
-    RegionAddress,
-    layout_fingerprint,
-)
+from .handshake import HandshakeMetadata, RegionAddress
 from .peers import (
     MAX_PEER_DESCRIPTORS,
     LoadedPeer,
@@ -80,6 +75,7 @@ from .registration import (
     RegistrationPlan,
     plan_registration,
     register_plan,
+    source_layout,
     source_regions,
 )
 
@@ -92,7 +88,6 @@ __all__ = [
     "NixlUnavailableError",
     "TransferResult",
     "check_descriptors_in_chunks",
-    "layout_info_from_config",
     "memory_type_for_device",
     "nixl_importable",
     "region_descriptors",
@@ -175,7 +170,7 @@ class NixlRegionWorker:
         self._reg_dlists: list[Any] = []
         self._extents: list[tuple[int, int, int]] = []
         self._local_prep: Any = None
-        self._fingerprint: LayoutFingerprint | None = None
+        self._layout: PeerLayout | None = None
         self._metadata: HandshakeMetadata | None = None
         self._generation = 0
         #: names this worker instance in its metadata (a restart is a new incarnation)
@@ -221,17 +216,19 @@ class NixlRegionWorker:
         return list(self._peers)
 
     @property
-    def fingerprint(self) -> LayoutFingerprint:
-        if self._fingerprint is None:
+    def layout(self) -> PeerLayout:
+        """The layout this worker publishes (and compares peers' with), once registered."""
+        if self._layout is None:
             raise KVConnectorError(f"{self.engine_id}: nothing registered yet")
-        return self._fingerprint
+        return self._layout
 
     # -- registration --------------------------------------------------------
     def register_kv_cache(self, cache: Any) -> HandshakeMetadata:
         """Register the committed regions of an :class:`~kvconnect.kv_cache.ExtensibleKVCache`.
 
         Only legal after the final commit (``cache.is_final``); raises
-        :class:`KVConnectorError` before. The layout fingerprint comes from ``cache.config``.
+        :class:`KVConnectorError` before. The published :class:`~kvconnect.peer_layout.PeerLayout`
+        is ``PeerLayout.from_cache(cache)`` (config facts from ``cache.config``).
         Returns the new handshake metadata.
         """
         self._check_open()
@@ -241,7 +238,7 @@ class NixlRegionWorker:
                 "(cache.is_final is False): registration is deferred until "
                 "cache.extend_kv_cache(num_blocks) has committed the final size")
         self._check_unregistered()
-        self._layout_info = layout_info_from_config(getattr(cache, "config", None))
+        self._layout_info = {}
         self._source = cache
         return self._register()
 
@@ -253,15 +250,15 @@ class NixlRegionWorker:
         them (``Chunk`` objects or ``(va, size)`` tuples, bytes).
 
         The caller vouches that the memory stays allocated and final while registered.
-        Fingerprint facts come from ``config`` and/or keywords ``block_size``, ``dtype``,
-        ``layout``, ``kernel_block_size``.
+        Layout facts come from ``config`` and/or keywords ``block_size``, ``dtype``,
+        ``layout``, ``kernel_block_size`` (:func:`kvconnect.peer_layout.layout_facts`).
         """
         self._check_open()
         self._check_unregistered()
         unknown = set(layout_info) - {"block_size", "dtype", "layout", "kernel_block_size"}
         if unknown:
             raise TypeError(f"unknown layout facts {sorted(unknown)}")
-        info = layout_info_from_config(config)
+        info = layout_facts(config)
         info.update({k: v for k, v in layout_info.items() if v is not None})
         self._layout_info = info
         self._source = GivenRegions(list(regions), list(chunks))
@@ -299,17 +296,17 @@ class NixlRegionWorker:
     def _register(self) -> HandshakeMetadata:
         regions, chunks = source_regions(self._source, self.engine_id)
         plan = plan_registration(regions, chunks, self.engine_id)
+        layout = source_layout(self._source, regions, self._layout_info, self.engine_id)
         self._ensure_agent()
         self._reg_dlists, self._local_prep = register_plan(self._agent, plan, self.engine_id)
         self._extents = plan.extents
         self._plan = plan
-        fingerprint = layout_fingerprint(regions, **self._layout_info)
-        if self._fingerprint is not None and fingerprint != self._fingerprint and self._peers:
+        if self._layout is not None and layout.differences(self._layout) and self._peers:
             logger.warning("%s: the layout changed on re-registration; dropping peers %s "
                            "(add them again)", self.engine_id, sorted(self._peers))
             for name in list(self._peers):
                 self.remove_peer(name)
-        self._fingerprint = fingerprint
+        self._layout = layout
         self._generation += 1
         # Agent metadata only covers memory registered before the call: fetch it now.
         self._metadata = HandshakeMetadata(
@@ -317,9 +314,9 @@ class NixlRegionWorker:
             agent_name=self.agent_name,
             agent_metadata=bytes(self._agent.get_agent_metadata()),
             memory_type=plan.memory_type,
-            fingerprint=self._fingerprint,
-            regions=tuple(RegionAddress(int(r.base_ptr), int(r.num_blocks),
-                                        memory_type_for_device(r.device)[1]) for r in regions),
+            layout=layout,
+            regions=tuple(RegionAddress(int(r.base_ptr), memory_type_for_device(r.device)[1])
+                          for r in regions),
             registrations=tuple(plan.extents),
             generation=self._generation,
             incarnation=self.incarnation,
@@ -371,7 +368,7 @@ class NixlRegionWorker:
         self._check_open()
         md = metadata if isinstance(metadata, HandshakeMetadata) else \
             HandshakeMetadata.from_json(metadata)
-        diffs = self.fingerprint.differences(md.fingerprint)
+        diffs = self.layout.differences(md.layout)
         if diffs:
             raise IncompatiblePeerError(diffs, peer=md.engine_id)
         return md

@@ -7,10 +7,11 @@ hashable key per block (default: the block id), with LRU slots (:mod:`.slots`).
 
 Geometry (:mod:`.layout`). One pool slot ("row") holds every committed region's page
 of one logical block side by side: ``bytes_per_block = sum(sub_blocks * block_len)`` over the
-cache's ``committed_regions()``, shared pages stored once. Every region is read through a
-**bounded** flat view (:mod:`.sources`), so no copy can reach uncommitted memory.
-Nothing here looks at ``untyped_storage().nbytes()``: upstream's ``storage.nbytes() //
-num_blocks`` row geometry is exactly what faults on an over-reserved cache.
+regions of the cache's :class:`~kvconnect.peer_layout.PeerLayout` that hold their own pages
+(shared pages stored once). Every region is read through a **bounded** flat view
+(:mod:`.sources`), so no copy can reach uncommitted memory. Nothing here looks at
+``untyped_storage().nbytes()``: upstream's ``storage.nbytes() // num_blocks`` row geometry is
+exactly what faults on an over-reserved cache.
 
 Copies (:mod:`..copy.block_copy`). The pool is slot-major: slot ``s`` is bytes ``[s *
 bytes_per_block, (s + 1) * bytes_per_block)``, so consecutive slots are one contiguous range.
@@ -44,8 +45,9 @@ plans were built from and calls :meth:`CPUOffloadConnector.rebind` when it diffe
 ``ensure_kv_cache_blocks`` / ``extend_kv_cache``). A sleep / wake cycle brings the same sizes
 back at the same addresses, so the plans stay valid. While the cache is asleep, ``save`` /
 ``load`` raise :class:`KVConnectorError`; the pool and its keys survive sleep. Call
-:meth:`CPUOffloadConnector.wait` before ``release_physical()``. The layout (layers, parts,
-block lengths) is fixed for a connector's life: ``rebind`` raises if it changes.
+:meth:`CPUOffloadConnector.wait` before ``release_physical()``. The layout is fixed for a
+connector's life: ``rebind`` raises when ``PeerLayout.differences`` finds any (more blocks are
+not one).
 
 ``close()`` waits, then drops the pool: a pinned pool returns to torch's pinned-memory
 cache, which belongs to the process; the connector never empties it.
@@ -62,10 +64,17 @@ from typing import Any
 import torch
 
 from kvconnect.checks import checked_int
+from kvconnect.peer_layout import PeerLayout
 from kvconnect.views import CommittedRegion
 
 from ..copy._cuda_streams import current_stream, use_stream
-from ..copy.block_copy import BlockCopyPlan, BlockRegion, as_block_ids, block_runs
+from ..copy.block_copy import (
+    BlockCopyPlan,
+    BlockRegion,
+    as_block_ids,
+    block_runs,
+    layout_block_region,
+)
 from ..errors import KVConnectorError, KVTransferError
 from .handle import PEER_NAME, OffloadHandle, OffloadKeyError
 from .layout import RowSlice, offload_row_layout
@@ -157,8 +166,9 @@ class CPUOffloadConnector:
         self._pending: list[OffloadHandle] = []
 
         self._src.check_usable()
-        self._slices, regions, self._num_blocks = self._derive_layout()
-        self._signature = [s.signature for s in self._slices]
+        self._layout, regions = self._derive_layout()
+        self._slices = offload_row_layout(self._layout)
+        self._num_blocks = self._layout.num_blocks
         self._token = self._src.state_token()
         self._bytes_per_block = sum(s.width for s in self._slices)
         flat0 = self._src.flat_view(regions[0], regions[0].block_len)
@@ -214,6 +224,11 @@ class CPUOffloadConnector:
     def pool_bytes(self) -> int:
         """Bytes of the CPU pool: ``num_cpu_blocks * bytes_per_block``."""
         return self._num_cpu_blocks * self._bytes_per_block
+
+    @property
+    def layout(self) -> PeerLayout:
+        """The cache's layout the pool was built for (:class:`~kvconnect.peer_layout.PeerLayout`)."""
+        return self._layout
 
     @property
     def row_layout(self) -> list[RowSlice]:
@@ -297,32 +312,31 @@ class CPUOffloadConnector:
         self._check_alive()
         self._src.check_usable()
         self.wait()
-        slices, regions, num_blocks = self._derive_layout()
-        sig = [s.signature for s in slices]
-        if sig != self._signature:
-            diff = [f"{a} -> {b}" for a, b in zip(self._signature, sig, strict=False) if a != b]
-            if len(sig) != len(self._signature):
-                diff.append(f"{len(self._signature)} regions -> {len(sig)}")
+        layout, regions = self._derive_layout()
+        diffs = self._layout.differences(layout)
+        if diffs:
             raise KVConnectorError(
                 "the KV cache's region layout changed under the CPU offload pool "
-                f"({'; '.join(diff[:8])}); close this connector and create a new one"
+                f"({'; '.join(diffs[:8])}); close this connector and create a new one"
             )
-        self._slices, self._num_blocks = slices, num_blocks
+        self._layout, self._num_blocks = layout, layout.num_blocks
+        self._slices = offload_row_layout(layout)
         self._plans = self._build_plans(regions)
         self._token = self._src.state_token()
 
-    def _derive_layout(self) -> tuple[list[RowSlice], list[CommittedRegion], int]:
-        num_blocks = self._src.num_blocks
-        if num_blocks <= 0:
+    def _derive_layout(self) -> tuple[PeerLayout, list[CommittedRegion]]:
+        """The cache's layout now and its regions (``regions[slice.index]``: a slice's)."""
+        if self._src.num_blocks <= 0:
             raise KVConnectorError("the KV cache has no committed blocks")
-        slices, regions = offload_row_layout(self._src.regions(), num_blocks)
-        return slices, regions, num_blocks
+        regions = self._src.regions()
+        return self._src.layout(regions), regions
 
     def _cache_regions(self, regions: list[CommittedRegion]) -> list[BlockRegion]:
         out = []
         n = self._num_blocks
-        for sl, r in zip(self._slices, regions, strict=True):
-            span = r.span  # n * sl.sub_blocks == r.num_blocks (offload_row_layout)
+        for sl in self._slices:
+            r = regions[sl.index]
+            span = sl.region.span(n)
             try:
                 flat = self._src.flat_view(r, span)
             except ValueError as exc:
@@ -330,8 +344,7 @@ class CPUOffloadConnector:
                     f"region {r.layer_name}/{r.part} ({n} blocks, {span} bytes at "
                     f"{r.base_ptr:#x}) is not inside committed memory: {exc}"
                 ) from exc
-            out.append(BlockRegion(flat, r.block_len, r.block_stride, n, sl.sub_blocks,
-                                   name="+".join(sl.members)))
+            out.append(layout_block_region(flat, sl.region, n, name="+".join(sl.members)))
         return out
 
     def _row_regions(self, rows: torch.Tensor, num_rows: int) -> list[BlockRegion]:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvconnect.peer_layout import PeerLayout
 from kvconnect.views import CommittedRegion
 
 from ..errors import KVConnectorError
@@ -33,6 +34,8 @@ class BlockSource(Protocol):
     def num_blocks(self) -> int: ...
 
     def regions(self) -> list[CommittedRegion]: ...
+
+    def layout(self, regions: list[CommittedRegion]) -> PeerLayout: ...
 
     def flat_view(self, r: CommittedRegion, span: int) -> torch.Tensor: ...
 
@@ -61,6 +64,10 @@ class CacheSource:
 
     def regions(self) -> list[CommittedRegion]:
         return list(self.cache.committed_regions())
+
+    def layout(self, regions: list[CommittedRegion]) -> PeerLayout:
+        """``PeerLayout.from_cache`` of ``regions`` (from :meth:`regions`, same order)."""
+        return PeerLayout.from_cache(self.cache, regions)
 
     def flat_view(self, r: CommittedRegion, span: int) -> torch.Tensor:
         tensors = self.cache.tensors
@@ -100,6 +107,7 @@ class TensorsSource:
         from kvconnect.views import committed_regions, narrow_kv_caches_to_num_blocks
 
         self._num_blocks = int(num_blocks)
+        self._config = kv_cache_config
         self._regions = committed_regions(kv_caches, self._num_blocks, kv_cache_config)
         narrowed = narrow_kv_caches_to_num_blocks(kv_caches, self._num_blocks, kv_cache_config)
         self._storages: dict[str, torch.UntypedStorage] = {}
@@ -115,6 +123,11 @@ class TensorsSource:
 
     def regions(self) -> list[CommittedRegion]:
         return list(self._regions)
+
+    def layout(self, regions: list[CommittedRegion]) -> PeerLayout:
+        """The layout of ``regions`` (from :meth:`regions`, same order) with the config's
+        facts (no tensors: no offsets)."""
+        return PeerLayout.from_regions(regions, self._num_blocks, config=self._config)
 
     def flat_view(self, r: CommittedRegion, span: int) -> torch.Tensor:
         name = r.layers[0] if r.layers else r.layer_name
