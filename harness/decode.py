@@ -57,6 +57,35 @@ class _Failed:
     message: str
     seconds: float
 
+    @classmethod
+    def after(cls, phase: str, what: str, t0: float, exc: Exception) -> _Failed:
+        """``what`` failed with ``exc``, ``t0`` (``perf_counter``) being when it started."""
+        seconds = time.perf_counter() - t0
+        return cls(phase, f"{what} failed after {seconds:.2f} s: {type(exc).__name__}: {exc}",
+                   seconds)
+
+
+@dataclass
+class _Offer:
+    """What one prefill offers this decode in one round (its ``roundN`` value, ``info``)
+    and the blocks an attempt fetches from it: prefill ids ``remote_ids`` into our
+    ``local_ids``."""
+
+    prefill: str
+    pair: str
+    rank: int
+    round_no: int
+    info: dict[str, Any]
+    remote_ids: list[int]
+    local_ids: list[int]
+
+    @property
+    def incarnation(self) -> int:
+        return int(self.info.get("incarnation", 1))
+
+    def check_name(self, transport: str) -> str:
+        return f"transfer/{self.pair}/{transport}/round{self.round_no}"
+
 
 class DecodeWorker(WorkerSteps):
     """Consumes blocks: fetches each prefill's blocks over every transport and checks them."""
@@ -152,36 +181,42 @@ class DecodeWorker(WorkerSteps):
                                          + "; ".join(diffs[:MAX_QUOTED]))
             ctl.publish(f"handshake/{prefill}/round{round_no}", {"opened": []})
             return
-        remote_ids, local_ids = cfg.block_sets(p, self.rank, round_no)
+        offer = _Offer(prefill, pair, p, round_no, info, *cfg.block_sets(p, self.rank, round_no))
         pending = list(cfg.transports)
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            guard = self.others_digests(local_ids) if self.guard_cache else None
-            failed = self.attempt(prefill, pair, p, round_no, info, pending, remote_ids,
-                                  local_ids, attempt)
-            if not failed:
+            guard = self.others_digests(offer.local_ids) if self.guard_cache else None
+            failed = self.attempt(offer, pending, attempt)
+            if not failed or not self.recovered(offer, failed, guard, attempt):
                 return
-            old = int(info.get("incarnation", 1))
-            t0 = time.monotonic()
-            ctl.phase(f"peer-check:{prefill}:round{round_no}")  # did it die and come back?
-            new = (ctl.peer_restarted(prefill, old, timeout=cfg.heartbeat_timeout)
-                   if attempt < MAX_ATTEMPTS else None)
-            if new is None:  # the prefill is alive: these are failures of their own
-                for transport, f in failed.items():
-                    ctl.failed(f"transfer/{pair}/{transport}/round{round_no}",
-                               f"{pair} {transport} round {round_no}: {f.message}", f.seconds,
-                               data={"role": DECODE, "rank": self.rank, "phase": f.phase,
-                                     "peer": prefill, "peer_incarnation": old,
-                                     "attempt": attempt, "blocks_not_received": len(local_ids)})
-                return
-            ctl.phase(f"recover:{prefill}:round{round_no}")
-            intact = self.intact(guard, local_ids)
-            for transport in failed:
-                self.transport(transport).invalidate(prefill)  # the dead prefill's mappings
-            info = ctl.wait(prefill, f"round{round_no}", timeout=round_wait(cfg))
-            self.incarnations[prefill] = int(info.get("incarnation", new))
-            self.record_recovery(pair, prefill, round_no, old, info, failed, local_ids,
-                                 intact, time.monotonic() - t0)
             pending = list(failed)
+
+    def recovered(self, offer: _Offer, failed: dict[str, _Failed],
+                  guard: list[list[str]] | None, attempt: int) -> bool:
+        """After a failed attempt: True when the prefill was replaced (``offer`` then holds
+        the new incarnation's offer: fetch again); else the failures are reported, False."""
+        ctl, cfg = self.ctl, self.cfg
+        prefill, round_no, old = offer.prefill, offer.round_no, offer.incarnation
+        t0 = time.monotonic()
+        ctl.phase(f"peer-check:{prefill}:round{round_no}")  # did it die and come back?
+        new = (ctl.peer_restarted(prefill, old, timeout=cfg.heartbeat_timeout)
+               if attempt < MAX_ATTEMPTS else None)
+        if new is None:  # the prefill is alive: these are failures of their own
+            for transport, f in failed.items():
+                ctl.failed(offer.check_name(transport),
+                           f"{offer.pair} {transport} round {round_no}: {f.message}", f.seconds,
+                           data={"role": DECODE, "rank": self.rank, "phase": f.phase,
+                                 "peer": prefill, "peer_incarnation": old, "attempt": attempt,
+                                 "blocks_not_received": len(offer.local_ids)})
+            return False
+        ctl.phase(f"recover:{prefill}:round{round_no}")
+        intact = self.intact(guard, offer.local_ids)
+        for transport in failed:
+            self.transport(transport).invalidate(prefill)  # the dead prefill's mappings
+        offer.info = ctl.wait(prefill, f"round{round_no}", timeout=round_wait(cfg))
+        self.incarnations[prefill] = int(offer.info.get("incarnation", new))
+        self.record_recovery(offer.pair, prefill, round_no, old, offer.info, failed,
+                             offer.local_ids, intact, time.monotonic() - t0)
+        return True
 
     def note_incarnation(self, prefill: str, pair: str, round_no: int,
                          info: dict[str, Any]) -> None:
@@ -196,89 +231,105 @@ class DecodeWorker(WorkerSteps):
             transport.invalidate(prefill)
         self.record_recovery(pair, prefill, round_no, old, info, {}, [], None, 0.0)
 
-    def attempt(self, prefill: str, pair: str, p: int, round_no: int, info: dict[str, Any],
-                transports: list[str], remote_ids: list[int], local_ids: list[int],
-                attempt: int) -> dict[str, _Failed]:
-        """Handshake with ``prefill`` and fetch over ``transports``; every outcome but a
-        failure with the peer (skips, verified or mismatching transfers) is reported now.
-        Returns the transports that failed with the peer."""
+    def attempt(self, offer: _Offer, transports: list[str], attempt: int
+                ) -> dict[str, _Failed]:
+        """Handshake with the prefill and fetch ``offer``'s blocks over ``transports``;
+        every outcome but a failure with the peer (skips, verified or mismatching
+        transfers) is reported now. Returns the transports that failed with the peer."""
+        failed: dict[str, _Failed] = {}
+        opened = self.handshake(offer, transports, failed)
+        reference: dict[int, float] = {}  # bytes -> GB/s of the same-run reference copy
+        for transport in opened:
+            self.fetch_over(offer, transport, attempt, failed, reference)
+        return failed
+
+    def handshake(self, offer: _Offer, transports: list[str],
+                  failed: dict[str, _Failed]) -> list[str]:
+        """Load the prefill's offer into each transport that can use it (the others are
+        skipped, or go into ``failed``) and tell the prefill which did; those transports."""
         from kvconnect.connectors.transport import get_transport
 
-        ctl, cfg = self.ctl, self.cfg
-        incarnation = int(info.get("incarnation", 1))
-        failed: dict[str, _Failed] = {}
+        ctl, info, prefill = self.ctl, offer.info, offer.prefill
         opened: list[str] = []
-        ctl.phase(f"handshake:{prefill}:round{round_no}")
+        ctl.phase(f"handshake:{prefill}:round{offer.round_no}")
         for transport in transports:
-            name = f"transfer/{pair}/{transport}/round{round_no}"
+            name = offer.check_name(transport)
             if get_transport(transport).same_host_only and info.get("boot_id") != self.boot_id:
                 ctl.skipped(name, f"{prefill} runs on another host (boot id "
                                   f"{info.get('boot_id')} != {self.boot_id}): {transport} "
                                   "needs one kernel")
                 continue
-            offer = info.get("exports", {}).get(transport)
-            if offer is None:
+            export = info.get("exports", {}).get(transport)
+            if export is None:
                 ctl.skipped(name, f"{prefill} offers no {transport} export")
                 continue
             t0 = time.perf_counter()
             try:
-                self.transport(transport).open_peer(prefill, offer)
+                self.transport(transport).open_peer(prefill, export)
             except Exception as exc:  # noqa: BLE001 - one failed transport, keep the others
-                failed[transport] = _Failed(ctl.current_phase, f"handshake with {prefill} "
-                                            f"failed after {time.perf_counter() - t0:.2f} s: "
-                                            f"{type(exc).__name__}: {exc}",
-                                            time.perf_counter() - t0)
+                failed[transport] = _Failed.after(ctl.current_phase,
+                                                  f"handshake with {prefill}", t0, exc)
                 continue
             opened.append(transport)
         # the prefill starts its transfer phase once every decode got this far
-        ctl.publish(f"handshake/{prefill}/round{round_no}",
-                    {"incarnation": incarnation, "opened": opened, "failed": sorted(failed)})
-        expected = info["digests"][self.name]
-        remote_layout = PeerLayout.from_json(info["layout"])  # checked in fetch_from
-        reference: dict[int, float] = {}  # bytes -> GB/s of the same-run reference copy
-        for transport in opened:
-            name = f"transfer/{pair}/{transport}/round{round_no}"
-            ctl.phase(f"transfer:{transport}:{prefill}:round{round_no}")
-            self.poison(local_ids)
-            t0 = time.perf_counter()
-            try:
-                result = self.transport(transport).fetch(prefill, remote_ids, local_ids,
-                                                         timeout=cfg.timeout)
-            except Exception as exc:  # noqa: BLE001 - one failed transport, keep the others
-                failed[transport] = _Failed(ctl.current_phase, f"transfer of {len(local_ids)} "
-                                            f"blocks failed after "
-                                            f"{time.perf_counter() - t0:.2f} s: "
-                                            f"{type(exc).__name__}: {exc}",
-                                            time.perf_counter() - t0)
-                continue
-            if notifies_exporter(transport):
-                self.count_notice(prefill, incarnation)
-            mismatches = self.verify(prefill, remote_layout, remote_ids, local_ids, expected)
-            src = self.reference_source(p, info)
-            if result.bytes not in reference:
-                reference[result.bytes] = reference_copy_gbps(result.bytes, src, self.device)
-            t = Transfer.measured(pair, transport, result.bytes, result.seconds,
-                                  verified=not mismatches, backend=result.backend,
-                                  round=round_no, blocks=len(local_ids),
-                                  reference_gbps=reference[result.bytes])
-            ctl.transfer(t)
-            head = (f"{pair} {transport} round {round_no}: {len(local_ids)} blocks "
-                    f"{mib(result.bytes)} in {result.seconds * 1e3:.1f} ms = {t.gbps:.2f} GB/s "
-                    f"via {result.backend} (setup {result.setup_seconds * 1e3:.1f} ms, "
-                    f"{result.note}; reference: one plain torch copy {src}->{self.device} of "
-                    f"the same bytes {t.reference_gbps:.2f} GB/s, same run)")
-            where = {"peer_incarnation": incarnation, "attempt": attempt}
-            if mismatches:
-                ctl.failed(name, f"{head}: {len(mismatches)} block regions differ: "
-                                 + "; ".join(_mismatch_text(m) for m in mismatches[:MAX_QUOTED]),
-                           result.seconds, data={"mismatches": mismatches[:MAX_QUOTED],
-                                                 "num_mismatches": len(mismatches), **where})
-            else:
-                ctl.passed(name, f"{head}: every block byte-exact", result.seconds, data=where)
-                if round_no == 1:
-                    self.offers[prefill] = info
-                    self.verified.setdefault(prefill, []).append(transport)
-        return failed
+        ctl.publish(f"handshake/{prefill}/round{offer.round_no}",
+                    {"incarnation": offer.incarnation, "opened": opened,
+                     "failed": sorted(failed)})
+        return opened
+
+    def fetch_over(self, offer: _Offer, transport: str, attempt: int,
+                   failed: dict[str, _Failed], reference: dict[int, float]) -> None:
+        """One fetch of ``offer``'s blocks over ``transport``, verified against the
+        prefill's digests and reported; a failure with the peer goes into ``failed``.
+        ``reference``: bytes -> GB/s of the same-run reference copy (filled on first use)."""
+        ctl = self.ctl
+        ctl.phase(f"transfer:{transport}:{offer.prefill}:round{offer.round_no}")
+        self.poison(offer.local_ids)
+        t0 = time.perf_counter()
+        try:
+            result = self.transport(transport).fetch(offer.prefill, offer.remote_ids,
+                                                     offer.local_ids, timeout=self.cfg.timeout)
+        except Exception as exc:  # noqa: BLE001 - one failed transport, keep the others
+            failed[transport] = _Failed.after(
+                ctl.current_phase, f"transfer of {len(offer.local_ids)} blocks", t0, exc)
+            return
+        if notifies_exporter(transport):
+            self.count_notice(offer.prefill, offer.incarnation)
+        remote_layout = PeerLayout.from_json(offer.info["layout"])  # checked in fetch_from
+        mismatches = self.verify(offer.prefill, remote_layout, offer.remote_ids,
+                                 offer.local_ids, offer.info["digests"][self.name])
+        src = self.reference_source(offer.rank, offer.info)
+        if result.bytes not in reference:
+            reference[result.bytes] = reference_copy_gbps(result.bytes, src, self.device)
+        t = Transfer.measured(offer.pair, transport, result.bytes, result.seconds,
+                              verified=not mismatches, backend=result.backend,
+                              round=offer.round_no, blocks=len(offer.local_ids),
+                              reference_gbps=reference[result.bytes])
+        ctl.transfer(t)
+        self.report_fetch(offer, transport, attempt, result, t, src, mismatches)
+
+    def report_fetch(self, offer: _Offer, transport: str, attempt: int, result: Any,
+                     t: Transfer, src: str, mismatches: list[dict[str, Any]]) -> None:
+        """The ``transfer/<pair>/<transport>/roundN`` check of one fetch: byte-exact, or
+        which block regions differ."""
+        head = (f"{offer.pair} {transport} round {offer.round_no}: {len(offer.local_ids)} "
+                f"blocks {mib(result.bytes)} in {result.seconds * 1e3:.1f} ms = "
+                f"{t.gbps:.2f} GB/s via {result.backend} (setup "
+                f"{result.setup_seconds * 1e3:.1f} ms, {result.note}; reference: one plain "
+                f"torch copy {src}->{self.device} of the same bytes {t.reference_gbps:.2f} "
+                "GB/s, same run)")
+        where = {"peer_incarnation": offer.incarnation, "attempt": attempt}
+        name = offer.check_name(transport)
+        if mismatches:
+            self.ctl.failed(name, f"{head}: {len(mismatches)} block regions differ: "
+                            + "; ".join(_mismatch_text(m) for m in mismatches[:MAX_QUOTED]),
+                            result.seconds, data={"mismatches": mismatches[:MAX_QUOTED],
+                                                  "num_mismatches": len(mismatches), **where})
+            return
+        self.ctl.passed(name, f"{head}: every block byte-exact", result.seconds, data=where)
+        if offer.round_no == 1:
+            self.offers[offer.prefill] = offer.info
+            self.verified.setdefault(offer.prefill, []).append(transport)
 
     # -- recovery ------------------------------------------------------------------------------
     def others_digests(self, local_ids: list[int]) -> list[list[str]]:

@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any
 
+from kvconnect.child import exit_signal_name, exit_text, log_tail
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
 
 from .cleanup import ProcessRecord, become_subreaper, check_cleanup, take_baseline
@@ -41,15 +42,7 @@ from .config import DECODE, PREFILL, RunConfig, worker_name
 from .display import Display
 from .faults import restarted_workers, specs_from_config
 from .faultwatch import FaultWatch
-from .launch import (
-    exit_signal_name,
-    exit_text,
-    kill_process,
-    launch_method,
-    log_tail,
-    preload_worker_modules,
-    start_worker,
-)
+from .launch import launch_method, preload_worker_modules, start_worker
 from .lifetime import InterruptSignals
 from .report import FAIL, PASS, SKIP, Check, Report, SweepPoint, Transfer, signal_name
 from .restarts import Restarts
@@ -76,6 +69,10 @@ PROGRESS_GRACE_S = 1.0
 PEER_QUERY_GRACE_S = 1.0
 #: seconds an exited worker's connection may stay open before it is judged dead without its EOF
 EXIT_DRAIN_S = 2.0
+
+
+class _StartupFailed(Exception):
+    """A worker failed during start-up (the run's check says how): the run ends."""
 
 
 def run_local(cfg: RunConfig, report: Report, display: Display,
@@ -206,64 +203,77 @@ class Coordinator(Restarts):
         deadline = time.monotonic() + self.cfg.timeout
         pending = set(by_pid)
         while pending:
-            for pid in list(pending):
-                w = by_pid[pid]
-                if w.proc.poll() is not None:
-                    self._fail_worker(w, f"{w.who} exited with {exit_text(w.proc.returncode)} "
-                                         "during start-up, before connecting", state="dead",
-                                      cause="exited")
-                    return False
+            if self._exited_during_startup([by_pid[p] for p in pending]):
+                return False
             left = deadline - time.monotonic()
             if left <= 0:
-                names = ", ".join(by_pid[p].name for p in sorted(pending))
-                self._add_check("startup", FAIL,
-                                      f"workers {names} did not connect within --timeout "
-                                      f"{self.cfg.timeout:g} s (still importing? hung?)",
-                                      data={"cause": "startup_timeout",
-                                            "workers": [by_pid[p].name for p in sorted(pending)],
-                                            "timeout": self.cfg.timeout})
+                self._startup_timeout([by_pid[p].name for p in sorted(pending)])
                 return False
             ready, _, _ = select.select([self.listener], [], [], min(left, 0.2))
             if not ready:
                 continue
             conn, _ = self.listener.accept()
-            w = None
             try:
-                creds = peer_credentials(conn)
-                w = by_pid.get(creds.pid)
-                if w is None or creds.uid != os.getuid() or w.sock is not None:
-                    log.warning("rejected a connection from pid %d uid %d: not one of our "
-                                "workers", creds.pid, creds.uid)
-                    conn.close()
-                    continue
-                hello = recv_json(conn, timeout=max(1.0, min(left, 10.0)))
-                standby = w.state == "standby"
-                if (hello.get("op") != "hello" or hello.get("role") != w.role
-                        or hello.get("rank") != w.rank
-                        or bool(hello.get("standby")) != standby):
-                    raise IpcError(f"unexpected hello {hello!r}")
-                w.info = dict(hello.get("info") or {})
-                w.info["device"] = w.device
-                if standby:  # it gets the config when it replaces a worker (_restart)
-                    send_message(conn, {"op": "standby"})
-                    conn.settimeout(None)
-                    w.sock = conn
-                    pending.discard(w.proc.pid)
-                    continue
-                send_message(conn, {"op": "config", "config": self.cfg.to_json(),
-                                    "incarnation": 1})
-            except (IpcError, OSError, KeyError, ValueError) as exc:
-                conn.close()
-                if w is not None:
-                    self._fail_worker(w, f"{w.who}: bad start-up handshake: {exc}", state="dead",
-                                      cause="bad_handshake")
-                    return False
-                continue
-            conn.settimeout(None)
-            w.sock = conn
-            self._running(w)
-            pending.discard(w.proc.pid)
+                w = self._admit(conn, by_pid, left)
+            except _StartupFailed:
+                return False
+            if w is not None:
+                pending.discard(w.proc.pid)
         return True
+
+    def _exited_during_startup(self, workers: list[LocalWorker]) -> bool:
+        """Fail the run for the first of ``workers`` that exited before connecting."""
+        for w in workers:
+            if w.proc.poll() is not None:
+                self._fail_worker(w, f"{w.who} exited with {exit_text(w.proc.returncode)} "
+                                     "during start-up, before connecting", state="dead",
+                                  cause="exited")
+                return True
+        return False
+
+    def _startup_timeout(self, names: list[str]) -> None:
+        self._add_check("startup", FAIL,
+                        f"workers {', '.join(names)} did not connect within --timeout "
+                        f"{self.cfg.timeout:g} s (still importing? hung?)",
+                        data={"cause": "startup_timeout", "workers": names,
+                              "timeout": self.cfg.timeout})
+
+    def _admit(self, conn: socket.socket, by_pid: dict[int, LocalWorker], left: float
+               ) -> LocalWorker | None:
+        """Take ``conn`` if it comes from one of our workers (SO_PEERCRED pid and uid) with
+        the hello it should send; answer with the config (a standby: ``standby``, it gets
+        the config when it replaces a worker, :meth:`_restart`). The worker; None for a
+        connection that is not one of ours (closed). A worker's bad hello fails the run:
+        :class:`_StartupFailed`."""
+        w = None
+        try:
+            creds = peer_credentials(conn)
+            w = by_pid.get(creds.pid)
+            if w is None or creds.uid != os.getuid() or w.sock is not None:
+                log.warning("rejected a connection from pid %d uid %d: not one of our "
+                            "workers", creds.pid, creds.uid)
+                conn.close()
+                return None
+            hello = recv_json(conn, timeout=max(1.0, min(left, 10.0)))
+            standby = w.state == "standby"
+            if (hello.get("op") != "hello" or hello.get("role") != w.role
+                    or hello.get("rank") != w.rank or bool(hello.get("standby")) != standby):
+                raise IpcError(f"unexpected hello {hello!r}")
+            w.info = {**dict(hello.get("info") or {}), "device": w.device}
+            send_message(conn, {"op": "standby"} if standby else
+                         {"op": "config", "config": self.cfg.to_json(), "incarnation": 1})
+        except (IpcError, OSError, KeyError, ValueError) as exc:
+            conn.close()
+            if w is None:
+                return None
+            self._fail_worker(w, f"{w.who}: bad start-up handshake: {exc}", state="dead",
+                              cause="bad_handshake")
+            raise _StartupFailed from None
+        conn.settimeout(None)
+        w.sock = conn
+        if not standby:
+            self._running(w)
+        return w
 
     def _running(self, w: LocalWorker) -> None:
         """``w`` has its config: watch it and read its messages."""
@@ -439,7 +449,7 @@ class Coordinator(Restarts):
             how = exit_text(code)
         except subprocess.TimeoutExpired:
             how = f"closed its connection ({reason}) but is still running; killed it"
-            kill_process(w.proc)
+            w.proc.kill()
         self._died(w, how)
 
     def _died(self, w: LocalWorker, how: str) -> None:
@@ -531,7 +541,7 @@ class Coordinator(Restarts):
         ``no_progress``, ``error``, ...), then abort every other worker."""
         w.state = state
         if kill:
-            kill_process(w.proc)
+            w.proc.kill()
         code = w.proc.poll() if state == "dead" else None
         detail = message
         if tail:

@@ -364,11 +364,33 @@ class StoreControl(Control):
 def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) -> None:
     """Run this process's worker of a multi-host run; the reporter gathers everyone's
     results into ``report``."""
-    from .environment import describe
-    from .worker import run_and_report
-
     cfg.local_device = _local_device(cfg, m)
     display.worker(m.name, os.getpid(), cfg.device_for(m.role, m.rank))
+    store, sealer = _join(cfg, m, report)
+    try:
+        ctl = StoreControl(m.name, cfg, store, lambda: open_store(m, cfg.timeout, master=False),
+                           display, sealer)
+    except RendezvousUnreachable as exc:
+        report.add_check("rendezvous", FAIL, f"heartbeat connection: {exc}", worker=m.name,
+                         data={"cause": exc.cause, "host": m.host, "port": m.port})
+        raise
+    try:
+        _work(ctl, cfg, m, report)
+    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (lifetime.InterruptSignals)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        report.interrupt(signum, "run", {m.name: ctl.current_phase})
+        ctl.finish(error=f"interrupted by {signal_name(signum)}")  # the others stop too
+    finally:
+        ctl.close()
+        report.workers.append({"name": m.name, "role": m.role, "rank": m.rank,
+                               "pid": os.getpid(), "device": cfg.device_for(m.role, m.rank),
+                               "phase": ctl.current_phase})
+
+
+def _join(cfg: RunConfig, m: Membership, report: Report) -> tuple[Any, Sealer]:
+    """Host or reach the store, and prove the rendezvous token (:mod:`.store_auth`); the
+    store and the sealer of its values. The ``rendezvous`` check says how it went (failed:
+    :class:`RendezvousUnreachable` or :class:`RendezvousRefused`)."""
     try:
         store = open_store(m, cfg.timeout, master=m.hosts_store)
     except RendezvousUnreachable as exc:
@@ -397,41 +419,33 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
                                              f"(HMAC-SHA256 over fresh nonces) at {where}; store "
                                              "values are sealed", worker=m.name,
                          data={"cause": None, "host": m.host, "port": m.port, "token": True})
-    try:
-        ctl = StoreControl(m.name, cfg, store, lambda: open_store(m, cfg.timeout, master=False),
-                           display, sealer)
-    except RendezvousUnreachable as exc:
-        report.add_check("rendezvous", FAIL, f"heartbeat connection: {exc}", worker=m.name,
-                         data={"cause": exc.cause, "host": m.host, "port": m.port})
-        raise
-    try:
-        # only a prefill serving ipc needs a socket directory (a killed process cannot remove
-        # its own, so nobody else makes one)
-        serves_ipc = m.role == PREFILL and "ipc" in cfg.transports
-        with run_dir() if serves_ipc else contextlib.nullcontext("") as ipc_dir:
-            if not _agree_on_config(ctl, cfg, m, report):
-                ctl.finish(error="configuration differs between processes")
-                return
-            ctl.publish("info", {"pid": os.getpid(), **describe()})
-            run_and_report(ctl, m.role, m.rank, ipc_dir)
-            report.checks.extend(ctl.checks)
-            if ctl.failure is not None:
-                report.checks.append(ctl.failure)
-            report.transfers.extend(ctl.transfers)
-            report.sweep.extend(ctl.sweep_points)
-            if m.is_reporter:
-                _gather(ctl, cfg, m, report)
-            else:
-                _await_verdict(ctl, cfg, m, report)
-    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (lifetime.InterruptSignals)
-        signum = getattr(exc, "signum", signal.SIGINT)
-        report.interrupt(signum, "run", {m.name: ctl.current_phase})
-        ctl.finish(error=f"interrupted by {signal_name(signum)}")  # the others stop too
-    finally:
-        ctl.close()
-        report.workers.append({"name": m.name, "role": m.role, "rank": m.rank,
-                               "pid": os.getpid(), "device": cfg.device_for(m.role, m.rank),
-                               "phase": ctl.current_phase})
+    return store, sealer
+
+
+def _work(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> None:
+    """Agree on the config, run this worker's steps, then gather everyone's results (the
+    reporter) or wait for the verdict."""
+    from .environment import describe
+    from .worker import run_and_report
+
+    # only a prefill serving ipc needs a socket directory (a killed process cannot remove
+    # its own, so nobody else makes one)
+    serves_ipc = m.role == PREFILL and "ipc" in cfg.transports
+    with run_dir() if serves_ipc else contextlib.nullcontext("") as ipc_dir:
+        if not _agree_on_config(ctl, cfg, m, report):
+            ctl.finish(error="configuration differs between processes")
+            return
+        ctl.publish("info", {"pid": os.getpid(), **describe()})
+        run_and_report(ctl, m.role, m.rank, ipc_dir)
+        report.checks.extend(ctl.checks)
+        if ctl.failure is not None:
+            report.checks.append(ctl.failure)
+        report.transfers.extend(ctl.transfers)
+        report.sweep.extend(ctl.sweep_points)
+        if m.is_reporter:
+            _gather(ctl, cfg, m, report)
+        else:
+            _await_verdict(ctl, cfg, m, report)
 
 
 def _local_device(cfg: RunConfig, m: Membership) -> str:

@@ -9,10 +9,11 @@ Units: ``bytes`` are bytes, ``seconds`` are wall seconds, ``gbps`` is 1e9 bytes 
 from __future__ import annotations
 
 import json
-import signal
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from kvconnect.child import signal_name
 
 from .report_files import write_report
 
@@ -351,14 +352,6 @@ class Report:
         ET.indent(root)
         text = ET.tostring(root, encoding="unicode", xml_declaration=False)
         write_report(path, '<?xml version="1.0" encoding="utf-8"?>\n' + text + "\n")
-
-
-def signal_name(signum: int) -> str:
-    """``SIGTERM`` for 15; ``signal 99`` for a number Python has no name for."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def _first_line(text: str, limit: int = 200) -> str:

@@ -15,9 +15,9 @@ import logging
 import time
 from typing import Any
 
+from kvconnect.child import exit_signal_name
 from kvconnect.framing import send_message
 
-from .launch import exit_signal_name
 from .report import PASS
 from .workerset import LocalWorker
 

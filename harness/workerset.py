@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvconnect.child import Child
+
 from .config import worker_name
-from .launch import kill_process
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class LocalWorker:
     role: str
     rank: int
     device: str
-    proc: Any  # subprocess.Popen or launch.ForkedWorker
+    proc: Child
     log_path: str
     sock: socket.socket | None = None
     phase: str = "spawned"
@@ -105,7 +106,7 @@ def stop_all(workers: list[LocalWorker], clean: bool,
     An unused standby is killed at once."""
     for w in workers:
         if w.state == "standby":  # not needed: nothing to wait for
-            kill_process(w.proc)
+            w.proc.kill()
     deadline = time.monotonic() + (DONE_GRACE_S if clean else EXIT_GRACE_S)
     for w in workers:
         left = deadline - time.monotonic()
@@ -114,7 +115,7 @@ def stop_all(workers: list[LocalWorker], clean: bool,
         except subprocess.TimeoutExpired:
             if not w.finished and w.state != "standby":
                 still_running(w)
-            kill_process(w.proc)
+            w.proc.kill()
     for w in workers:
         try:
             w.proc.wait(timeout=10)

@@ -332,65 +332,97 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
     """Run one case; ``stage(name)`` is called before each step and ``report(check,
     value)`` after each check (the parent keeps both if this process dies). Returns the
     case's JSON result; ``unchecked`` names, in words, what could not be checked."""
-    from kvconnect.vllm.runtime import init_single_process_group, is_cuda_device, prepare_runtime
+    from kvconnect.vllm.runtime import init_single_process_group
 
     s = {**CASE_DEFAULTS, **spec}
-    shims = prepare_runtime(s["device"])
-    import torch
-
-    if is_cuda_device(s["device"]):  # this process only: the parent never touches CUDA
-        torch.cuda.set_device(torch.device(s["device"]))
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-
-    from kvconnect.vllm.cache import VllmKVCache
-
     result: dict[str, Any] = {"connector": s["connector"], "layout": s["layout"],
                               "num_blocks": s["num_blocks"],
                               "capacity_blocks": s["capacity_blocks"], "device": s["device"]}
-    if shims:
-        result["extension_shims"] = shims
-    checks = result["checks"] = _Checks(report)
+    _prepare_device(s["device"], result)
+    from vllm.config import set_current_vllm_config
+
+    result["checks"] = _Checks(report)
     rng = random.Random(s["seed"])
     tmp = s.get("workdir") or tempfile.mkdtemp(prefix="kvconnect-conformance-")
     stage("setup")
     vc, _, kv_cfg, (_, _, cls) = _build(s, tmp)
     probe = probe_for(cls, s["device"])
     result["probe"] = probe.kind
-    unchecked = result["unchecked"] = dict(probe.limits)
+    result["unchecked"] = dict(probe.limits)
     with set_current_vllm_config(vc):
         init_single_process_group(f"{tmp}/dist")
         probe.install()
-        cache = VllmKVCache(kv_cfg, s["device"], layout=s["layout"],
-                            capacity_blocks=s["capacity_blocks"])
-        cache.allocate()
-        cache.ensure_kv_cache_blocks(max(1, s["num_blocks"] // 2))
-        cache.extend_kv_cache(s["num_blocks"])
-        fill_committed(cache, rng)
-        extents = cache.committed_extents()
-        result["reserved_bytes"] = cache.cache.tensors[0].capacity_bytes
-        result["committed_bytes"] = sum(n for _, n in extents)
+        cache = _committed_cache(s, kv_cfg, rng, result)
         stage("construct")
-        try:
-            connector = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER,
-                                                            cache.connector_config())
-        except Exception as exc:
-            checks["register"] = {"status": "fail", "stage": "construct", "error": _error(exc)}
-            return result
-        stage("register")
-        views = cache.kv_caches()
-        if not _register(connector, views, checks):
-            return result
-        stage("inspect")
-        _inspect(probe, connector, cache, views, extents, result)
-        block_ids = sorted(rng.sample(range(s["num_blocks"]), s["transfer_blocks"]))
-        stage(probe.exercise_name)
-        checks[probe.exercise_name] = _exercise(probe, connector, cache, extents, block_ids, rng)
-        checks["sleep_wake"] = _sleep_wake(probe, connector, cache, views, extents, block_ids,
-                                           rng, stage)
-        if checks["sleep_wake"]["status"] == "skip":
-            unchecked["sleep_wake"] = checks["sleep_wake"]["reason"]
-        stage("shutdown")
-        connector.shutdown()
+        connector = _construct(vc, cache, result["checks"])
+        if connector is not None:
+            _check_connector(probe, connector, cache, s, rng, stage, result)
     return result
+
+
+def _prepare_device(device: str, result: dict[str, Any]) -> None:
+    """vLLM's platform for ``device`` (the shims it needed go into ``result``); on CUDA,
+    this process's device (only here: the parent never touches CUDA)."""
+    from kvconnect.vllm.runtime import is_cuda_device, prepare_runtime
+
+    shims = prepare_runtime(device)
+    if shims:
+        result["extension_shims"] = shims
+    if is_cuda_device(device):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
+def _committed_cache(s: dict[str, Any], kv_cfg: Any, rng: random.Random,
+                     result: dict[str, Any]) -> Any:
+    """The case's VllmKVCache: ``capacity_blocks`` reserved, ``num_blocks`` committed (in
+    two steps) and filled with random bytes; its sizes go into ``result`` (bytes)."""
+    from kvconnect.vllm.cache import VllmKVCache
+
+    cache = VllmKVCache(kv_cfg, s["device"], layout=s["layout"],
+                        capacity_blocks=s["capacity_blocks"])
+    cache.allocate()
+    cache.ensure_kv_cache_blocks(max(1, s["num_blocks"] // 2))
+    cache.extend_kv_cache(s["num_blocks"])
+    fill_committed(cache, rng)
+    result["reserved_bytes"] = cache.cache.tensors[0].capacity_bytes
+    result["committed_bytes"] = sum(n for _, n in cache.committed_extents())
+    return cache
+
+
+def _construct(vc: Any, cache: Any, checks: _Checks) -> Any:
+    """The connector in vLLM's worker role, through ``KVConnectorFactory``; None (the
+    ``register`` check says why) when constructing it raised."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    try:
+        return KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER,
+                                                   cache.connector_config())
+    except Exception as exc:
+        checks["register"] = {"status": "fail", "stage": "construct", "error": _error(exc)}
+        return None
+
+
+def _check_connector(probe: ConnectorProbe, connector: Any, cache: Any, s: dict[str, Any],
+                     rng: random.Random, stage: Stage, result: dict[str, Any]) -> None:
+    """Register the cache with the connector, then every check (see the module docstring)
+    into ``result``; the connector is shut down at the end."""
+    checks, unchecked = result["checks"], result["unchecked"]
+    extents = cache.committed_extents()
+    stage("register")
+    views = cache.kv_caches()
+    if not _register(connector, views, checks):
+        return
+    stage("inspect")
+    _inspect(probe, connector, cache, views, extents, result)
+    block_ids = sorted(rng.sample(range(s["num_blocks"]), s["transfer_blocks"]))
+    stage(probe.exercise_name)
+    checks[probe.exercise_name] = _exercise(probe, connector, cache, extents, block_ids, rng)
+    checks["sleep_wake"] = _sleep_wake(probe, connector, cache, views, extents, block_ids,
+                                       rng, stage)
+    if checks["sleep_wake"]["status"] == "skip":
+        unchecked["sleep_wake"] = checks["sleep_wake"]["reason"]
+    stage("shutdown")
+    connector.shutdown()

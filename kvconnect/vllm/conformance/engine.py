@@ -31,15 +31,15 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from kvconnect.child import Child, exit_signal_name
 
 from .options import ENGINE_CACHES
 
@@ -67,6 +67,10 @@ def engine_unavailable() -> str | None:
     return None
 
 
+#: seconds an engine gets between SIGTERM and SIGKILL when it is ended early
+_TERM_GRACE_S = 0.3
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,17 +85,15 @@ class _Engine:
                  workdir: Path) -> None:
         self.name, self.result_path = name, workdir / f"{name}.result.json"
         self.errors: list[str] = []
-        self.reaped = False
         self.log_path = workdir / f"{name}.log"
         spec_path = workdir / f"{name}.spec.json"
         self.stage_path = workdir / f"{name}.stage"
         spec_path.write_text(json.dumps({**spec, "result": str(self.result_path),
                                          "stage_file": str(self.stage_path)}))
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvconnect.vllm.conformance.engine_child", scenario,
-                 str(spec_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(workdir))
+        self.child = Child.spawn(
+            [sys.executable, "-m", "kvconnect.vllm.conformance.engine_child", scenario,
+             str(spec_path)], log_path=str(self.log_path), own_group=True, env=env,
+            cwd=str(workdir))
 
     @property
     def stage(self) -> str:
@@ -102,21 +104,15 @@ class _Engine:
             return "engine start"
 
     def finish(self, deadline: float) -> tuple[dict[str, Any] | None, str | None, str]:
-        timed_out = False
-        try:
-            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            self.kill()
+        timed_out = not self.child.wait_exit(max(0.1, deadline - time.monotonic()))
+        rc = self.child.end(term_grace_s=_TERM_GRACE_S)
         lines = [_ANSI.sub("", x) for x in
                  self.log_path.read_text(errors="replace").splitlines()]
         self.errors = _error_lines(lines)
         tail = "\n".join(lines[-30:])
         if timed_out:
             return None, "timeout", tail
-        rc = self.proc.returncode
-        sig = signal.Signals(-rc).name if rc is not None and rc < 0 else None
+        sig = exit_signal_name(rc)
         if not self.result_path.exists():
             return None, sig, tail
         return json.loads(self.result_path.read_text()), sig, tail
@@ -124,19 +120,7 @@ class _Engine:
     def kill(self) -> None:
         """Kill the engine's session (its own children too) and reap it; once done, never
         again (its id may belong to another process by then)."""
-        if self.reaped:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                break
-            time.sleep(0.3)
-        try:
-            self.proc.wait(timeout=30)
-            self.reaped = True
-        except subprocess.TimeoutExpired:
-            pass
+        self.child.end(term_grace_s=_TERM_GRACE_S)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -18,15 +18,15 @@ Units: blocks are vLLM's logical blocks; seconds for deadlines.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
-import signal
 import socket
 import tempfile
 import time
-import traceback
+from collections.abc import Callable
 from typing import Any
+
+from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name
 
 __all__ = ["run_pd", "transfers_over_nixl"]
 
@@ -188,75 +188,57 @@ def _decode(spec: dict[str, Any], p: dict[str, Any], workdir: str, send: Any) ->
     sched.shutdown()
 
 
-def _fork(target: Any, *args: Any) -> tuple[int, int, str]:
-    rfd, wfd = os.pipe()
-    log = tempfile.mkstemp(prefix="kvconnect-pd-", suffix=".log")[1]
-    pid = os.fork()
-    if pid == 0:
-        code = 0
+class _Side:
+    """One side's process (forked, its own process group), its JSON lines and the stage it
+    last reported; :meth:`end` kills its group and reaps it."""
+
+    def __init__(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        self.name, self.stage = name, f"{name} start"
+        rfd, wfd = os.pipe()
+        fd, self.log_path = tempfile.mkstemp(prefix="kvconnect-pd-", suffix=".log")
+        os.close(fd)
+
+        def body() -> int:
+            out = LineWriter(wfd)
+            return out.run(lambda: target(*args, out.send), limit=1500)
+
         try:
-            os.close(rfd)
-            os.setpgid(0, 0)
-            fd = os.open(log, os.O_WRONLY | os.O_TRUNC)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-
-            def send(obj: dict[str, Any]) -> None:
-                os.write(wfd, (json.dumps(obj) + "\n").encode())
-
-            target(*args, send)
+            self.child = Child.fork(body, log_path=self.log_path, own_group=True,
+                                    close_fds=(rfd,))
         except BaseException:
-            code = 1
-            try:
-                os.write(wfd, (json.dumps({"error": traceback.format_exc()[-1500:]}) + "\n"
-                               ).encode())
-            except OSError:
-                pass
+            os.close(rfd)
+            os.unlink(self.log_path)
+            raise
         finally:
-            os._exit(code)
-    os.close(wfd)
-    return pid, rfd, log
+            os.close(wfd)
+        self.reader = LineReader(rfd)
 
+    def until(self, key: str, deadline: float) -> dict[str, Any] | None:
+        """The next message carrying ``key`` (or ``error``); stages on the way are noted.
+        None when the pipe closed or ``deadline`` passed first."""
+        while True:
+            msg = self.reader.json(deadline)
+            if msg is None or key in msg or "error" in msg:
+                return msg
+            self.stage = msg.get("stage", self.stage)
 
-def _read(rfd: int, buf: list[bytes], deadline: float) -> dict[str, Any] | None:
-    import select
+    def end(self) -> str | None:
+        """Give the side 5 s to exit, kill its group, reap it; the signal that ended it
+        (None for an exit)."""
+        try:
+            return exit_signal_name(self.child.end(5.0))
+        finally:
+            os.close(self.reader.fd)
 
-    while b"\n" not in buf[0]:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        ready, _, _ = select.select([rfd], [], [], min(left, 1.0))
-        if ready:
-            chunk = os.read(rfd, 65536)
-            if not chunk:
-                return None
-            buf[0] += chunk
-    line, buf[0] = buf[0].split(b"\n", 1)
-    return json.loads(line)
-
-
-def _end(pid: int) -> str | None:
-    """Reap ``pid`` (killing its group first if still alive); the signal that ended it."""
-    for _ in range(100):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else None
-        time.sleep(0.05)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    _, status = os.waitpid(pid, 0)
-    return signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else None
-
-
-def _until(rfd: int, buf: list[bytes], deadline: float, key: str, stage: list[str]
-           ) -> dict[str, Any] | None:
-    while True:
-        msg = _read(rfd, buf, deadline)
-        if msg is None or key in msg or "error" in msg:
-            return msg
-        stage[0] = msg.get("stage", stage[0])
+    def log_errors(self) -> list[str]:
+        """The log's last error lines; the log is removed."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = [x for x in f.read().splitlines()
+                         if "ERROR" in x or "rror" in x or "Traceback" in x]
+        finally:
+            os.unlink(self.log_path)
+        return lines[-6:]
 
 
 def run_pd(connector: str, layout: str, *, num_blocks: int = 128, capacity_blocks: int = 1024,
@@ -274,7 +256,6 @@ def run_pd(connector: str, layout: str, *, num_blocks: int = 128, capacity_block
     out: dict[str, Any] = {"connector": connector, "layout": layout, "num_blocks": num_blocks,
                            "capacity_blocks": capacity_blocks}
     t0 = time.monotonic()
-    deadline = t0 + timeout + 30
     with tempfile.TemporaryDirectory(prefix="kvconnect-pd-") as tmp:
         from kvconnect.vllm.runtime import write_tiny_model
 
@@ -282,45 +263,47 @@ def run_pd(connector: str, layout: str, *, num_blocks: int = 128, capacity_block
         spec["model"] = str(write_tiny_model(f"{tmp}/model", num_layers=num_layers))
         os.makedirs(f"{tmp}/p")
         os.makedirs(f"{tmp}/d")
-        p_pid, p_fd, p_log = _fork(_prefill, spec, f"{tmp}/p")
-        p_buf, p_stage = [b""], ["prefill start"]
-        d_pid = d_fd = None
+        sides = [_Side("prefill", _prefill, spec, f"{tmp}/p")]
         try:
-            p = _until(p_fd, p_buf, deadline, "params", p_stage)
-            if p is None or "error" in p:
-                err = (p or {}).get("error", "prefill gave no parameters")
-                # kvconnect's bounding declining a layout, before registering: not a fault
-                out.update(status="refused" if "LayoutError" in err else "fail",
-                           stage=p_stage[0], evidence=err.strip().splitlines()[-1][:400])
-                return out
-            d_pid, d_fd, d_log = _fork(_decode, spec, p, f"{tmp}/d")
-            d_buf, d_stage = [b""], ["decode start"]
-            d = _until(d_fd, d_buf, deadline, "result", d_stage)
-            sent = _until(p_fd, p_buf, min(deadline, time.monotonic() + 10), "done_sending",
-                          p_stage)
-            if d is None or "error" in d:
-                out.update(status="fail", stage=d_stage[0],
-                           evidence=(d or {}).get("error", "decode gave no result")[-600:])
-            else:
-                out.update(d["result"])
-                out["prefill_saw_completion"] = bool(sent and sent.get("done_sending"))
+            _transfer(spec, sides, out, t0 + timeout + 30, f"{tmp}/d")
         finally:
-            sigs = {"prefill": _end(p_pid)}
-            os.close(p_fd)
-            if d_pid is not None:
-                sigs["decode"] = _end(d_pid)
-                os.close(d_fd)
-            for side, sig in sigs.items():
-                if sig and sig != "SIGKILL":
-                    out.update(status="fault", signal=sig, side=side,
-                               evidence=f"{side} died by {sig}")
-            for side, path in (("prefill", p_log),) + (
-                    (("decode", d_log),) if d_pid is not None else ()):
-                if out.get("status") != "pass":
-                    with open(path, errors="replace") as f:
-                        lines = [x for x in f.read().splitlines()
-                                 if "ERROR" in x or "rror" in x or "Traceback" in x]
-                    out[f"{side}_log_errors"] = lines[-6:]
-                os.unlink(path)
+            _end_sides(sides, out)
     out["seconds"] = round(time.monotonic() - t0, 2)
     return out
+
+
+def _transfer(spec: dict[str, Any], sides: list[_Side], out: dict[str, Any], deadline: float,
+              decode_dir: str) -> None:
+    """The prefill's parameters, then a decode side fetching with them (appended to
+    ``sides``); its result, or why there is none, into ``out``."""
+    prefill = sides[0]
+    p = prefill.until("params", deadline)
+    if p is None or "error" in p:
+        err = (p or {}).get("error", "prefill gave no parameters")
+        # kvconnect's bounding declining a layout, before registering: not a fault
+        out.update(status="refused" if "LayoutError" in err else "fail",
+                   stage=prefill.stage, evidence=err.strip().splitlines()[-1][:400])
+        return
+    decode = _Side("decode", _decode, spec, p, decode_dir)
+    sides.append(decode)
+    d = decode.until("result", deadline)
+    sent = prefill.until("done_sending", min(deadline, time.monotonic() + 10))
+    if d is None or "error" in d:
+        out.update(status="fail", stage=decode.stage,
+                   evidence=(d or {}).get("error", "decode gave no result")[-600:])
+    else:
+        out.update(d["result"])
+        out["prefill_saw_completion"] = bool(sent and sent.get("done_sending"))
+
+
+def _end_sides(sides: list[_Side], out: dict[str, Any]) -> None:
+    """End every side (on every path); a side that died by a signal other than our SIGKILL
+    makes the result a ``fault``; a result that did not pass quotes the logs' errors."""
+    sigs = {side.name: side.end() for side in sides}
+    for name, sig in sigs.items():
+        if sig and sig != "SIGKILL":
+            out.update(status="fault", signal=sig, side=name, evidence=f"{name} died by {sig}")
+    for side in sides:
+        errors = side.log_errors()
+        if out.get("status") != "pass":
+            out[f"{side.name}_log_errors"] = errors

@@ -24,15 +24,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import select
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name, log_tail
 
 __all__ = ["DEFAULT_TIMEOUT", "RESULT_FILE", "START_METHODS", "case_status", "check_timeout",
            "run_cases", "warm_up"]
@@ -88,67 +86,34 @@ def check_timeout(timeout: float) -> float:
     return parse_timeout(timeout)
 
 
-def _child(spec: dict[str, Any], wfd: int, log_path: str, token: str, *,
-           own_group: bool = True) -> None:
-    """In the case's process: run the case, send progress lines framed by ``token``, write
-    the result file, leave without cleanup."""
-    code = 0
-    prefix = f"{_FRAME} {token} ".encode()
+def _case_body(spec: dict[str, Any], wfd: int, token: str) -> int:
+    """In the case's process (stdio already on its log): run the case, send progress lines
+    framed by ``token``, write the result file into the case's work folder."""
+    out = LineWriter(wfd, f"{_FRAME} {token} ".encode())
 
-    def send(obj: dict[str, Any]) -> None:
-        os.write(wfd, prefix + json.dumps(obj).encode() + b"\n")
-
-    try:
-        if own_group:
-            os.setpgid(0, 0)
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
+    def work() -> None:
         from .case import run_case
 
-        result = run_case(spec, lambda name: send({"stage": name}),
-                          lambda name, value: send({"check": name, "value": value}))
-        path = os.path.join(os.path.dirname(log_path), RESULT_FILE)
+        result = run_case(spec, lambda name: out.send({"stage": name}),
+                          lambda name, value: out.send({"check": name, "value": value}))
+        path = os.path.join(spec["workdir"], RESULT_FILE)
         with open(path + ".tmp", "w") as f:
             json.dump(result, f)
         os.replace(path + ".tmp", path)
-        send({"done": True})
-    except BaseException:
-        code = 1
-        try:
-            send({"error": traceback.format_exc()[-2000:]})
-        except OSError:
-            pass
-    finally:
-        os._exit(code)
+        out.send({"done": True})
 
-
-def _tail(path: str, n: int = 2000) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - n))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+    return out.run(work)
 
 
 def _start(spec: dict[str, Any], wfd: int, rfd: int, log_path: str, token: str,
-           start_method: str) -> int:
-    """Start the case's process (its own process group); returns its pid."""
+           start_method: str) -> Child:
+    """Start the case's process in its own process group."""
     if start_method == "spawn":
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvconnect.vllm.conformance.runner", "--case",
-             json.dumps(spec), str(wfd), log_path, token],
-            pass_fds=(wfd,), start_new_session=True, stdin=subprocess.DEVNULL)
-        return proc.pid
-    pid = os.fork()
-    if pid == 0:
-        os.close(rfd)
-        _child(spec, wfd, log_path, token)
-    return pid
+        return Child.spawn([sys.executable, "-m", "kvconnect.vllm.conformance.runner",
+                            "--case", json.dumps(spec), str(wfd), token],
+                           log_path=log_path, own_group=True, pass_fds=(wfd,))
+    return Child.fork(lambda: _case_body(spec, wfd, token), log_path=log_path,
+                      own_group=True, close_fds=(rfd,))
 
 
 class _Progress:
@@ -200,25 +165,15 @@ class _Progress:
 
 def _read_progress(rfd: int, progress: _Progress, deadline: float) -> None:
     """Read the case's pipe until it closes, the case says it is done, or ``deadline``."""
-    buf = b""
+    reader = LineReader(rfd, max_line=_MAX_LINE, on_overflow=progress.overflow)
     while not progress.done and progress.error is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        ready, _, _ = select.select([rfd], [], [], min(left, 1.0))
-        if not ready:
-            continue
-        chunk = os.read(rfd, 65536)
-        if not chunk:
+        line = reader.next_line(deadline)
+        if line is None:
             break
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            progress.line(line)
-        if len(buf) > _MAX_LINE:
-            buf = progress.overflow(buf)
-    if buf:
-        progress.line(buf)
+        progress.line(line)
+    rest = reader.rest()
+    if rest:
+        progress.line(rest)
 
 
 def _read_result(workdir: str) -> dict[str, Any] | None:
@@ -239,7 +194,7 @@ def _run_one(spec: dict[str, Any], timeout: float, log_dir: str, start_method: s
     progress = _Progress(secrets.token_hex(8))
     t0 = time.monotonic()
     try:
-        pid = _start(spec, wfd, rfd, log_path, progress.token, start_method)
+        child = _start(spec, wfd, rfd, log_path, progress.token, start_method)
     except BaseException:
         os.close(rfd)
         raise
@@ -249,56 +204,41 @@ def _run_one(spec: dict[str, Any], timeout: float, log_dir: str, start_method: s
     try:
         _read_progress(rfd, progress, deadline)
     except BaseException:  # interrupted (SIGINT / SIGTERM): the case's process goes too
-        _kill_group(pid)
-        _reap(pid, 5.0)
+        child.end()
         raise
     finally:
         os.close(rfd)
     timed_out = (not progress.done and progress.error is None
                  and time.monotonic() >= deadline)
-    if timed_out:
-        _kill_group(pid)
-    status = _reap(pid, 10.0)
+    code = child.end(0.0 if timed_out else 10.0)
     result = _read_result(workdir) if progress.done else None
     out = dict(result or {"connector": spec["connector"], "layout": spec["layout"],
                           "num_blocks": spec.get("num_blocks"),
                           "capacity_blocks": spec.get("capacity_blocks"),
                           "checks": progress.checks})
     out["seconds"] = round(time.monotonic() - t0, 2)
-    stage = progress.stage
     if progress.stray_bytes:
         out["stray_output"] = progress.evidence()
-    if timed_out:
-        out.update(status="timeout", stage=stage, evidence=f"no result within {timeout:g} s")
-    elif os.WIFSIGNALED(status) and result is None:
-        sig = signal.Signals(os.WTERMSIG(status)).name
-        out.update(status="fault", signal=sig, stage=stage,
-                   evidence=f"{sig} during {stage}")
-    elif result is None:
-        out.update(status="error", stage=stage,
-                   evidence=(progress.error or _tail(log_path)
-                             or "the case ended without a result")[-1500:])
+    _how_it_ended(out, progress, timed_out=timed_out, code=code, has_result=result is not None,
+                  timeout=timeout, log_path=log_path)
     out.setdefault("status", case_status(out))
     return out
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _reap(pid: int, timeout: float) -> int:
-    """Wait up to ``timeout`` s for the case's process to exit (then kill its group), kill
-    whatever else is left in its process group, reap it; its wait status."""
-    deadline = time.monotonic() + timeout
-    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    _kill_group(pid)  # a zombie leader still holds the group's id: no other group is hit
-    return os.waitpid(pid, 0)[1]
+def _how_it_ended(out: dict[str, Any], progress: _Progress, *, timed_out: bool, code: int,
+                  has_result: bool, timeout: float, log_path: str) -> None:
+    """``timeout``, ``fault`` (a death by signal, named, with the stage it died in) or
+    ``error`` (no result) into ``out``; nothing for a case that left its result."""
+    stage = progress.stage
+    sig = exit_signal_name(code)
+    if timed_out:
+        out.update(status="timeout", stage=stage, evidence=f"no result within {timeout:g} s")
+    elif sig is not None and not has_result:
+        out.update(status="fault", signal=sig, stage=stage, evidence=f"{sig} during {stage}")
+    elif not has_result:
+        out.update(status="error", stage=stage,
+                   evidence=(progress.error or log_tail(log_path, max_bytes=2000)
+                             or "the case ended without a result")[-1500:])
 
 
 def case_device(specs: list[dict[str, Any]]) -> str:
@@ -356,12 +296,15 @@ def run_cases(specs: Iterable[dict[str, Any]], *, timeout: float = DEFAULT_TIMEO
 
 
 def _case_main(argv: list[str]) -> None:
-    """``python -m kvconnect.vllm.conformance.runner --case SPEC_JSON FD LOG TOKEN``: one
-    case in this fresh interpreter (the spawn start method)."""
-    if len(argv) != 5 or argv[0] != "--case":
-        sys.exit("usage: python -m kvconnect.vllm.conformance.runner --case SPEC_JSON FD LOG "
+    """``python -m kvconnect.vllm.conformance.runner --case SPEC_JSON FD TOKEN``: one case
+    in this fresh interpreter (the spawn start method; the parent points stdio at its log)."""
+    if len(argv) != 4 or argv[0] != "--case":
+        sys.exit("usage: python -m kvconnect.vllm.conformance.runner --case SPEC_JSON FD "
                  "TOKEN")
-    _child(json.loads(argv[1]), int(argv[2]), argv[3], argv[4], own_group=False)
+    code = _case_body(json.loads(argv[1]), int(argv[2]), argv[3])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # vLLM's atexit teardown can hang: the result is written
 
 
 if __name__ == "__main__":
