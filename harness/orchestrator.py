@@ -18,7 +18,8 @@ and uid), and then runs one event loop:
   (``peer`` requests) learn it was replaced and fetch again.
 
 On every exit path all workers are killed if still running and reaped, sockets closed, and
-the private directory removed; then :mod:`.cleanup` checks nothing was left behind.
+the private directory removed; then :mod:`.cleanup` checks nothing was left behind. Why this
+table and not a TCPStore on localhost (measured): :mod:`.rendezvous`.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ EXIT_DRAIN_S = 2.0
 
 
 class _StartupFailed(Exception):
-    """A worker failed during start-up (the run's check says how): the run ends."""
+    """A worker failed during start-up (its check says how): the run ends."""
 
 
 def run_local(cfg: RunConfig, report: Report, display: Display,
@@ -232,19 +233,16 @@ class Coordinator(Restarts):
         return False
 
     def _startup_timeout(self, names: list[str]) -> None:
-        self._add_check("startup", FAIL,
-                        f"workers {', '.join(names)} did not connect within --timeout "
-                        f"{self.cfg.timeout:g} s (still importing? hung?)",
+        self._add_check("startup", FAIL, f"workers {', '.join(names)} did not connect within "
+                        f"--timeout {self.cfg.timeout:g} s (still importing? hung?)",
                         data={"cause": "startup_timeout", "workers": names,
                               "timeout": self.cfg.timeout})
 
     def _admit(self, conn: socket.socket, by_pid: dict[int, LocalWorker], left: float
                ) -> LocalWorker | None:
-        """Take ``conn`` if it comes from one of our workers (SO_PEERCRED pid and uid) with
-        the hello it should send; answer with the config (a standby: ``standby``, it gets
-        the config when it replaces a worker, :meth:`_restart`). The worker; None for a
-        connection that is not one of ours (closed). A worker's bad hello fails the run:
-        :class:`_StartupFailed`."""
+        """Take ``conn`` from one of our workers (SO_PEERCRED pid and uid) with its hello;
+        answer with the config (a standby: ``standby``; :meth:`_restart` configures it).
+        The worker; None for a connection not ours (closed). A bad hello fails the run."""
         w = None
         try:
             creds = peer_credentials(conn)

@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     "framing": ("IpcError", "PeerError", "PeerRefusedError",),
     "ipc": ("PeerMapping",),
-    "session": ("PeerSession", "accept_session", "connect_session",),
+    "child": ("Child", "LineReader", "LineWriter", "exit_signal_name", "exit_text",),
     "kv_cache": ("ExtensibleKVCache", "KVCacheStateError",),
     "layout": (
         "LAYOUTS", "PRESETS", "VLLM_LAYOUTS", "placement_config", "AttentionSpec",

@@ -12,8 +12,8 @@ Wire format: a sequence of frames, each a 16-byte header then ``length`` body by
      |        {"type", "message"} -- the sender failed; the receiver raises PeerError)
      magic b"KVC2"
 
-A SEALED frame (a MESSAGE or ERROR sent through a :class:`FrameSeal`, i.e. inside an
-authenticated session, :mod:`kvconnect.session`) carries ``>Q`` sequence number + 32-byte
+A SEALED frame (a MESSAGE or ERROR sent through a :class:`FrameSeal`, whose key the two
+ends of a connection share) carries ``>Q`` sequence number + 32-byte
 HMAC-SHA256 before its JSON; the MAC covers the direction, the sequence number, the kind,
 the total fd count and the JSON bytes. The receiver checks the MAC before parsing and wants
 exactly the next sequence number: a frame from outside the session (forged), a changed byte
@@ -93,7 +93,7 @@ class PeerError(IpcError):
 
 class PeerRefusedError(IpcError):
     """The process at the other end is not one this side may talk to: another uid, a pid
-    that was not announced, a wrong session token, an unknown protocol version."""
+    that was not announced, an unknown protocol version."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ class PeerCredentials:
 class FrameSeal:
     """Authenticates the frames of one connection, in both directions (HMAC-SHA256).
 
-    ``key`` is the connection's secret (:mod:`kvconnect.session` derives a fresh one per
-    connection); ``send_label`` / ``recv_label`` name the two directions (different on the
+    ``key`` is the connection's secret (a fresh one per connection, agreed by its two
+    ends); ``send_label`` / ``recv_label`` name the two directions (different on the
     two ends, so a frame sent back to its sender does not verify). Sequence numbers start
     at 0 in each direction and grow by one per sealed frame. Not thread-safe: one sender
     and one receiver at a time.

@@ -1,7 +1,7 @@
 """IPC frames fuzzed (hypothesis): whatever a peer writes on the socket -- any header
 (magic, kind, flags, fd count, length, total fds), any body, real fds attached in any
 number, the stream cut anywhere -- ``recv_message`` returns a JSON object with exactly the
-fds the message announced, or raises IpcError; no fd stays open, and inside a session
+fds the message announced, or raises IpcError; no fd stays open, and with a frame seal
 (``seal``) nothing that was not sealed by the peer is ever accepted."""
 
 from __future__ import annotations
@@ -130,11 +130,11 @@ def test_any_byte_stream_gives_a_message_or_ipc_error() -> None:
     assert tally.tried >= n and tally.outcomes["IpcError"] > 0
 
 
-def test_any_byte_stream_inside_a_session_is_refused() -> None:
-    """Inside a session the peer's key is unknown to the writer: nothing is accepted, not
+def test_any_byte_stream_is_refused_by_a_frame_seal() -> None:
+    """With a frame seal the peer's key is unknown to the writer: nothing is accepted, not
     even a well-formed frame, and the error is always IpcError."""
     n = fuzz.examples(300)
-    tally = fuzz.Tally("IPC frames inside a session: PeerSession.recv", "IpcError", n)
+    tally = fuzz.Tally("IPC frames through a FrameSeal: recv_message", "IpcError", n)
     well_formed = st.dictionaries(st.text(max_size=8), json_values, max_size=4).map(
         lambda d: (lambda body: HEADER.pack(MAGIC, 1, 1, 0, len(body), 0) + body)(
             os.urandom(40) + json.dumps(d).encode()))

@@ -5,7 +5,7 @@ which never run).
 Layers, lowest first (a module may import its own layer or lower ones):
 
 0. base: torch-free helpers every layer uses (checks, polling, undo, lifetime, bounded JSON,
-   socket framing and sessions) and the ``kvconnect`` package root (``__version__``, lazy
+   socket framing, child processes) and the ``kvconnect`` package root (``__version__``, lazy
    exports);
 1. vmm: the VMM drivers;
 2. tensor: ExtensibleTensor, pointer views, POSIX-fd handle exchange (``ipc``);
@@ -34,7 +34,7 @@ LAYERS = ("base", "vmm", "tensor", "layout", "views", "kv_cache", "connectors", 
 LAYER_OF = {
     "kvconnect": "base", "kvconnect.checks": "base", "kvconnect.polling": "base",
     "kvconnect.undo": "base", "kvconnect.lifetime": "base", "kvconnect.bounded_json": "base",
-    "kvconnect.framing": "base", "kvconnect.session": "base",
+    "kvconnect.framing": "base", "kvconnect.child": "base",
     "kvconnect.vmm": "vmm",
     "kvconnect._pointer_view": "tensor", "kvconnect.tensor": "tensor", "kvconnect.ipc": "tensor",
     "kvconnect.layout": "layout",
