@@ -6,6 +6,7 @@ named, and ending a child in its own process group takes what it left running wi
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
@@ -73,6 +74,7 @@ def test_an_exception_in_the_child_is_sent_as_an_error_line(tmp_path: Path) -> N
 
 def test_a_death_by_signal_is_named(tmp_path: Path) -> None:
     def body() -> int:
+        faulthandler.disable()  # pytest's handler would print to the terminal, not the log
         os.kill(os.getpid(), signal.SIGSEGV)
         return 0
 

@@ -10,21 +10,19 @@ pid was not announced.
 from __future__ import annotations
 
 import ast
-import json
 import os
 import pickle
 import pwd
-import select
 import socket
-import subprocess
-import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvconnect.child import Child, LineReader, LineWriter
 from kvconnect.framing import (
     MAGIC,
     IpcError,
@@ -102,56 +100,63 @@ def admit(conn: socket.socket, *, allowed_pids: set[int] | None, uid: int | None
 
 # -- who may connect ---------------------------------------------------------------------------
 
-def _child_as_nobody(path: str) -> dict[str, Any]:
-    """Fork a child that drops to ``nobody`` and connects to ``path``; returns what it
-    reported (JSON over a pipe)."""
-    nobody = pwd.getpwnam("nobody")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no pytest, no threads of ours; report and _exit
-        result: dict[str, Any] = {}
+def _say_hi(path: str) -> dict[str, Any]:
+    """Connect to ``path``, send a message, read the answer: what happened, as JSON."""
+    result: dict[str, Any] = {"pid": os.getpid(), "uid": os.getuid()}
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        result["connect_errno"] = exc.errno
+        sock.close()
+        return result
+    try:
         try:
-            os.close(r)
+            send_message(sock, {"op": "hi"})
+        except BrokenPipeError:
+            pass  # refused and closed first: its ERROR frame is still readable
+        result["reply"] = recv_json(sock, timeout=10)
+    except PeerError as exc:
+        result["error_type"], result["error"] = exc.remote_type, exc.remote_message
+    except IpcError as exc:
+        result["error_type"], result["error"] = type(exc).__name__, str(exc)
+    finally:
+        sock.close()
+    return result
+
+
+def _start_client(path: str, as_nobody: bool = False) -> tuple[Child, int]:
+    """Fork a process (dropping to ``nobody`` first if asked) that runs :func:`_say_hi`
+    against ``path`` and writes what happened to a pipe; the process and the read end."""
+    r, w = os.pipe()
+
+    def body() -> int:
+        if as_nobody:
+            nobody = pwd.getpwnam("nobody")
             os.setgroups([])
             os.setgid(nobody.pw_gid)
             os.setuid(nobody.pw_uid)
-            result["uid"] = os.getuid()
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(path)
-            except OSError as exc:
-                sock.close()
-                result["connect_errno"] = exc.errno
-            else:
-                try:
-                    try:
-                        send_message(sock, {"op": "hi"})
-                    except BrokenPipeError:
-                        pass  # refused and closed first: its ERROR frame is still readable
-                    result["reply"] = recv_json(sock, timeout=10)
-                except PeerError as exc:
-                    result["error_type"] = exc.remote_type
-                    result["error"] = exc.remote_message
-                except IpcError as exc:
-                    result["error_type"], result["error"] = type(exc).__name__, str(exc)
-                finally:
-                    sock.close()
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            result["child_error"] = repr(exc)
-        os.write(w, json.dumps(result).encode())
-        os._exit(0)
+        LineWriter(w).send(_say_hi(path))
+        return 0
+
+    child = Child.fork(body, log_path=None, own_group=True, close_fds=(r,))
     os.close(w)
+    return child, r
+
+
+def _report(child: Child, r: int) -> dict[str, Any]:
+    """What a client of :func:`_start_client` reported (within the deadline); it is reaped."""
     try:
-        ready, _, _ = select.select([r], [], [], DEADLINE_S)
-        assert ready, "the nobody child did not report within its deadline"
-        data = b""
-        while chunk := os.read(r, 65536):
-            data += chunk
+        got = LineReader(r).json(time.monotonic() + DEADLINE_S)
     finally:
         os.close(r)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return json.loads(data)
+        code = child.end(DEADLINE_S)
+    assert got is not None and code == 0, f"the client reported {got}, exit status {code}"
+    return got
+
+
+def _child_as_nobody(path: str) -> dict[str, Any]:
+    return _report(*_start_client(path, as_nobody=True))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as nobody")
@@ -180,47 +185,20 @@ def test_another_uid_is_refused(listener) -> None:
     assert "expected uid 0" in report["error"] and "reply" not in report
 
 
-_SAME_UID_CHILD = r"""
-import json, socket, sys
-from kvconnect.framing import IpcError, PeerError, recv_json, send_message
-sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-sock.connect(sys.argv[1])
-out = {"pid": __import__("os").getpid()}
-try:
-    try:
-        send_message(sock, {"op": "hi"})
-    except BrokenPipeError:
-        pass  # refused and closed first: its ERROR frame is still readable
-    out["reply"] = recv_json(sock, timeout=10)
-except PeerError as exc:
-    out["error_type"], out["error"] = exc.remote_type, exc.remote_message
-except IpcError as exc:
-    out["error_type"], out["error"] = type(exc).__name__, str(exc)
-sock.close()
-print("KVC " + json.dumps(out), flush=True)
-"""
-
-
 def _run_same_uid_child(srv: socket.socket, path: str,
                         serve: Callable[[socket.socket, int], Any]) -> tuple[Any, dict]:
-    """Start a same-uid child that connects to ``path``; ``serve(conn, child_pid)`` handles
-    the accepted connection; returns (what serve returned or raised, the child's report)."""
-    proc = subprocess.Popen([sys.executable, "-c", _SAME_UID_CHILD, path],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    """Start a same-uid client of ``path``; ``serve(conn, child_pid)`` handles the accepted
+    connection; returns (what serve returned or raised, the client's report)."""
+    child, r = _start_client(path)
     try:
         conn, _ = srv.accept()
         try:
-            outcome: Any = serve(conn, proc.pid)
+            outcome: Any = serve(conn, child.pid)
         except IpcError as exc:
             outcome = exc
-        out, errs = proc.communicate(timeout=DEADLINE_S)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(DEADLINE_S)
-    lines = [ln for ln in out.decode().splitlines() if ln.startswith("KVC ")]
-    assert lines, f"child reported nothing; stderr: {errs.decode()[-2000:]}"
-    return outcome, json.loads(lines[-1][4:])
+        report = _report(child, r)
+    return outcome, report
 
 
 def test_same_uid_process_not_announced_is_refused(listener) -> None:
