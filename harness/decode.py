@@ -4,7 +4,8 @@ Per round and prefill its phases are ``wait:<prefill>:roundN`` (the prefill's of
 ``handshake:<prefill>:roundN`` (each transport loads the offer: IPC maps the chunks, NIXL
 loads the remote agent) and ``transfer:<transport>:<prefill>:roundN`` (one fetch, then the
 digests are compared); at the end of a round ``notification:roundN`` tells the prefills it
-finished (with how many NIXL READs, each of which notified its prefill).
+finished (with, per transport whose fetches notify their exporter, how many such fetches
+it completed from each prefill, and the identity its notices carry).
 
 A prefill that dies is not the end when the run restarts it (``--inject restart-prefill``):
 after a failed handshake or fetch the decode asks the run whether the prefill was replaced
@@ -41,7 +42,7 @@ from .control import Control
 from .faults import restarted_workers
 from .report import Transfer
 from .steps import MAX_QUOTED, WorkerSteps, mib, round_wait
-from .transports import notifies_exporter, reference_copy_gbps
+from .transports import reference_copy_gbps
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +64,15 @@ class DecodeWorker(WorkerSteps):
 
     role = DECODE
 
-    def __init__(self, ctl: Control, rank: int, ipc_dir: str) -> None:
-        super().__init__(ctl, rank, ipc_dir)
-        self.lanes: Any = None
+    def __init__(self, ctl: Control, rank: int, socket_dir: str) -> None:
+        super().__init__(ctl, rank, socket_dir)
         #: the receiving halves of the transports (kvconnect.connectors.transport), by name
         self.transports: dict[str, Any] = {}
         #: per prefill, the incarnation whose offers this decode used last
         self.incarnations: dict[str, int] = {}
-        #: this round's reads that notify their prefill: prefill -> incarnation and count
-        self.notices: dict[str, dict[str, int]] = {}
+        #: this round's fetches that notify their prefill: transport -> prefill ->
+        #: incarnation and count
+        self.notices: dict[str, dict[str, dict[str, int]]] = {}
         #: per prefill, its latest round-1 offer and the transports whose round-1 transfer
         #: arrived byte-exact (what ``--sizes`` measures)
         self.offers: dict[str, dict[str, Any]] = {}
@@ -84,19 +85,13 @@ class DecodeWorker(WorkerSteps):
         self.close_all(self.transports, "a transport")
         super().cleanup()
 
-    def lane_attribution(self) -> Any:
-        if self.lanes is None:
-            from .ucx_lanes import LaneTracker
-
-            self.lanes = LaneTracker()
-        return self.lanes.lanes_after_read
-
     def transport(self, name: str) -> Any:
         """This worker's receiving half of transport ``name``, built on first use."""
         if name not in self.transports:
-            from kvconnect.connectors.transport import get_transport
+            from kvconnect.connectors.registry import get_transport
 
-            self.transports[name] = get_transport(name).receiver(self.transport_context())
+            self.transports[name] = get_transport(name).receiver(
+                self.transport_context(), self.registrations.get(name))
         return self.transports[name]
 
     def steps(self) -> None:
@@ -118,7 +113,7 @@ class DecodeWorker(WorkerSteps):
                 self.sweep_all()
             ctl.phase(f"notification:round{round_no}")
             ctl.publish(f"round{round_no}/done", {
-                "nixl_agent": self.nixl.agent_name if self.nixl is not None else None,
+                "identities": {t: r.identity for t, r in self.registrations.items()},
                 "notices": self.notices})
 
     def sweep_all(self) -> None:
@@ -131,11 +126,17 @@ class DecodeWorker(WorkerSteps):
             if self.verified.get(prefill):
                 run_sweep(self, p, self.offers[prefill], self.verified[prefill])
 
-    def count_notice(self, prefill: str, incarnation: int) -> None:
-        """One more READ from ``prefill`` (incarnation ``incarnation``) that notifies it."""
-        notice = self.notices.get(prefill)
+    def count_notice(self, transport: str, prefill: str, incarnation: int) -> None:
+        """One more completed fetch from ``prefill`` (incarnation ``incarnation``) over
+        ``transport``: counted when that transport notifies its exporter of each fetch."""
+        from kvconnect.connectors.registry import get_transport
+
+        if not get_transport(transport).notifies_exporter:
+            return
+        notices = self.notices.setdefault(transport, {})
+        notice = notices.get(prefill)
         if notice is None or notice["incarnation"] != incarnation:
-            notice = self.notices[prefill] = {"incarnation": incarnation, "count": 0}
+            notice = notices[prefill] = {"incarnation": incarnation, "count": 0}
         notice["count"] += 1
 
     # -- one prefill, one round --------------------------------------------------------------
@@ -202,7 +203,7 @@ class DecodeWorker(WorkerSteps):
         """Handshake with ``prefill`` and fetch over ``transports``; every outcome but a
         failure with the peer (skips, verified or mismatching transfers) is reported now.
         Returns the transports that failed with the peer."""
-        from kvconnect.connectors.transport import get_transport
+        from kvconnect.connectors.registry import get_transport
 
         ctl, cfg = self.ctl, self.cfg
         incarnation = int(info.get("incarnation", 1))
@@ -251,8 +252,7 @@ class DecodeWorker(WorkerSteps):
                                             f"{type(exc).__name__}: {exc}",
                                             time.perf_counter() - t0)
                 continue
-            if notifies_exporter(transport):
-                self.count_notice(prefill, incarnation)
+            self.count_notice(transport, prefill, incarnation)
             mismatches = self.verify(prefill, remote_layout, remote_ids, local_ids, expected)
             src = self.reference_source(p, info)
             if result.bytes not in reference:

@@ -20,7 +20,6 @@ from typing import Any
 
 from .config import RunConfig
 from .rundir import janitor_fds
-from .ucx_lanes import PROTO_INFO_ENV
 
 LAUNCH_ENV = "KVCONNECT_VALIDATE_LAUNCH"
 
@@ -39,11 +38,21 @@ def launch_method(cfg: RunConfig) -> str:
 
 def preload_worker_modules() -> None:
     """Import what every worker needs once, before forking (never initialises a device)."""
-    import kvconnect.connectors.nixl.worker  # noqa: F401
-    import kvconnect.connectors.offload.connector  # noqa: F401
+    import kvconnect.connectors  # noqa: F401  (every built-in transport, offload, copy)
     import kvconnect.kv_cache  # noqa: F401
 
     from . import decode, prefill, scenario, transports, worker  # noqa: F401
+
+
+def transport_environment() -> dict[str, str]:
+    """The variables every registered transport wants in worker processes (its spec's
+    ``environment``; a value already set wins)."""
+    from kvconnect.connectors.registry import get_transport, transport_names
+
+    out: dict[str, str] = {}
+    for name in transport_names():
+        out.update(get_transport(name).environment)
+    return out
 
 
 def start_worker(method: str, args: list[str], log_path: str,
@@ -54,7 +63,8 @@ def start_worker(method: str, args: list[str], log_path: str,
         return ForkedWorker.start(args, log_path, listener)
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault(PROTO_INFO_ENV, "y")  # UCX names its lanes: transfers are attributed
+    for key, value in transport_environment().items():  # e.g. UCX names its lanes
+        env.setdefault(key, value)
     cmd = [sys.executable, "-m", "kvconnect.harness.worker", *args]
     with open(log_path, "wb") as logf:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf,
@@ -103,7 +113,8 @@ class ForkedWorker:
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     signal.signal(signum, signal.SIG_DFL)  # not the coordinator's handler
                 os.environ["PYTHONUNBUFFERED"] = "1"
-                os.environ.setdefault(PROTO_INFO_ENV, "y")
+                for key, value in transport_environment().items():
+                    os.environ.setdefault(key, value)
                 from .worker import main as worker_main
 
                 code = worker_main(args)

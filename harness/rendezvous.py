@@ -405,10 +405,13 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
                          data={"cause": exc.cause, "host": m.host, "port": m.port})
         raise
     try:
-        # only a prefill serving ipc needs a socket directory (a killed process cannot remove
-        # its own, so nobody else makes one)
-        serves_ipc = m.role == PREFILL and "ipc" in cfg.transports
-        with run_dir() if serves_ipc else contextlib.nullcontext("") as ipc_dir:
+        from kvconnect.connectors.registry import get_transport
+
+        # only a prefill serving a transport that needs one makes a socket directory (a
+        # killed process cannot remove its own, so nobody else makes one)
+        serves_sockets = m.role == PREFILL and any(
+            get_transport(t).needs_directory for t in cfg.transports)
+        with run_dir() if serves_sockets else contextlib.nullcontext("") as ipc_dir:
             if not _agree_on_config(ctl, cfg, m, report):
                 ctl.finish(error="configuration differs between processes")
                 return

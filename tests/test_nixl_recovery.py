@@ -3,7 +3,7 @@ with the prefill that comes back under the same engine id (``update_peer``) and 
 again without being recreated; blocks it did not receive are never reported as received.
 
 Real processes (tests/_nixl_service_peer.py), real NIXL over UCX, SIGKILL. What "received"
-means in the API: ``read_blocks`` returns a TransferResult only when every block arrived;
+means in the API: ``read_blocks`` returns a FetchResult only when every block arrived;
 any failure raises KVTransferError whose ``block_ids`` are *all* the local blocks of that
 READ (their contents are then undefined). Tests read the blocks' bytes, not logs.
 """
