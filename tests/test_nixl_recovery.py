@@ -118,7 +118,7 @@ def test_update_peer_after_the_prefill_restarts(peers: Callable[[], Any], nixl_w
         if agent_name is None:  # the dead agent is gone from NIXL
             assert not decode._agent.check_remote_metadata(old.agent_name)
         result = decode.read_blocks(ENGINE, [1, 3, 7], [4, 5, 6], timeout=30)
-        assert result.num_blocks == 3
+        assert result.blocks == 3
         assert _holds(cache, [4, 5, 6], [1, 3, 7], seed=2)  # the new prefill's data
         assert _holds(cache, [2, 9, 0], [11, 0, 5], seed=1)  # the first READ's, intact
         untouched = [b for b in range(16) if b not in (2, 9, 0, 4, 5, 6)]
