@@ -102,7 +102,7 @@ class MemoryRegistration(Protocol):
     """One worker's registration of its KV memory with a transport (NIXL: an agent and one
     registration per physical chunk), shared by the worker's half. Lifecycle:
     built before the cache's final commit; :meth:`register` after it (it must refuse, with
-    a :class:`~.errors.KVConnectorError`, a cache that is not final yet); :meth:`deregister`
+    a :class:`~kvconnect.errors.KvconnectError`, a cache that is not final yet); :meth:`deregister`
     before the cache releases its physical memory, :meth:`reregister` after it recommits;
     :meth:`close` at the end (idempotent). A serving worker calls :meth:`progress` while
     peers read (from one thread at a time) and collects completion notices with

@@ -253,8 +253,8 @@ class WorkerSteps:
     def registrations_before_final(self) -> None:
         """Build the memory registration of every transport that has one (its spec's
         ``registration``) and check that it refuses the cache before its final commit."""
-        from kvconnect.connectors.errors import KVConnectorError
         from kvconnect.connectors.registry import get_transport
+        from kvconnect.errors import KvconnectError
 
         ctl = self.ctl
         for name in self.cfg.transports:
@@ -265,7 +265,7 @@ class WorkerSteps:
             registration = self.registrations[name] = build(self.transport_context())
             try:
                 registration.register()
-            except KVConnectorError as exc:
+            except KvconnectError as exc:
                 ctl.passed(f"{name}/deferred_registration",
                            f"registering before the final commit was refused: {exc}")
             else:
