@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvconnect import gbps
 from kvconnect.connectors.offload.connector import CPUOffloadConnector
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import PRESETS, preset
@@ -122,8 +123,8 @@ def _versions() -> dict[str, Any]:
 
 def _gbps(nbytes: int, seconds: list[float]) -> dict[str, float]:
     med = statistics.median(seconds)
-    return {"median_s": med, "best_s": min(seconds), "median_gbps": nbytes / med / 1e9,
-            "best_gbps": nbytes / min(seconds) / 1e9}
+    return {"median_s": med, "best_s": min(seconds), "median_gbps": gbps(nbytes, med),
+            "best_gbps": gbps(nbytes, min(seconds))}
 
 
 def _one(cache: ExtensibleKVCache, device: torch.device, n: int, path: str, slots: str,

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from transfer_timing import back_to_back, latency_rows
 
+from kvconnect import gbps
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import allocate_kv_caches, preset
@@ -210,7 +211,7 @@ def _reference(nbytes: int, src: torch.device, dst: torch.device, iters: int) ->
     a = torch.empty(nbytes, dtype=torch.uint8, device=src).fill_(7)
     b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
     s = _median_seconds(lambda: b.copy_(a), (src, dst), iters, 2)
-    return nbytes / s / 1e9
+    return gbps(nbytes, s)
 
 
 def _ids(rng: np.random.Generator, num_blocks: int, k: int) -> tuple[list[int], list[int]]:
@@ -314,9 +315,9 @@ def _measure_pair(args: argparse.Namespace, block_kib: int, num_blocks: int, siz
                 secs = [w.read_blocks(engine, src_ids, dst_ids, timeout=300).seconds
                         for _ in range(iters)]
                 sec = statistics.median(secs)
-                gbps = nbytes / sec / 1e9
-                out.append({**base, "transport": name, "gbps": gbps, "seconds": sec,
-                            "ratio": gbps / refs[ref_name], "verified": None,
+                rate = gbps(nbytes, sec)
+                out.append({**base, "transport": name, "gbps": rate, "seconds": sec,
+                            "ratio": rate / refs[ref_name], "verified": None,
                             "backend": res.backend, "descriptors": res.descriptors})
                 _print_row(out[-1])
         if args.latency_blocks and kind != "cross-gpu" and transports \
@@ -358,9 +359,9 @@ def _ipc_row(args: argparse.Namespace, t: IpcTransport, name: str, offer: dict[s
         t.fetch("serve", src_ids, dst_ids)
     sec = statistics.median(t.fetch("serve", src_ids, dst_ids).seconds
                             for _ in range(args.iters))
-    gbps = nbytes / sec / 1e9
+    rate = gbps(nbytes, sec)
     facts = plan.describe()
-    return {"transport": name, "gbps": gbps, "seconds": sec, "ratio": gbps / ref_gbps,
+    return {"transport": name, "gbps": rate, "seconds": sec, "ratio": rate / ref_gbps,
             "verified": verified, "setup_seconds_first": first, "setup_seconds_cached": again,
             "open_seconds": open_s, "backend": res.backend, "plan": facts,
             "host_engine": facts.get("host_last_engine"),  # None unless the host method
@@ -370,8 +371,8 @@ def _ipc_row(args: argparse.Namespace, t: IpcTransport, name: str, offer: dict[s
 def _print_row(r: dict[str, Any]) -> None:
     ok = {True: "exact", False: "MISMATCH", None: "-"}[r["verified"]]
     if r.get("copies_back_to_back_seconds"):
-        ok += (f"  (back to back: {r['request_bytes'] / r['copies_back_to_back_seconds'] / 1e9:.0f}"
-               " GB/s)")
+        ok += (f"  (back to back: "
+               f"{gbps(r['request_bytes'], r['copies_back_to_back_seconds']):.0f} GB/s)")
     print(f"{r['pair']:9s} {r['block_bytes'] // 1024:5d} KiB {r['request_bytes'] / MIB:8.0f} MiB "
           f"{r['transport']:26s} {r['gbps']:8.1f} GB/s  ratio {r['ratio']:5.2f} vs "
           f"{r['reference']} {r['references_gbps'][r['reference']]:7.1f}  {ok}"
@@ -414,8 +415,8 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                                          plan.read_blocks("dst", d_ids))
                         row = {"request_bytes": nbytes, "column_major": major,
                                "num_warps": warps, "block_words": words,
-                               "chunk_kib": chunk, "gbps": nbytes / sec / 1e9,
-                               "ratio": nbytes / sec / 1e9 / ref, "d2d_gbps": ref,
+                               "chunk_kib": chunk, "gbps": gbps(nbytes, sec),
+                               "ratio": gbps(nbytes, sec) / ref, "d2d_gbps": ref,
                                "verified": bool(ok)}
                         out.append(row)
                         print(f"sweep {mib:5d} MiB major={int(major)} warps={warps} "

@@ -12,25 +12,23 @@ installs as ``kvconnect.connectors`` (a setuptools ``package-dir`` mapping); sub
   region and block; on CUDA one CUDA graph replay) under the CPU offload and the ipc
   transport; several requests merge into one launch (``copy_many``,
   :meth:`IpcTransport.fetch_many`, :meth:`IpcTransport.start` -> :class:`PendingFetch`).
-- :class:`Transport` and its registry (:func:`get_transport`): ``ipc``
-  (:class:`IpcTransport`, :class:`IpcExportServer`) and ``nixl`` (:class:`NixlTransport`).
+- :class:`Transport`, :class:`Exporter` and :class:`MemoryRegistration`, described by one
+  :class:`TransportSpec` each and found by name in the registry (:func:`get_transport`;
+  :func:`register_builtin_transports` adds ``ipc``: :class:`IpcTransport`,
+  :class:`IpcExportServer`, and ``nixl``: :class:`NixlTransport`, :class:`NixlRegistration`).
+  Every transfer returns a :class:`FetchResult` (GB/s by :func:`kvconnect.gbps`).
 """
 
 from __future__ import annotations
 
 from .copy.block_copy import COPY_METHODS, LAUNCH_MODES, BlockCopyPlan, BlockRegion, block_runs
 from .errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from .ipc.transport import (  # registers "ipc" (transport.py)
-    IpcExportServer,
-    IpcTransport,
-    PendingFetch,
-)
+from .ipc.transport import IpcExportServer, IpcTransport, PendingFetch
 from .nixl.handshake import HandshakeMetadata, MetadataError
-from .nixl.transport import NixlTransport, slow_gpu_lane_advice  # registers "nixl"
+from .nixl.transport import NixlRegistration, NixlTransport, slow_gpu_lane_advice
 from .nixl.worker import (
     NixlRegionWorker,
     NixlUnavailableError,
-    TransferResult,
     check_descriptors_in_chunks,
     memory_type_for_device,
     nixl_importable,
@@ -46,15 +44,22 @@ from .offload.connector import (
     offload_row_layout,
 )
 from .offload.slots import LruSlots
+from .registry import (
+    TransportModuleError,
+    UnknownTransportError,
+    get_transport,
+    load_transport_modules,
+    register_builtin_transports,
+    register_transport,
+    transport_names,
+)
 from .transport import (
     Exporter,
     FetchResult,
+    MemoryRegistration,
     Transport,
     TransportContext,
     TransportSpec,
-    get_transport,
-    register_transport,
-    transport_names,
 )
 
 __all__ = [
@@ -68,13 +73,19 @@ __all__ = [
     "IpcExportServer",
     "IpcTransport",
     "LruSlots",
+    "MemoryRegistration",
+    "NixlRegistration",
     "NixlTransport",
     "PendingFetch",
     "Transport",
     "TransportContext",
+    "TransportModuleError",
     "TransportSpec",
+    "UnknownTransportError",
     "block_runs",
     "get_transport",
+    "load_transport_modules",
+    "register_builtin_transports",
     "register_transport",
     "transport_names",
     "HandshakeMetadata",
@@ -87,7 +98,6 @@ __all__ = [
     "OffloadHandle",
     "OffloadKeyError",
     "RowSlice",
-    "TransferResult",
     "check_descriptors_in_chunks",
     "memory_type_for_device",
     "nixl_importable",

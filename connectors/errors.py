@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvconnect.errors import KvconnectError
+
 __all__ = ["IncompatiblePeerError", "KVConnectorError", "KVTransferError"]
 
 
@@ -18,7 +20,7 @@ def _fmt_blocks(block_ids: Sequence[int], limit: int = 16) -> str:
     return f"[{head}, ... ({len(ids)} blocks)]"
 
 
-class KVConnectorError(RuntimeError):
+class KVConnectorError(KvconnectError, RuntimeError):
     """Base class of every error raised by a kvconnect connector."""
 
 

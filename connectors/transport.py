@@ -1,4 +1,5 @@
-"""One interface for every way a worker pulls KV blocks from a peer, and a registry of them.
+"""One interface for every way a worker pulls KV blocks from a peer: the halves, the spec that
+builds them, and the one result type every transfer returns.
 
 A :class:`Transport` lives on the receiving side (decode) and moves logical blocks of a
 peer's KV cache into its own:
@@ -15,14 +16,16 @@ peer's KV cache into its own:
 The serving side (prefill) runs the matching :class:`Exporter`: ``describe()`` is what it
 publishes for decodes, ``pause()`` / ``resume()`` bracket its sleep / wake, ``close()``.
 
-Transports are chosen by name through :func:`get_transport`; each registered
-:class:`TransportSpec` says how to build both halves from a :class:`TransportContext` and
-whether the transport only works between processes of one host. Adding a transport means
-registering one spec, nowhere else. The library's own (``ipc``, ``nixl``) register when
-their modules load, which ``kvconnect.connectors`` does on import: this module imports none
-of them (imports point from the transports to the registry, never back).
+A transport that must register a worker's memory before peers can read it (NIXL) also
+builds a :class:`MemoryRegistration` per worker, which that worker's half uses.
 
-Units: bytes, seconds, logical blocks for block ids.
+A :class:`TransportSpec` holds everything the library and the harness need to know about a
+transport: how to build its halves (and its registration) from a generic
+:class:`TransportContext`, whether it works only between processes of one host, whether each
+completed fetch notifies the serving side, what it needs installed. Adding a transport means
+writing its module and registering one spec (:mod:`.registry`), nowhere else.
+
+Units: bytes, seconds, logical blocks for block ids; GB/s are 1e9 bytes per second.
 """
 
 from __future__ import annotations
@@ -31,25 +34,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from kvconnect.units import gbps
+
 __all__ = [
     "Exporter",
     "FetchResult",
+    "MemoryRegistration",
     "Transport",
     "TransportContext",
     "TransportSpec",
-    "UnknownTransportError",
-    "get_transport",
-    "register_transport",
-    "transport_names",
 ]
 
 
 @dataclass(frozen=True)
 class FetchResult:
-    """One fetch: ``bytes`` moved in ``seconds`` (the copy or READ only, not set-up),
-    ``backend``: what carried it (``kernel:cuda:0``, ``UCX cuda_ipc``, ...);
-    ``setup_seconds``: set-up paid inside this fetch (0.0 when the peer was cached);
-    ``blocks``: logical blocks moved; ``note``: details for a human (never parsed)."""
+    """One transfer (a transport's fetch, a NIXL READ): ``bytes`` moved in ``seconds`` (the
+    copy or READ only, not set-up); ``backend``: what carried it (``kernel:cuda:0``,
+    ``UCX``, ...); ``setup_seconds``: set-up paid inside this fetch (0.0 when the peer was
+    cached); ``blocks``: logical blocks moved; ``note``: details for a human (never parsed);
+    ``descriptors``: transfer descriptors it used (blocks x regions; 0 where not counted)."""
 
     bytes: int
     seconds: float
@@ -57,11 +60,12 @@ class FetchResult:
     setup_seconds: float = 0.0
     blocks: int = 0
     note: str = ""
+    descriptors: int = 0
 
     @property
     def gbps(self) -> float:
-        """Throughput in GB/s (1e9 bytes per second)."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Throughput in GB/s by :func:`kvconnect.units.gbps` (0.0 at zero seconds)."""
+        return gbps(self.bytes, self.seconds)
 
 
 @runtime_checkable
@@ -93,72 +97,94 @@ class Exporter(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class MemoryRegistration(Protocol):
+    """One worker's registration of its KV memory with a transport (NIXL: an agent and one
+    registration per physical chunk), shared by the worker's half. Lifecycle:
+    built before the cache's final commit; :meth:`register` after it (it must refuse, with
+    a :class:`~kvconnect.errors.KvconnectError`, a cache that is not final yet); :meth:`deregister`
+    before the cache releases its physical memory, :meth:`reregister` after it recommits;
+    :meth:`close` at the end (idempotent). A serving worker calls :meth:`progress` while
+    peers read (from one thread at a time) and collects completion notices with
+    :meth:`take_notices`; ``identity`` is the name those notices carry for this worker."""
+
+    identity: str
+
+    def register(self) -> str: ...
+
+    def deregister(self) -> None: ...
+
+    def reregister(self) -> str: ...
+
+    def progress(self) -> None: ...
+
+    def take_notices(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class TransportContext:
-    """What a transport half may be built from. ``cache``: this worker's
-    ExtensibleKVCache; ``timeout``: seconds for any one wait; ``name``: this worker's name
-    (socket names, agent names); ``directory``: a private 0700 directory for sockets;
-    ``allowed_pids``: the peers that may connect (serving side); ``nixl``: this worker's
-    registered NixlRegionWorker, for transports that read through NIXL; ``options``:
-    per-transport keywords (e.g. ``{"ipc": {"direction": "pull"}}``)."""
+    """What any transport half is built from (nothing transport-specific). ``cache``: this
+    worker's ExtensibleKVCache; ``timeout``: seconds for any one wait; ``name``: this
+    worker's name (socket names, agent names); ``directory``: a private 0700 directory for
+    sockets (set where the spec says ``needs_directory``); ``allowed_pids``: the peers that
+    may connect (serving side); ``options``: per-transport keywords for its builders (e.g.
+    ``{"ipc": {"direction": "pull"}}``)."""
 
     cache: Any
     timeout: float = 60.0
     name: str = "worker"
     directory: str = ""
     allowed_pids: Callable[[], set[int]] = field(default=lambda: set())
-    nixl: Any = None
-    attribution: Callable[[str], list[str]] | None = None
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def options_for(self, transport: str) -> dict[str, Any]:
+        """The keywords given for ``transport`` (empty when none)."""
+        return dict(self.options.get(transport, {}))
+
+
+def _usable() -> str | None:
+    return None
 
 
 @dataclass(frozen=True)
 class TransportSpec:
-    """A registered transport: ``receiver(ctx)`` builds the :class:`Transport`,
-    ``exporter(ctx)`` the serving half (``None`` when serving needs nothing beyond what
-    the worker already publishes); ``same_host_only``: needs both processes on one kernel;
-    ``requires``: a check returning None when usable here, else why not."""
+    """Everything known about one transport.
+
+    - ``receiver(ctx, registration)`` builds the :class:`Transport`; ``exporter(ctx,
+      registration)`` the serving half (``None``: serving needs nothing beyond what the
+      worker already publishes). ``registration`` is what ``registration(ctx)`` built for
+      this worker, or None for a transport without one;
+    - ``registration(ctx)``: the worker's :class:`MemoryRegistration` (None: the transport
+      registers nothing);
+    - ``same_host_only``: needs both processes on one kernel;
+    - ``completion_notice``: how each completed fetch notifies the serving worker, in words
+      ("" when it does not; :attr:`notifies_exporter`);
+    - ``needs_directory``: the serving half needs ``ctx.directory``;
+    - ``sends_chunk_fds``: the serving half sends every physical chunk's fd in one message
+      (at most :data:`kvconnect.framing.MAX_FDS` chunks per worker);
+    - ``requires()``: None when usable here, else why not and what to install. It must not
+      import native libraries (the harness forks its workers after calling it);
+    - ``environment``: variables the transport wants in worker processes (defaults: a value
+      already set wins);
+    - ``description``: one line for humans.
+    """
 
     name: str
-    receiver: Callable[[TransportContext], Transport]
-    exporter: Callable[[TransportContext], Exporter] | None = None
+    receiver: Callable[[TransportContext, Any], Transport]
+    exporter: Callable[[TransportContext, Any], Exporter] | None = None
+    registration: Callable[[TransportContext], MemoryRegistration] | None = None
     same_host_only: bool = False
-    requires: Callable[[], str | None] = lambda: None
+    completion_notice: str = ""
+    needs_directory: bool = False
+    sends_chunk_fds: bool = False
+    requires: Callable[[], str | None] = _usable
+    environment: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
 
-
-class UnknownTransportError(KeyError):
-    """A transport name nobody registered."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
-
-    def __str__(self) -> str:
-        return (f"unknown transport {self.name!r}; registered: "
-                f"{', '.join(transport_names()) or 'none'}")
-
-
-_REGISTRY: dict[str, TransportSpec] = {}
-
-
-def register_transport(spec: TransportSpec, *, replace: bool = False) -> None:
-    """Add ``spec`` under ``spec.name``; ``ValueError`` if taken (unless ``replace``)."""
-    if not spec.name or not spec.name.isidentifier():
-        raise ValueError(f"a transport name must be an identifier, got {spec.name!r}")
-    if spec.name in _REGISTRY and not replace:
-        raise ValueError(f"transport {spec.name!r} is already registered")
-    _REGISTRY[spec.name] = spec
-
-
-def get_transport(name: str) -> TransportSpec:
-    """The spec registered under ``name`` (:class:`UnknownTransportError` otherwise)."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnknownTransportError(name) from None
-
-
-def transport_names() -> tuple[str, ...]:
-    """Registered transport names, in registration order."""
-    return tuple(_REGISTRY)
+    @property
+    def notifies_exporter(self) -> bool:
+        """True when each completed fetch notifies the serving worker (which counts them
+        through its registration's :meth:`~MemoryRegistration.take_notices`)."""
+        return bool(self.completion_notice)

@@ -11,8 +11,8 @@ run's private directory), :mod:`.lifetime` (how harness processes end),
 :mod:`.rendezvous` (multi-host runs over a TCPStore), :mod:`.control` (what a worker uses to
 talk to the run), :mod:`.worker` (worker process entry), :mod:`.scenario` (the steps per
 worker: :mod:`.steps` shared, :mod:`.prefill`, :mod:`.decode`), :mod:`.content` (block
-contents and digests), :mod:`.transports` (same-run reference copies), :mod:`.ucx_lanes`
-(which UCX lane carried a NIXL READ), :mod:`.faults` (``--inject`` fault kinds, fired at a
+contents and digests), :mod:`.transports` (same-run reference copies; the transports
+themselves are specs in :mod:`kvconnect.connectors.registry`, never named here), :mod:`.faults` (``--inject`` fault kinds, fired at a
 worker's phase boundary), :mod:`.footprint` (fds, sockets and KV mappings a process holds),
 :mod:`.faultwatch` (time-to-report of injected faults), :mod:`.workerset` (the coordinator's
 worker records, teardown), :mod:`.cleanup` (the after-run leak check), :mod:`.store_auth`

@@ -19,13 +19,14 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from .config import PREFILL, ROLES, TRANSPORTS, RunConfig
+from kvconnect.errors import KvconnectError
+
+from .config import PREFILL, ROLES, RunConfig
 from .display import Display
 from .environment import (
     EnvironmentProblem,
     ResolvedDevice,
     describe,
-    nixl_install_status,
     resolve_device,
 )
 from .faults import (
@@ -53,7 +54,7 @@ MAX_WORKERS_PER_ROLE = 64
 MAX_BLOCKS = 1_000_000
 
 
-class UsageError(ValueError):
+class UsageError(KvconnectError, ValueError):
     """Bad arguments or configuration (exit code 2)."""
 
 
@@ -87,16 +88,37 @@ def _positive_float(text: str) -> float:
 
 
 def _transports(text: str) -> list[str]:
+    """Syntax only: the names are checked against the registry once every
+    ``--transport-module`` is loaded (:func:`_resolve_transports`)."""
     items = [t.strip().lower() for t in text.split(",") if t.strip()]
     if not items:
-        raise argparse.ArgumentTypeError("needs at least one of: " + ", ".join(TRANSPORTS))
-    bad = [t for t in items if t not in TRANSPORTS]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown transport(s) {', '.join(bad)}; choose from {', '.join(TRANSPORTS)}")
+        raise argparse.ArgumentTypeError("needs at least one transport name")
     if len(set(items)) != len(items):
         raise argparse.ArgumentTypeError(f"transport listed twice in {text!r}")
     return items
+
+
+def _resolve_transports(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """``(transports, modules)``: load each ``--transport-module`` (they register their
+    transports), then check ``--transports`` against the registry; without ``--transports``
+    every registered transport (:func:`_select_transports` drops those not usable here)."""
+    from kvconnect.connectors.registry import load_transport_modules, transport_names
+    from kvconnect.errors import KvconnectError
+
+    modules = list(args.transport_module or [])
+    try:
+        load_transport_modules(modules)
+    except KvconnectError as exc:
+        raise UsageError(f"--transport-module: {exc}") from None
+    known = transport_names()
+    if args.transports is None:
+        return list(known), modules
+    bad = [t for t in args.transports if t not in known]
+    if bad:
+        raise UsageError(f"--transports: unknown transport(s) {', '.join(bad)}; choose from "
+                         f"{', '.join(known)} (a transport of another package needs "
+                         "--transport-module MODULE)")
+    return list(args.transports), modules
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -231,8 +253,13 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="blocks per transfer, a random non-contiguous subset "
                         "(default: half of --num-blocks, at most 24)")
     p.add_argument("--transports", type=_transports, default=None, metavar="LIST",
-                   help="comma-separated: ipc,nixl (default: both; nixl skipped with the "
-                        "reason when NIXL is not installed)")
+                   help="comma-separated transport names: ipc,nixl and any a "
+                        "--transport-module registers (default: every registered one; those "
+                        "that cannot run here are skipped with the reason)")
+    p.add_argument("--transport-module", action="append", default=None, metavar="MODULE",
+                   help="import MODULE (a dotted name importable in every worker: installed "
+                        "or on PYTHONPATH) in the coordinator and every worker before the "
+                        "run; it registers its transports (repeatable; docs/validate.md)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--junit", metavar="PATH", help="write JUnit XML, one testcase per check")
     p.add_argument("--min-gbps", type=_positive_float, default=None, metavar="X",
@@ -348,14 +375,15 @@ def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None
         check_faults(faults, args.prefill, args.decode, multi_host=membership is not None)
     except FaultSpecError as exc:
         raise UsageError(str(exc)) from None
+    transports, modules = _resolve_transports(args)
     if args.transports is not None:
-        missing = missing_transports(faults, args.transports)
+        missing = missing_transports(faults, transports)
         if missing:
             raise UsageError("; ".join(missing))
     cfg = RunConfig(
         num_prefill=args.prefill, num_decode=args.decode, layout=args.layout,
         num_blocks=num_blocks, num_layers=args.num_layers, transfer_blocks=transfer,
-        transports=list(args.transports or TRANSPORTS), timeout=args.timeout,
+        transports=transports, transport_modules=modules, timeout=args.timeout,
         heartbeat_timeout=min(10.0, max(2.0, args.timeout / 2)),
         corrupt=args.corrupt, seed=args.seed, min_gbps=args.min_gbps,
         faults=[f.to_json() for f in faults], sweep_sizes=list(args.sizes or []),
@@ -564,21 +592,28 @@ def _usage_error(parser: argparse.ArgumentParser, exc: UsageError) -> int:
 
 
 def _select_transports(cfg: RunConfig, explicit: bool) -> None:
-    """Drop NIXL when it is not installed: exit 3 if asked for explicitly, else skip it."""
-    if "nixl" in cfg.transports:
-        ok, reason = nixl_install_status()
-        if not ok:
-            if explicit:
-                raise EnvironmentProblem(f"--transports nixl was asked for but {reason}")
-            cfg.transports.remove("nixl")
-            cfg.skipped_transports["nixl"] = reason
+    """Drop the transports whose spec says they cannot run here (``requires()``): exit 3
+    if one was asked for explicitly, else skip it with the reason. An empty
+    ``cfg.transports`` means every registered transport."""
+    from kvconnect.connectors.registry import get_transport, transport_names
+
+    if not cfg.transports:
+        cfg.transports = list(transport_names())
+    for name in list(cfg.transports):
+        reason = get_transport(name).requires()
+        if reason is None:
+            continue
+        if explicit:
+            raise EnvironmentProblem(f"--transports {name} was asked for but {reason}")
+        cfg.transports.remove(name)
+        cfg.skipped_transports[name] = reason
     if not cfg.transports:
         raise EnvironmentProblem("no transport can run here: "
                                  + "; ".join(cfg.skipped_transports.values()))
     missing = missing_transports(specs_from_config(cfg.faults), cfg.transports)
     if missing:
-        raise EnvironmentProblem("; ".join(f"{m}: {cfg.skipped_transports.get('nixl', '')}"
-                                           for m in missing))
+        skipped = "; ".join(f"{n}: {r}" for n, r in cfg.skipped_transports.items())
+        raise EnvironmentProblem("; ".join(missing) + (f" ({skipped})" if skipped else ""))
 
 
 def _finish(report: Report, args: argparse.Namespace, display: Display, started: float,

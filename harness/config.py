@@ -13,7 +13,6 @@ from typing import Any
 PREFILL = "prefill"
 DECODE = "decode"
 ROLES = (PREFILL, DECODE)
-TRANSPORTS = ("ipc", "nixl")
 
 
 def worker_name(role: str, rank: int) -> str:
@@ -43,7 +42,12 @@ class RunConfig:
     transfer_blocks: int = 24
     #: reserved capacity as a multiple of ``num_blocks`` (reserved >> committed on purpose)
     capacity_factor: int = 4
-    transports: list[str] = field(default_factory=lambda: list(TRANSPORTS))
+    #: transport names (kvconnect.connectors.registry); empty: every registered one (the CLI
+    #: resolves it before the run)
+    transports: list[str] = field(default_factory=list)
+    #: modules every process imports before the run; each registers its transports
+    #: (``--transport-module``)
+    transport_modules: list[str] = field(default_factory=list)
     #: transports asked for but not runnable here, with the reason (reported as skipped)
     skipped_transports: dict[str, str] = field(default_factory=dict)
     timeout: float = 60.0

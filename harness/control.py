@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
 
 from .config import RunConfig
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 0.5
 
 
-class PeerFailure(RuntimeError):
+class PeerFailure(KvconnectError, RuntimeError):
     """A peer died, hung, failed, or the run was aborted; the message says who and where,
     :attr:`data` the same for programs: ``peer``, its phase ``peer_phase`` and the ``cause``
     (``unresponsive``, ``wait_timeout``, ``aborted``, ``store_lost``, ``oversized``) where

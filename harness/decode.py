@@ -4,7 +4,8 @@ Per round and prefill its phases are ``wait:<prefill>:roundN`` (the prefill's of
 ``handshake:<prefill>:roundN`` (each transport loads the offer: IPC maps the chunks, NIXL
 loads the remote agent) and ``transfer:<transport>:<prefill>:roundN`` (one fetch, then the
 digests are compared); at the end of a round ``notification:roundN`` tells the prefills it
-finished (with how many NIXL READs, each of which notified its prefill).
+finished (with, per transport whose fetches notify their exporter, how many such fetches
+it completed from each prefill, and the identity its notices carry).
 
 A prefill that dies is not the end when the run restarts it (``--inject restart-prefill``):
 after a failed handshake or fetch the decode asks the run whether the prefill was replaced
@@ -41,7 +42,7 @@ from .control import Control
 from .faults import restarted_workers
 from .report import Transfer
 from .steps import MAX_QUOTED, WorkerSteps, mib, round_wait
-from .transports import notifies_exporter, reference_copy_gbps
+from .transports import reference_copy_gbps
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +93,15 @@ class DecodeWorker(WorkerSteps):
 
     role = DECODE
 
-    def __init__(self, ctl: Control, rank: int, ipc_dir: str) -> None:
-        super().__init__(ctl, rank, ipc_dir)
-        self.lanes: Any = None
+    def __init__(self, ctl: Control, rank: int, socket_dir: str) -> None:
+        super().__init__(ctl, rank, socket_dir)
         #: the receiving halves of the transports (kvconnect.connectors.transport), by name
         self.transports: dict[str, Any] = {}
         #: per prefill, the incarnation whose offers this decode used last
         self.incarnations: dict[str, int] = {}
-        #: this round's reads that notify their prefill: prefill -> incarnation and count
-        self.notices: dict[str, dict[str, int]] = {}
+        #: this round's fetches that notify their prefill: transport -> prefill ->
+        #: incarnation and count
+        self.notices: dict[str, dict[str, dict[str, int]]] = {}
         #: per prefill, its latest round-1 offer and the transports whose round-1 transfer
         #: arrived byte-exact (what ``--sizes`` measures)
         self.offers: dict[str, dict[str, Any]] = {}
@@ -113,19 +114,13 @@ class DecodeWorker(WorkerSteps):
         self.close_all(self.transports, "a transport")
         super().cleanup()
 
-    def lane_attribution(self) -> Any:
-        if self.lanes is None:
-            from .ucx_lanes import LaneTracker
-
-            self.lanes = LaneTracker()
-        return self.lanes.lanes_after_read
-
     def transport(self, name: str) -> Any:
         """This worker's receiving half of transport ``name``, built on first use."""
         if name not in self.transports:
-            from kvconnect.connectors.transport import get_transport
+            from kvconnect.connectors.registry import get_transport
 
-            self.transports[name] = get_transport(name).receiver(self.transport_context())
+            self.transports[name] = get_transport(name).receiver(
+                self.transport_context(), self.registrations.get(name))
         return self.transports[name]
 
     def steps(self) -> None:
@@ -147,7 +142,7 @@ class DecodeWorker(WorkerSteps):
                 self.sweep_all()
             ctl.phase(f"notification:round{round_no}")
             ctl.publish(f"round{round_no}/done", {
-                "nixl_agent": self.nixl.agent_name if self.nixl is not None else None,
+                "identities": {t: r.identity for t, r in self.registrations.items()},
                 "notices": self.notices})
 
     def sweep_all(self) -> None:
@@ -160,11 +155,17 @@ class DecodeWorker(WorkerSteps):
             if self.verified.get(prefill):
                 run_sweep(self, p, self.offers[prefill], self.verified[prefill])
 
-    def count_notice(self, prefill: str, incarnation: int) -> None:
-        """One more READ from ``prefill`` (incarnation ``incarnation``) that notifies it."""
-        notice = self.notices.get(prefill)
+    def count_notice(self, transport: str, prefill: str, incarnation: int) -> None:
+        """One more completed fetch from ``prefill`` (incarnation ``incarnation``) over
+        ``transport``: counted when that transport notifies its exporter of each fetch."""
+        from kvconnect.connectors.registry import get_transport
+
+        if not get_transport(transport).notifies_exporter:
+            return
+        notices = self.notices.setdefault(transport, {})
+        notice = notices.get(prefill)
         if notice is None or notice["incarnation"] != incarnation:
-            notice = self.notices[prefill] = {"incarnation": incarnation, "count": 0}
+            notice = notices[prefill] = {"incarnation": incarnation, "count": 0}
         notice["count"] += 1
 
     # -- one prefill, one round --------------------------------------------------------------
@@ -247,7 +248,7 @@ class DecodeWorker(WorkerSteps):
                   failed: dict[str, _Failed]) -> list[str]:
         """Load the prefill's offer into each transport that can use it (the others are
         skipped, or go into ``failed``) and tell the prefill which did; those transports."""
-        from kvconnect.connectors.transport import get_transport
+        from kvconnect.connectors.registry import get_transport
 
         ctl, info, prefill = self.ctl, offer.info, offer.prefill
         opened: list[str] = []
@@ -293,8 +294,7 @@ class DecodeWorker(WorkerSteps):
             failed[transport] = _Failed.after(
                 ctl.current_phase, f"transfer of {len(offer.local_ids)} blocks", t0, exc)
             return
-        if notifies_exporter(transport):
-            self.count_notice(offer.prefill, offer.incarnation)
+        self.count_notice(transport, offer.prefill, offer.incarnation)
         remote_layout = PeerLayout.from_json(offer.info["layout"])  # checked in fetch_from
         mismatches = self.verify(offer.prefill, remote_layout, offer.remote_ids,
                                  offer.local_ids, offer.info["digests"][self.name])

@@ -16,16 +16,17 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvconnect.errors import KvconnectError
+
 #: test hook: pretend to run on another host. ``"<boot id>"`` for this process, or
 #: ``"<worker>=<boot id>"`` for one worker of a local run (e.g. ``decode0=other-host``)
 FAKE_BOOT_ID_ENV = "KVCONNECT_FAKE_BOOT_ID_FOR_TEST"
 
 #: NIXL Python packages, tried in order (``nixl`` is the meta package; avoid depending on it)
-NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
 NIXL_DISTRIBUTIONS = ("nixl-cu13", "nixl-cu12", "nixl")
 
 
-class EnvironmentProblem(RuntimeError):
+class EnvironmentProblem(KvconnectError, RuntimeError):
     """The environment cannot run what was asked (exit code 3); the message says what is
     missing."""
 
@@ -71,19 +72,6 @@ def torch_version() -> str | None:
         cuda = getattr(getattr(torch, "version", None), "cuda", None)
         return str(torch.__version__) + (f" (CUDA {cuda})" if cuda else "")
     return package_version("torch")
-
-
-def nixl_install_status() -> tuple[bool, str]:
-    """Whether a NIXL Python API can be found (without importing it) and, if not, why."""
-    for mod in NIXL_MODULES:
-        top = mod.split(".")[0]
-        try:
-            if importlib.util.find_spec(top) is not None:
-                return True, ""
-        except (ImportError, ValueError):
-            continue
-    return False, ("NIXL is not installed (no nixl_cu13 / nixl_cu12 / nixl module); install "
-                   "kvconnect[nixl] (nixl-cu13==1.5.1) or drop nixl from --transports")
 
 
 def nixl_version() -> str | None:

@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvconnect.errors import KvconnectError
+
 from .config import DECODE, PREFILL
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,8 @@ class FaultKind:
     worker when it fires; ``expect``: :data:`EXPECT_FAILURE` or :data:`EXPECT_RECOVERY`;
     ``not_applicable``: fault phases where it cannot happen, with why; ``detected_in``: the
     phase kind where the run notices it, when that is not the fault phase itself;
-    ``needs_transport``: a transport the run must use; ``local_only``: needs a coordinator
+    ``needs_notices``: needs a transport whose fetches notify the serving worker
+    (``TransportSpec.notifies_exporter``, e.g. nixl); ``local_only``: needs a coordinator
     (local runs)."""
 
     name: str
@@ -111,7 +114,7 @@ class FaultKind:
     expect: str = EXPECT_FAILURE
     not_applicable: Mapping[str, str] = field(default_factory=dict)
     detected_in: str | None = None
-    needs_transport: str | None = None
+    needs_notices: bool = False
     local_only: bool = False
     #: the coordinator starts a replacement under the same name after this fault
     restarts: bool = False
@@ -155,7 +158,7 @@ register_fault(FaultKind(
     "that phase on",
     not_applicable={p: _NO_NOTIFICATION.format(phase=p)
                     for p in ("handshake", "register", "sleep", "wake")},
-    detected_in="notification", needs_transport="nixl"))
+    detected_in="notification", needs_notices=True))
 register_fault(FaultKind(
     "restart-prefill", PREFILL, _kill,
     "SIGKILL the prefill, then the coordinator starts a new one under the same name: "
@@ -168,7 +171,7 @@ def fault_names() -> list[str]:
     return list(FAULT_KINDS)
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(KvconnectError, ValueError):
     """A ``--inject`` value that cannot work (exit code 2)."""
 
 
@@ -283,10 +286,17 @@ def _check_reachable(specs: Sequence[FaultSpec]) -> None:
 
 
 def missing_transports(specs: Sequence[FaultSpec], transports: Sequence[str]) -> list[str]:
-    """One message per fault that needs a transport this run does not use."""
-    return [f"--inject {s.text} needs the {s.fault.needs_transport} transport "
-            f"(--transports {','.join(transports)})" for s in specs
-            if s.fault.needs_transport and s.fault.needs_transport not in transports]
+    """One message per fault that needs a kind of transport this run does not use."""
+    if not any(s.fault.needs_notices for s in specs):
+        return []
+    from kvconnect.connectors.registry import get_transport, transport_names
+
+    if any(get_transport(t).notifies_exporter for t in transports):
+        return []
+    notifying = [t for t in transport_names() if get_transport(t).notifies_exporter]
+    return [f"--inject {s.text} needs a transport whose fetches notify the prefill "
+            f"({', '.join(notifying) or 'none registered'}; --transports "
+            f"{','.join(transports)})" for s in specs if s.fault.needs_notices]
 
 
 class FaultPlan:

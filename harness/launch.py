@@ -19,7 +19,6 @@ from kvconnect.child import Child
 
 from .config import RunConfig
 from .rundir import janitor_fds
-from .ucx_lanes import PROTO_INFO_ENV
 
 LAUNCH_ENV = "KVCONNECT_VALIDATE_LAUNCH"
 
@@ -38,11 +37,21 @@ def launch_method(cfg: RunConfig) -> str:
 
 def preload_worker_modules() -> None:
     """Import what every worker needs once, before forking (never initialises a device)."""
-    import kvconnect.connectors.nixl.worker  # noqa: F401
-    import kvconnect.connectors.offload.connector  # noqa: F401
+    import kvconnect.connectors  # noqa: F401  (every built-in transport, offload, copy)
     import kvconnect.kv_cache  # noqa: F401
 
     from . import decode, prefill, scenario, transports, worker  # noqa: F401
+
+
+def transport_environment() -> dict[str, str]:
+    """The variables every registered transport wants in worker processes (its spec's
+    ``environment``; a value already set wins)."""
+    from kvconnect.connectors.registry import get_transport, transport_names
+
+    out: dict[str, str] = {}
+    for name in transport_names():
+        out.update(get_transport(name).environment)
+    return out
 
 
 def start_worker(method: str, args: list[str], log_path: str,
@@ -54,7 +63,8 @@ def start_worker(method: str, args: list[str], log_path: str,
         return fork_worker(args, log_path, listener)
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault(PROTO_INFO_ENV, "y")  # UCX names its lanes: transfers are attributed
+    for key, value in transport_environment().items():  # e.g. UCX names its lanes
+        env.setdefault(key, value)
     cmd = [sys.executable, "-m", "kvconnect.harness.worker", *args]
     return Child.spawn(cmd, log_path=log_path, own_group=False, env=env)
 
@@ -74,7 +84,8 @@ def fork_worker(args: list[str], log_path: str, listener: socket.socket | None) 
         for fd in janitor_fds():
             os.close(fd)
         os.environ["PYTHONUNBUFFERED"] = "1"
-        os.environ.setdefault(PROTO_INFO_ENV, "y")
+        for key, value in transport_environment().items():  # e.g. UCX names its lanes
+            os.environ.setdefault(key, value)
         from .worker import main as worker_main
 
         return worker_main(args)

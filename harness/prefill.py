@@ -4,8 +4,9 @@ sleep / wake) round 2.
 
 Per round its phases are ``digest:roundN``, ``handshake:roundN`` (starts the transports'
 serving halves once, publishes the offers, waits until every decode loaded them),
-``transfer:roundN`` (decodes read; NIXL progress is pumped) and ``notification:roundN``
-(each decode's NIXL READs must have notified us).
+``transfer:roundN`` (decodes read; the memory registrations' progress is pumped) and
+``notification:roundN`` (each decode's fetches over a transport that notifies its exporter,
+NIXL's READs, must have notified us).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class PrefillWorker(WorkerSteps):
 
     role = PREFILL
 
-    def __init__(self, ctl: Control, rank: int, ipc_dir: str) -> None:
-        super().__init__(ctl, rank, ipc_dir)
+    def __init__(self, ctl: Control, rank: int, socket_dir: str) -> None:
+        super().__init__(ctl, rank, socket_dir)
         #: the serving halves of the transports (kvconnect.connectors.transport), by name
         self.exporters: dict[str, Any] = {}
         self.decode_pids: set[int] = set()
@@ -46,7 +47,7 @@ class PrefillWorker(WorkerSteps):
     def start_exporters(self) -> None:
         """Start each transport's serving half; same-host-only transports serve the decodes
         that said hello from this host."""
-        from kvconnect.connectors.transport import get_transport
+        from kvconnect.connectors.registry import get_transport
 
         cfg = self.cfg
         for name in cfg.transports:
@@ -58,7 +59,8 @@ class PrefillWorker(WorkerSteps):
                     info = self.ctl.wait(worker_name(DECODE, d), "hello")
                     if info.get("boot_id") == self.boot_id:
                         self.decode_pids.add(int(info["pid"]))
-            self.exporters[name] = spec.exporter(self.transport_context())
+            self.exporters[name] = spec.exporter(self.transport_context(),
+                                                 self.registrations.get(name))
 
     def steps(self) -> None:
         ctl, cfg = self.ctl, self.cfg
@@ -112,7 +114,7 @@ class PrefillWorker(WorkerSteps):
                      timeout=round_wait(cfg))
         ctl.phase(f"transfer:round{round_no}")
         done = {}
-        with _ProgressPump(self.nixl):
+        with _ProgressPump(list(self.registrations.values())):
             for d in range(cfg.num_decode):
                 decode = worker_name(DECODE, d)
                 done[decode] = ctl.wait(decode, f"round{round_no}/done",
@@ -121,34 +123,36 @@ class PrefillWorker(WorkerSteps):
         self.check_notifications(round_no, done)
 
     def check_notifications(self, round_no: int, done: dict[str, Any]) -> None:
-        """Every NIXL READ a decode completed from this incarnation notified us: wait (at most
-        the heartbeat timeout after the decode said it was done) until each decode's count
-        arrived. Lost ones fail the check, naming the decode and how many are missing."""
-        if self.nixl is None:
-            return
+        """The ``<transport>/notifications/roundN`` check of every transport whose fetches
+        notify their exporter (:meth:`check_notices`)."""
+        from kvconnect.connectors.registry import get_transport
+
+        for name, registration in self.registrations.items():
+            if get_transport(name).notifies_exporter:
+                self.check_notices(name, registration, round_no, done)
+
+    def check_notices(self, transport: str, registration: Any, round_no: int,
+                      done: dict[str, Any]) -> None:
+        """Every fetch over ``transport`` a decode completed from this incarnation notified
+        us: wait (at most the heartbeat timeout after the decode said it was done) until each
+        decode's count arrived. Lost ones fail the check, naming the decode and how many are
+        missing."""
         ctl, cfg = self.ctl, self.cfg
-        expected: dict[str, int] = {}
-        agents: dict[str, str] = {}
-        for decode, value in done.items():
-            notice = (value.get("notices") or {}).get(self.name) if isinstance(value, dict) \
-                else None
-            if isinstance(notice, dict) and notice.get("incarnation") == ctl.incarnation:
-                expected[decode] = int(notice.get("count", 0))
-                agents[str(value.get("nixl_agent"))] = decode
+        expected, senders = _expected_notices(transport, self.name, ctl.incarnation, done)
         received = dict.fromkeys(expected, 0)
         dropped = 0
         t0 = time.monotonic()
         deadline = t0 + cfg.heartbeat_timeout
         pause = 1e-3
         while True:
-            notes = self.nixl.get_notifications()
+            notes = registration.take_notices()
             if ctl.effects.drop_notifications:  # an injected fault: lost on the way
-                dropped += sum(len(m) for m in notes.values())
+                dropped += sum(notes.values())
                 notes = {}
-            for agent, msgs in notes.items():
-                decode = agents.get(agent)
+            for sender, count in notes.items():
+                decode = senders.get(sender)
                 if decode is not None:
-                    received[decode] += len(msgs)
+                    received[decode] += count
             if all(received[d] >= n for d, n in expected.items()) \
                     or time.monotonic() > deadline:
                 break
@@ -159,15 +163,16 @@ class PrefillWorker(WorkerSteps):
         data = {"role": PREFILL, "rank": self.rank, "phase": ctl.current_phase,
                 "expected": expected, "received": received, "missing": missing,
                 "dropped": dropped, "waited_seconds": round(waited, 3)}
-        name = f"nixl/notifications/round{round_no}"
+        name = f"{transport}/notifications/round{round_no}"
         if missing:
-            ctl.failed(name, f"{self.name} round {round_no}: READ completion notifications "
-                             f"missing {waited:.1f} s after the decodes finished reading: "
-                             + ", ".join(f"{n} of {expected[d]} from {d}"
-                                         for d, n in missing.items()), waited, data=data)
+            ctl.failed(name, f"{self.name} round {round_no}: {transport} completion "
+                             f"notifications missing {waited:.1f} s after the decodes finished "
+                             "reading: " + ", ".join(f"{n} of {expected[d]} from {d}"
+                                                     for d, n in missing.items()),
+                       waited, data=data)
         else:
-            ctl.passed(name, f"{sum(received.values())} READ completion notifications, one "
-                             f"per READ of {len(expected)} decodes", waited, data=data)
+            ctl.passed(name, f"{sum(received.values())} {transport} completion notifications, "
+                             f"one per fetch of {len(expected)} decodes", waited, data=data)
 
     def corrupt(self) -> None:
         """Negative control: flip one byte of one transferred block, after digesting."""
@@ -233,21 +238,38 @@ class PrefillWorker(WorkerSteps):
         return [cache_rows(self.cache, s).index_select(0, idx) for s in owners(self.layout)]
 
 
-class _ProgressPump:
-    """Drives a NIXL worker's progress every millisecond from a thread while the owner's
-    thread is blocked waiting (so peers' READs of our memory complete), and only then: the
-    worker is never used by two threads at once."""
+def _expected_notices(transport: str, prefill: str, incarnation: int,
+                      done: dict[str, Any]) -> tuple[dict[str, int], dict[str, str]]:
+    """From each decode's ``roundN/done`` value: how many notices over ``transport`` it
+    expects us (``prefill``, this ``incarnation``) to have received, and the identity its
+    notices carry -> the decode."""
+    expected: dict[str, int] = {}
+    senders: dict[str, str] = {}
+    for decode, value in done.items():
+        if not isinstance(value, dict):
+            continue
+        notice = ((value.get("notices") or {}).get(transport) or {}).get(prefill)
+        if isinstance(notice, dict) and notice.get("incarnation") == incarnation:
+            expected[decode] = int(notice.get("count", 0))
+            senders[str((value.get("identities") or {}).get(transport))] = decode
+    return expected, senders
 
-    def __init__(self, nixl: Any, period_s: float = 0.001) -> None:
-        self.nixl = nixl
+
+class _ProgressPump:
+    """Drives memory registrations' progress every millisecond from a thread while the
+    owner's thread is blocked waiting (so peers' reads of our memory complete), and only
+    then: a registration is never used by two threads at once."""
+
+    def __init__(self, registrations: list[Any], period_s: float = 0.001) -> None:
+        self.registrations = registrations
         self.period_s = period_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
     def __enter__(self) -> _ProgressPump:
-        if self.nixl is not None:
-            self._thread = threading.Thread(target=self._run, name="kvv-nixl-progress",
+        if self.registrations:
+            self._thread = threading.Thread(target=self._run, name="kvv-progress",
                                             daemon=True)
             self._thread.start()
         return self
@@ -255,7 +277,8 @@ class _ProgressPump:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.period_s):
-                self.nixl.progress()
+                for registration in self.registrations:
+                    registration.progress()
         except BaseException as exc:  # noqa: BLE001 - surfaced by __exit__
             self.error = exc
 
@@ -264,4 +287,5 @@ class _ProgressPump:
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.error is not None and exc[0] is None:
-            raise RuntimeError(f"NIXL progress failed while serving: {self.error}")
+            raise RuntimeError(f"progress of a memory registration failed while serving: "
+                               f"{self.error}")

@@ -432,13 +432,16 @@ def _join(cfg: RunConfig, m: Membership, report: Report) -> tuple[Any, Sealer]:
 def _work(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> None:
     """Agree on the config, run this worker's steps, then gather everyone's results (the
     reporter) or wait for the verdict."""
+    from kvconnect.connectors.registry import get_transport
+
     from .environment import describe
     from .worker import run_and_report
 
-    # only a prefill serving ipc needs a socket directory (a killed process cannot remove
-    # its own, so nobody else makes one)
-    serves_ipc = m.role == PREFILL and "ipc" in cfg.transports
-    with run_dir() if serves_ipc else contextlib.nullcontext("") as ipc_dir:
+    # only a prefill serving a transport that needs one makes a socket directory (a killed
+    # process cannot remove its own, so nobody else makes one)
+    serves_sockets = m.role == PREFILL and any(
+        get_transport(t).needs_directory for t in cfg.transports)
+    with run_dir() if serves_sockets else contextlib.nullcontext("") as ipc_dir:
         if not _agree_on_config(ctl, cfg, m, report):
             ctl.finish(error="configuration differs between processes")
             return

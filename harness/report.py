@@ -3,7 +3,8 @@
 A :class:`Report` is filled by the coordinator as workers send their results, then written
 as JSON (``--json``), JUnit XML (``--junit``) and a final table (see :mod:`.display`).
 
-Units: ``bytes`` are bytes, ``seconds`` are wall seconds, ``gbps`` is 1e9 bytes per second.
+Units: ``bytes`` are bytes, ``seconds`` are wall seconds, ``gbps`` is 1e9 bytes per second
+(:func:`kvconnect.units.gbps`: 0.0 at zero seconds).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvconnect.child import signal_name
+from kvconnect.units import gbps
 
 from .report_files import write_report
 
@@ -67,8 +69,9 @@ class Check:
 class Transfer:
     """One measured transfer of ``blocks`` KV blocks (``bytes`` in total) over one transport.
 
-    ``transport`` is ``ipc`` or ``nixl``; ``backend`` says what carried it underneath
-    (e.g. ``UCX`` for NIXL, ``copy:cpu`` for the IPC copy). ``round`` 1 is before sleep/wake,
+    ``transport`` is a registered transport's name; ``backend`` says what carried it
+    underneath (e.g. ``UCX`` for NIXL, ``copy:cpu`` for the IPC copy). ``gbps`` follows
+    :func:`kvconnect.units.gbps` (0.0 at zero seconds). ``round`` 1 is before sleep/wake,
     2 after. ``verified`` is True only when every block's digest matched.
     """
 
@@ -89,9 +92,8 @@ class Transfer:
     def measured(cls, pair: str, transport: str, nbytes: int, seconds: float, verified: bool,
                  **extra: Any) -> Transfer:
         """Build a transfer, computing ``gbps`` from ``nbytes`` and ``seconds``."""
-        gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
         return cls(pair=pair, transport=transport, bytes=int(nbytes), seconds=float(seconds),
-                   gbps=gbps, verified=bool(verified), **extra)
+                   gbps=gbps(nbytes, seconds), verified=bool(verified), **extra)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Transfer:
@@ -133,15 +135,15 @@ class SweepPoint:
 
     @property
     def avg_gbps(self) -> float:
-        return self.bytes / self.avg_seconds / 1e9 if self.avg_seconds > 0 else 0.0
+        return gbps(self.bytes, self.avg_seconds)
 
     @property
     def peak_gbps(self) -> float:
-        return self.bytes / self.min_seconds / 1e9 if self.min_seconds > 0 else 0.0
+        return gbps(self.bytes, self.min_seconds)
 
     @property
     def low_gbps(self) -> float:
-        return self.bytes / self.max_seconds / 1e9 if self.max_seconds > 0 else 0.0
+        return gbps(self.bytes, self.max_seconds)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "avg_gbps": self.avg_gbps, "peak_gbps": self.peak_gbps,

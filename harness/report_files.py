@@ -25,6 +25,7 @@ import tempfile
 import time
 
 from kvconnect.checks import check_can_create_file
+from kvconnect.errors import KvconnectError
 
 #: longest a write-through report (FIFO, terminal, pipe) may wait for its reader
 WRITE_THROUGH_TIMEOUT_S = 30.0
@@ -32,7 +33,7 @@ WRITE_THROUGH_TIMEOUT_S = 30.0
 _CHUNK = 4096
 
 
-class ReportPathError(ValueError):
+class ReportPathError(KvconnectError, ValueError):
     """A report path that cannot be written (the message says why and what to do)."""
 
 

@@ -19,8 +19,8 @@ Per worker process, from the layout plan (units: bytes, counts):
   commit step (first block, warm-up, final size). While decode maps a peer's chunks it holds
   two fds per peer segment (received + imported) beside its own one per segment; prefill
   holds one extra per segment while exporting. On CUDA only exported / imported handles are
-  fds. Plus :data:`BASE_FDS`. The ipc transport sends all of a worker's chunks in one
-  message, at most ``kvconnect.framing.MAX_FDS``.
+  fds. Plus :data:`BASE_FDS`. A transport that sends all of a worker's chunks in one
+  message (``sends_chunk_fds``: ipc) is limited to ``kvconnect.framing.MAX_FDS`` of them.
 - **memory mappings** (``vm.max_map_count``): about :data:`MAPS_PER_SEGMENT` per segment
   (own chunks, the reservation's unmapped tail, a peer's chunk and tail) beyond
   :data:`BASE_MAPS` for the interpreter, torch and UCX.
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -219,9 +220,10 @@ def machine_limits() -> MachineLimits:
 
 
 def judge(workers: int, needs: WorkerNeeds, limits: MachineLimits, *,
-          ipc: bool = False) -> ResourceVerdict:
-    """Compare ``workers`` processes of ``needs`` with ``limits`` (no side effects); ``ipc``:
-    the run uses the ipc transport (all of a worker's chunks travel in one message)."""
+          chunk_fds: Sequence[str] = ()) -> ResourceVerdict:
+    """Compare ``workers`` processes of ``needs`` with ``limits`` (no side effects);
+    ``chunk_fds``: the run's transports that send all of a worker's chunk fds in one message
+    (``TransportSpec.sends_chunk_fds``)."""
     verdict = ResourceVerdict(workers, needs, limits)
     host = verdict.needed_host_bytes
     what = (f"{workers} workers x {_gib(needs.host_bytes)} (KV cache "
@@ -253,12 +255,13 @@ def judge(workers: int, needs: WorkerNeeds, limits: MachineLimits, *,
             f"each worker needs {needs.fds} open files ({needs.segments} KV segments) but the "
             f"limit is {limits.fd_soft_limit} (hard limit {limits.fd_hard_limit}): raise it "
             f"(ulimit -n {needs.fds}) or lower --num-layers"))
-    if ipc and needs.segments > MAX_FDS:
+    if chunk_fds and needs.segments > MAX_FDS:
+        names = ", ".join(chunk_fds)
         verdict.problems.append(_problem(
-            "ipc_fds", needs.segments, MAX_FDS, "kvconnect.framing.MAX_FDS", True,
-            f"the ipc transport sends a worker's {needs.segments} KV chunks in one message, "
-            f"more than the {MAX_FDS} fds a message may carry: lower --num-layers or drop "
-            "ipc from --transports"))
+            "chunk_fds", needs.segments, MAX_FDS, "kvconnect.framing.MAX_FDS", True,
+            f"the {names} transport sends a worker's {needs.segments} KV chunks in one "
+            f"message, more than the {MAX_FDS} fds a message may carry: lower --num-layers "
+            f"or drop {names} from --transports"))
     if limits.cpus is not None and workers > MAX_WORKERS_PER_CPU * limits.cpus:
         need = -(-workers // MAX_WORKERS_PER_CPU)
         verdict.problems.append(_problem(
@@ -289,7 +292,10 @@ def check_resources(cfg: RunConfig, workers: int, *, forked: bool) -> ResourceVe
             before = _finite(soft)
         except (ValueError, OSError):
             pass
-    verdict = judge(workers, needs, machine_limits(), ipc="ipc" in cfg.transports)
+    from kvconnect.connectors.registry import get_transport
+
+    verdict = judge(workers, needs, machine_limits(),
+                    chunk_fds=[t for t in cfg.transports if get_transport(t).sends_chunk_fds])
     verdict.fd_soft_limit_before = before
     return verdict
 

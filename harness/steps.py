@@ -1,5 +1,6 @@
 """The steps both roles share: build and check the extensible KV cache, register it with
-NIXL, fill and digest blocks, sleep / wake; and what a worker process must give back.
+every transport that registers memory (its spec's ``registration``: NIXL), fill and digest
+blocks, sleep / wake; and what a worker process must give back.
 
 :class:`WorkerSteps` is the base of :class:`~.prefill.PrefillWorker` and
 :class:`~.decode.DecodeWorker` (:mod:`.scenario` picks one). Each step reports checks through
@@ -40,21 +41,24 @@ def mib(n: int) -> str:
 
 
 class WorkerSteps:
-    """State and steps shared by both roles. Owns the cache and the NIXL worker (the roles
-    add their transports); :meth:`run` releases all of them on every path and then checks
-    that this process holds no more fds, sockets or KV mappings than before it started."""
+    """State and steps shared by both roles. Owns the cache and the transports' memory
+    registrations (the roles add their transport halves); :meth:`run` releases all of them on
+    every path and then checks that this process holds no more fds, sockets or KV mappings
+    than before it started. ``socket_dir``: a private directory for serving sockets ("" where
+    none is needed)."""
 
     role = ""
 
-    def __init__(self, ctl: Control, rank: int, ipc_dir: str) -> None:
+    def __init__(self, ctl: Control, rank: int, socket_dir: str) -> None:
         self.ctl = ctl
         self.cfg: RunConfig = ctl.config
         self.rank = rank
         self.name = worker_name(self.role, rank)
         self.device = self.cfg.device_for(self.role, rank)
-        self.ipc_dir = ipc_dir
+        self.socket_dir = socket_dir
         self.cache: Any = None
-        self.nixl: Any = None
+        #: per transport, this worker's MemoryRegistration (transports that register memory)
+        self.registrations: dict[str, Any] = {}
         #: the cache's layout (what a prefill publishes, what a decode compares with)
         self.layout: PeerLayout | None = None
         self.boot_id = environment.boot_id(self.name)
@@ -121,12 +125,7 @@ class WorkerSteps:
                 log.warning("%s: closing %s failed: %s", self.name, what, exc)
 
     def cleanup(self) -> None:
-        if self.nixl is not None:
-            try:
-                self.nixl.close()
-            except Exception as exc:  # noqa: BLE001 - keep releasing the rest
-                log.warning("%s: closing NIXL failed: %s", self.name, exc)
-            self.nixl = None
+        self.close_all(self.registrations, "a memory registration")
         if self.cache is not None:
             self.cache.close(force=True)  # cleanup: never mask the run's own error
             self.cache = None
@@ -141,11 +140,12 @@ class WorkerSteps:
 
     # -- step 1: the extensible KV cache -------------------------------------------------------
     def build_cache(self) -> None:
-        """Allocate the cache, warm a prefix up, then commit the final size (NIXL, when it is
-        among the transports, must refuse the cache until then) and check the views."""
+        """Allocate the cache, warm a prefix up, then commit the final size (every memory
+        registration of the run's transports must refuse the cache until then) and check the
+        views."""
         segments = self._allocate_cache()
         self._warm_up(segments)
-        self.nixl_before_final()
+        self.registrations_before_final()
         self._commit_final(segments)
         self.check_view_sizes()
         self.layout = PeerLayout.from_cache(self.cache)
@@ -249,30 +249,30 @@ class WorkerSteps:
                        f"{len(regions)} region views have storages of exactly their committed "
                        f"bytes (the full views span {mib(full)} of reservation)")
 
-    # -- step 2: deferred NIXL registration and allocation flags --------------------------------
-    def nixl_before_final(self) -> None:
-        """Create the NIXL agent and check that it refuses the cache before its final commit."""
-        if "nixl" not in self.cfg.transports:
-            return
-        from kvconnect.connectors.errors import KVConnectorError
-        from kvconnect.connectors.nixl.worker import NixlRegionWorker
+    # -- step 2: deferred registration and allocation flags ------------------------------------
+    def registrations_before_final(self) -> None:
+        """Build the memory registration of every transport that has one (its spec's
+        ``registration``) and check that it refuses the cache before its final commit."""
+        from kvconnect.connectors.registry import get_transport
+        from kvconnect.errors import KvconnectError
 
         ctl = self.ctl
-        ctl.phase("nixl_agent")
-        # No NIXL progress thread: NIXL 1.5 spins it without pause (a core per agent). Decode
-        # progresses inside read_blocks; prefill runs a paced pump while it serves reads.
-        self.nixl = NixlRegionWorker(self.name, default_timeout=self.cfg.timeout,
-                                        progress_thread=False)
-        try:
-            self.nixl.register_kv_cache(self.cache)
-        except KVConnectorError as exc:
-            ctl.passed("nixl/deferred_registration",
-                       f"registering before the final commit was refused: {exc}")
-        else:
-            self.nixl.deregister()
-            ctl.failed("nixl/deferred_registration",
-                       "NixlRegionWorker registered the KV cache before its final commit "
-                       "(it must defer registration until extend_kv_cache)")
+        for name in self.cfg.transports:
+            build = get_transport(name).registration
+            if build is None:
+                continue
+            ctl.phase(f"attach:{name}")
+            registration = self.registrations[name] = build(self.transport_context())
+            try:
+                registration.register()
+            except KvconnectError as exc:
+                ctl.passed(f"{name}/deferred_registration",
+                           f"registering before the final commit was refused: {exc}")
+            else:
+                registration.deregister()
+                ctl.failed(f"{name}/deferred_registration",
+                           f"the {name} registration accepted the KV cache before its final "
+                           "commit (it must defer registration until extend_kv_cache)")
 
     def register(self) -> None:
         ctl, cache = self.ctl, self.cache
@@ -287,16 +287,18 @@ class WorkerSteps:
                    f"{requested.rdma_capable}; granted on all {cache.num_physical_chunks} "
                    f"chunks: shareable(POSIX fd)={shareable} rdma_capable(GPUDirect)="
                    f"{rdma_flag}")
-        if "nixl" not in self.cfg.transports:
-            ctl.skipped("nixl/register", "nixl is not among --transports")
-            return
-        t0 = time.perf_counter()
-        self.nixl.register_kv_cache(cache)
-        ctl.passed("nixl/register",
-                   f"agent {self.nixl.agent_name}: {self.nixl.num_registrations} registrations "
-                   f"(one per physical chunk) of {len(self.nixl.regions)} committed regions, "
-                   f"memory type {self.nixl.memory_type}, after the final commit",
-                   time.perf_counter() - t0)
+        for name, registration in self.registrations.items():
+            t0 = time.perf_counter()
+            summary = registration.register()
+            ctl.passed(f"{name}/register", summary, time.perf_counter() - t0)
+        if self.registrations:
+            self.check_rdma_registration(rdma_flag)
+
+    def check_rdma_registration(self, rdma_flag: bool) -> None:
+        """The ``rdma/registration`` check, after the registrations: with RDMA devices
+        present, the allocations must carry the GPUDirect flag."""
+        ctl = self.ctl
+        names = ", ".join(self.registrations)
         devices = environment.rdma_devices()
         if not devices:
             ctl.skipped("rdma/registration",
@@ -308,7 +310,7 @@ class WorkerSteps:
                        "gpuDirectRDMACapable: ibv_reg_mr would fail (vllm #29569)")
         else:
             ctl.passed("rdma/registration",
-                       f"memory registered with NIXL/UCX while RDMA devices {devices} are "
+                       f"memory registered with {names} while RDMA devices {devices} are "
                        f"present (GPUDirect flag granted: {rdma_flag})")
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -321,12 +323,7 @@ class WorkerSteps:
         # cannot remove them)
         name = self.name if self.ctl.incarnation == 1 else f"{self.name}.{self.ctl.incarnation}"
         return TransportContext(cache=self.cache, timeout=self.cfg.timeout, name=name,
-                                directory=self.ipc_dir, allowed_pids=lambda: set(pids),
-                                nixl=self.nixl, attribution=self.lane_attribution())
-
-    def lane_attribution(self) -> Any:
-        """None here; the decode names the UCX lanes NIXL used (see DecodeWorker)."""
-        return None
+                                directory=self.socket_dir, allowed_pids=lambda: set(pids))
 
     def fill_all(self, source: str) -> int:
         """Fill every committed block of every owner region with ``source``'s contents."""
@@ -349,8 +346,8 @@ class WorkerSteps:
         """Release physical memory, recommit (zeroed, same addresses), refill, re-register."""
         ctl, cache = self.ctl, self.cache
         ctl.phase("sleep")
-        if self.nixl is not None:
-            self.nixl.deregister()
+        for registration in self.registrations.values():
+            registration.deregister()
         bases = [t.base_ptr for t in cache.tensors]
         t0 = time.perf_counter()
         cache.release_physical()
@@ -376,12 +373,11 @@ class WorkerSteps:
                   f"{segs} segments; {cache.num_blocks} blocks")
         self.layout = PeerLayout.from_cache(cache)
         self.fill_all(refill_source)
-        if self.nixl is not None:
+        for name, registration in self.registrations.items():
             t0 = time.perf_counter()
-            self.nixl.reregister()
-            ctl.passed("nixl/reregister",
-                       f"deregistered before sleep, registered again after wake: generation "
-                       f"{self.nixl.generation}, {self.nixl.num_registrations} registrations",
+            summary = registration.reregister()
+            ctl.passed(f"{name}/reregister",
+                       f"deregistered before sleep, after wake {summary}",
                        time.perf_counter() - t0)
 
 

@@ -40,6 +40,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvconnect.errors import KvconnectError
+
 from .environment import EnvironmentProblem
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ MODE_HMAC = "hmac-sha256"
 _MAX_AUTH_VALUE = 1024
 
 
-class TokenError(ValueError):
+class TokenError(KvconnectError, ValueError):
     """A token that cannot be used (exit code 2): too short, too long, unreadable file."""
 
 
@@ -70,7 +72,7 @@ class RendezvousRefused(EnvironmentProblem):
         self.cause = cause
 
 
-class TamperedValue(RuntimeError):
+class TamperedValue(KvconnectError, RuntimeError):
     """A store value whose seal is missing or wrong: not written by a member of this run."""
 
 

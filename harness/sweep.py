@@ -32,7 +32,7 @@ from .config import DECODE, PREFILL, RunConfig, pair_name, worker_name
 from .content import cache_rows, content_key, generate, paired_owners
 from .report import SweepPoint
 from .steps import mib
-from .transports import notifies_exporter, reference_copy_gbps
+from .transports import reference_copy_gbps
 
 #: blocks regenerated at once when a sweep point is verified (bounds the scratch memory)
 _VERIFY_BATCH = 64
@@ -83,8 +83,7 @@ def _one_size(worker: Any, p: int, info: dict[str, Any], transport: str, blocks:
     def fetch() -> Any:
         result = receiver.fetch(prefill, remote_ids, local_ids, timeout=cfg.timeout)
         ctl.progress()
-        if notifies_exporter(transport):
-            worker.count_notice(prefill, int(info.get("incarnation", 1)))
+        worker.count_notice(transport, prefill, int(info.get("incarnation", 1)))
         return result
 
     warm = 0

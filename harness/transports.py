@@ -1,10 +1,10 @@
 """The harness's side of transports: same-run reference copies.
 
 The transports themselves live in the library and are chosen by name through its registry
-(:mod:`kvconnect.connectors.transport`): ``ipc`` (:mod:`kvconnect.connectors.ipc.transport`:
-the export server, cached peer mappings, one block-copy launch per fetch) and ``nixl``
-(:mod:`kvconnect.connectors.nixl.transport`). :mod:`.scenario` builds each worker's halves
-from a ``TransportContext`` and never compares transport names.
+(:mod:`kvconnect.connectors.registry`); each one's :class:`~kvconnect.connectors.transport.
+TransportSpec` says everything the harness needs (registration, notices, same host, socket
+directory). The workers (:mod:`.steps`, :mod:`.prefill`, :mod:`.decode`) build their halves
+from a generic ``TransportContext`` and never compare transport names.
 
 Units: bytes, seconds, GB/s = 1e9 bytes per second.
 """
@@ -15,18 +15,9 @@ import time
 
 import torch
 
-from kvconnect.connectors.transport import FetchResult
+from kvconnect.units import gbps
 
-__all__ = ["FetchResult", "notifies_exporter", "reference_copy_gbps"]
-
-#: transports whose every completed fetch notifies the serving side, and how
-_COMPLETION_NOTICES = {"nixl": "a NIXL notification sent with each READ"}
-
-
-def notifies_exporter(transport: str) -> bool:
-    """True when each completed fetch over ``transport`` notifies the serving worker (its
-    prefill counts them: :meth:`~.prefill.PrefillWorker.check_notifications`)."""
-    return transport in _COMPLETION_NOTICES
+__all__ = ["reference_copy_gbps"]
 
 
 def reference_copy_gbps(nbytes: int, src: str, dst: str, repeats: int = 5) -> float:
@@ -49,7 +40,7 @@ def reference_copy_gbps(nbytes: int, src: str, dst: str, repeats: int = 5) -> fl
         if i:  # the first copy warms up (allocation, peer mappings)
             times.append(time.perf_counter() - t0)
     times.sort()
-    return nbytes / times[len(times) // 2] / 1e9
+    return gbps(nbytes, times[len(times) // 2])
 
 
 def _sync(device: torch.device) -> None:

@@ -6,7 +6,8 @@ Public names load lazily (``import kvconnect`` does not import torch until one i
 so that command-line tools such as ``kvconnect-validate --help`` start fast. They are listed
 once, in ``_MODULE_EXPORTS``; ``__all__`` and attribute lookup derive from it. The connectors
 (``kvconnect.connectors``), the harness (``kvconnect.harness``) and the vLLM integration
-(``kvconnect.vllm``) are sub-packages with their own exports.
+(``kvconnect.vllm``) are sub-packages with their own exports. Every error any of them raises
+derives from :class:`KvconnectError` (``kvconnect.errors``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 #: submodule -> the public names it defines (the one list of kvconnect's exports)
 _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
+    "errors": ("KvconnectError",),
     "framing": ("IpcError", "PeerError", "PeerRefusedError",),
     "ipc": ("PeerMapping",),
     "child": ("Child", "LineReader", "LineWriter", "exit_signal_name", "exit_text",),
@@ -36,6 +38,7 @@ _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     "tensor": ("Chunk", "ExportedChunk", "ExtensibleTensor", "VmmUnavailableError",),
     "lifetime": ("LiveViewsError",),
     "undo": ("UndoStack",),
+    "units": ("gbps",),
     "polling": ("poll_until",),
     "peer_layout": (
         "PEER_LAYOUT_SCHEMA", "LayoutRegion", "PeerLayout", "PeerLayoutError", "layout_facts",

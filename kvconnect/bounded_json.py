@@ -13,6 +13,8 @@ import json
 import re
 from typing import Any
 
+from .errors import KvconnectError
+
 __all__ = ["DEFAULT_MAX_DEPTH", "DEFAULT_MAX_INT_DIGITS", "BoundedJSONError", "loads"]
 
 #: deepest nesting of arrays/objects accepted by default (wire messages use fewer than 8)
@@ -28,7 +30,7 @@ _PYTHON_SCAN_LIMIT = 1 << 16
 
 
 
-class BoundedJSONError(ValueError):
+class BoundedJSONError(KvconnectError, ValueError):
     """Not JSON, nested too deeply, or an integer with too many digits."""
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from .bounded_json import BoundedJSONError
 from .bounded_json import loads as bounded_loads
+from .errors import KvconnectError
 
 __all__ = [
     "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "SEAL_BYTES", "FrameSeal",
@@ -77,7 +78,7 @@ MAX_ERROR_CHARS = 8192
 _FD_SIZE = array.array("i").itemsize
 
 
-class IpcError(RuntimeError):
+class IpcError(KvconnectError, RuntimeError):
     """A peer sent something malformed, closed the socket, or did not answer in time."""
 
 

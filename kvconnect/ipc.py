@@ -27,6 +27,7 @@ import torch
 
 from ._pointer_view import ViewAnchor, pointer_view
 from .checks import MAX_BYTES, checked_int
+from .errors import KvconnectError
 from .framing import IpcError
 from .undo import UndoStack
 from .vmm import AllocationOptions, PhysicalHandle, Reservation, VmmDriver, VmmError
@@ -148,7 +149,7 @@ class PeerMapping:
     def _map(self, index: int, offset: int, size: int, fd: int) -> None:
         try:
             handle = self.driver.import_fd(fd, size)
-        except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: VmmError
+        except (KvconnectError, ValueError, OSError) as exc:  # VmmError among ours
             raise IpcError(f"chunk {index}: the peer's fd cannot be imported as {size} bytes: "
                            f"{exc}") from exc
         va = self.base_ptr + offset

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .checks import checked_int, round_up
+from .errors import KvconnectError
 from .layout import KVCacheConfig, LayoutPlan, build_kv_caches, plan_layout
 from .lifetime import Closeable, LiveViewsError
 from .tensor import ExtensibleTensor
@@ -40,7 +41,7 @@ __all__ = ["DEFAULT_CAPACITY_FACTOR", "ExtensibleKVCache", "KVCacheStateError"]
 DEFAULT_CAPACITY_FACTOR = 4
 
 
-class KVCacheStateError(RuntimeError):
+class KVCacheStateError(KvconnectError, RuntimeError):
     """An operation that the cache's current state (not allocated, released, final, closed)
     does not allow; the message says which state and what to call."""
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from .errors import KvconnectError
+
 __all__ = ["Closeable", "LiveViewsError"]
 
 C = TypeVar("C", bound="Closeable")
 
 
-class LiveViewsError(RuntimeError):
+class LiveViewsError(KvconnectError, RuntimeError):
     """``close()`` refused: ``live_views`` views of the memory are still referenced."""
 
     def __init__(self, owner: str, live_views: int, which: str) -> None:

@@ -45,6 +45,7 @@ from typing import Any
 from .bounded_json import BoundedJSONError
 from .bounded_json import loads as bounded_loads
 from .checks import MAX_BYTES, checked_int
+from .errors import KvconnectError
 from .views import PagedRegion, block_span, page_owners
 
 __all__ = [
@@ -69,7 +70,7 @@ _QUOTED = 4
 _HINT_CONFIG = "use the same KV cache config (model, dtype, layout, kernel block size) on both sides"
 
 
-class PeerLayoutError(ValueError):
+class PeerLayoutError(KvconnectError, ValueError):
     """A layout document is malformed, too large or of an unknown schema; the message names
     the field. Callers facing a peer turn it into their own error (MetadataError,
     IpcError)."""

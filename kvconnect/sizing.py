@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .checks import checked_int, round_up
+from .errors import KvconnectError
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 
-class InsufficientMemoryError(ValueError):
+class InsufficientMemoryError(KvconnectError, ValueError):
     """Not even one KV block fits; ``missing_bytes`` says how much more memory is needed."""
 
     def __init__(self, message: str, missing_bytes: int) -> None:

@@ -43,6 +43,7 @@ import torch
 
 from ._pointer_view import ViewAnchor, pointer_view
 from .checks import checked_int, round_up
+from .errors import KvconnectError
 from .lifetime import Closeable, LiveViewsError
 from .undo import UndoStack
 from .vmm import AllocationOptions, GrantedFlags, PhysicalHandle, Reservation, VmmDriver, probe_vmm
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 MIN_COMMIT_GRANULE = 2 * 1024 * 1024
 
 
-class VmmUnavailableError(RuntimeError):
+class VmmUnavailableError(KvconnectError, RuntimeError):
     """No VMM backend works for the requested device (the message says why)."""
 
 

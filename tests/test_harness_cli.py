@@ -3,10 +3,12 @@ the block-set choice. In-process (no workers are started), so fast."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
     (["--decode", "x"], "expected an integer"),
     (["--transports", "ipc,rdma"], "unknown transport(s) rdma"),
     (["--transports", "ipc,ipc"], "listed twice"),
-    (["--transports", ","], "needs at least one of"),
+    (["--transports", ","], "needs at least one transport name"),
     (["--num-blocks", "3"], "--num-blocks must be at least 4"),
     (["--num-blocks", "8", "--transfer-blocks", "8"], "--transfer-blocks must be between 2"),
     (["--timeout", "0"], "positive finite number"),
@@ -64,10 +66,27 @@ def test_console_script_exits_2_on_bad_arguments() -> None:
     assert "unknown transport(s) carrier-pigeon" in proc.stderr
 
 
-def test_missing_nixl_asked_for_explicitly_exits_3(monkeypatch: pytest.MonkeyPatch,
+@pytest.fixture
+def nixl_missing() -> Iterator[Callable[[str], None]]:
+    """Make the registered nixl spec say it cannot run here, with the given reason (the
+    real spec is put back afterwards)."""
+    from kvconnect.connectors.registry import get_transport, register_transport
+
+    real = get_transport("nixl")
+
+    def missing(reason: str) -> None:
+        register_transport(dataclasses.replace(real, requires=lambda: reason), replace=True)
+
+    try:
+        yield missing
+    finally:
+        register_transport(real, replace=True)
+
+
+def test_missing_nixl_asked_for_explicitly_exits_3(nixl_missing: Callable[[str], None],
                                                    run_validate_cli: Any,
                                                    tmp_path: Path) -> None:
-    monkeypatch.setattr(cli, "nixl_install_status", lambda: (False, "NIXL is not installed (test)"))
+    nixl_missing("NIXL is not installed (test)")
     out = tmp_path / "r.json"
     junit = tmp_path / "r.xml"
     code, text = run_validate_cli(["--transports", "nixl", "--device", "host", "--json",
@@ -80,17 +99,14 @@ def test_missing_nixl_asked_for_explicitly_exits_3(monkeypatch: pytest.MonkeyPat
     assert "<error" in junit.read_text()
 
 
-def test_default_transports_skip_missing_nixl_with_the_reason() -> None:
+def test_default_transports_skip_missing_nixl_with_the_reason(
+        nixl_missing: Callable[[str], None]) -> None:
     cfg = RunConfig()
     cli._select_transports(cfg, explicit=False)  # the real environment: NIXL is installed
     assert cfg.transports == ["ipc", "nixl"]
     cfg = RunConfig()
-    original = cli.nixl_install_status
-    try:
-        cli.nixl_install_status = lambda: (False, "no NIXL here")
-        cli._select_transports(cfg, explicit=False)
-    finally:
-        cli.nixl_install_status = original
+    nixl_missing("no NIXL here")
+    cli._select_transports(cfg, explicit=False)
     assert cfg.transports == ["ipc"] and cfg.skipped_transports == {"nixl": "no NIXL here"}
 
 

@@ -67,7 +67,7 @@ def test_the_registry_holds_every_fault_the_issue_names() -> None:
     (["--inject", "kill-decode1@transfer"], "there is no decode1"),
     (["--inject", "kill-decode@wake", "--inject", "kill-decode@wake"], "given twice"),
     (["--inject", "drop-notification@transfer", "--transports", "ipc"],
-     "needs the nixl transport"),
+     "needs a transport whose fetches notify the prefill (nixl"),
     (["--inject", "restart-prefill@transfer", "--rendezvous", "h:1234", "--role", "decode",
       "--rank", "0"], "needs a local run"),
     # issue 16: combinations that were accepted, then ended in not_fired

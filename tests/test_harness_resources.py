@@ -59,8 +59,8 @@ def test_judge_picks_exit_2_when_it_cannot_fit_and_3_when_it_does_not_fit_now() 
     many = estimate_worker_needs(RunConfig(num_layers=4100, num_blocks=4), forked=True)
     assert many.segments > MAX_FDS
     v = judge(1, many, replace(MACHINE, mem_available_bytes=None, mem_total_bytes=None,
-                               fd_soft_limit=1 << 20), ipc=True)
-    assert v.exit_code == 2 and [p["resource"] for p in v.problems] == ["ipc_fds"]
+                               fd_soft_limit=1 << 20), chunk_fds=["ipc"])
+    assert v.exit_code == 2 and [p["resource"] for p in v.problems] == ["chunk_fds"]
     assert judge(1, many, replace(MACHINE, mem_available_bytes=None, mem_total_bytes=None,
                                   fd_soft_limit=1 << 20)).exit_code == 0  # nixl only
     cgroup = replace(MACHINE, cgroup_limit_bytes=2 * GIB, cgroup_available_bytes=GIB)

@@ -19,14 +19,14 @@ from _nixl_peer import fill_cache
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError
 from kvconnect.connectors.ipc.transport import IpcTransport
-from kvconnect.connectors.transport import (
-    Transport,
-    TransportSpec,
+from kvconnect.connectors.registry import (
     UnknownTransportError,
     get_transport,
+    register_builtin_transports,
     register_transport,
     transport_names,
 )
+from kvconnect.connectors.transport import FetchResult, Transport, TransportContext, TransportSpec
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import preset
 from kvconnect.vmm import AllocationOptions
@@ -195,23 +195,43 @@ def test_bad_offers_and_directions() -> None:
 
 
 def test_registry_builds_both_halves_by_name() -> None:
+    register_builtin_transports()
+    register_builtin_transports()  # idempotent
     assert transport_names()[:2] == ("ipc", "nixl")
     ipc, nixl = get_transport("ipc"), get_transport("nixl")
     assert ipc.same_host_only and not nixl.same_host_only
+    assert ipc.needs_directory and ipc.sends_chunk_fds and ipc.registration is None
+    assert nixl.notifies_exporter and not ipc.notifies_exporter
     assert ipc.exporter is not None and nixl.exporter is not None
     with pytest.raises(UnknownTransportError, match="registered: ipc, nixl"):
         get_transport("carrier-pigeon")
+    with pytest.raises(KeyError):  # the standard base is kept
+        get_transport("carrier-pigeon")
     with pytest.raises(ValueError, match="already registered"):
         register_transport(TransportSpec("ipc", ipc.receiver))
+    register_transport(ipc)  # the same spec again: nothing changes
     with pytest.raises(ValueError, match="identifier"):
         register_transport(TransportSpec("no such", ipc.receiver))
-    from kvconnect.connectors.transport import TransportContext
 
     with _cache() as cache:
-        t = ipc.receiver(TransportContext(cache=cache, timeout=3.0))
+        t = ipc.receiver(TransportContext(cache=cache, timeout=3.0), None)
         try:
             assert isinstance(t, IpcTransport) and t.name == "ipc" and t.timeout == 3.0
         finally:
             t.close()
-        with pytest.raises(KVConnectorError, match="NixlRegionWorker"):
-            nixl.receiver(TransportContext(cache=cache))
+        with pytest.raises(KVConnectorError, match="NixlRegistration"):
+            nixl.receiver(TransportContext(cache=cache), None)
+
+
+def test_one_gbps_rule() -> None:
+    """GB/s are 1e9 bytes per second; zero seconds give 0.0 (never inf) everywhere."""
+    from kvconnect import gbps
+    from kvconnect.harness.report import SweepPoint, Transfer
+
+    assert gbps(2_000_000_000, 0.5) == 4.0
+    assert gbps(1, 0.0) == 0.0 and gbps(0, 0.0) == 0.0
+    assert FetchResult(3_000_000, 0.001, "x").gbps == pytest.approx(3.0)
+    assert FetchResult(3_000_000, 0.0, "x").gbps == 0.0
+    assert Transfer.measured("p->d", "ipc", 10, 0.0, True).gbps == 0.0
+    point = SweepPoint("p->d", "ipc", 4000, 1, 0, 1, 0.0, 0.0, 1e-6, True)
+    assert (point.avg_gbps, point.peak_gbps, point.low_gbps) == (0.0, 0.0, 4.0)

@@ -4,7 +4,7 @@ on the H200 (benchmarks/results/ucx-cuda-ipc-h200.md) -> the harness's lane name
 from __future__ import annotations
 
 from kvconnect.connectors.nixl.transport import slow_gpu_lane_advice
-from kvconnect.harness.ucx_lanes import parse_read_lanes
+from kvconnect.connectors.nixl.ucx_lanes import parse_read_lanes
 
 _TABLE = """
 [1796154369.720648] [vm:997  :0]   | remote memory read by ucp_get*(multi) into {into} from {src} |

@@ -3,7 +3,7 @@ with the prefill that comes back under the same engine id (``update_peer``) and 
 again without being recreated; blocks it did not receive are never reported as received.
 
 Real processes (tests/_nixl_service_peer.py), real NIXL over UCX, SIGKILL. What "received"
-means in the API: ``read_blocks`` returns a TransferResult only when every block arrived;
+means in the API: ``read_blocks`` returns a FetchResult only when every block arrived;
 any failure raises KVTransferError whose ``block_ids`` are *all* the local blocks of that
 READ (their contents are then undefined). Tests read the blocks' bytes, not logs.
 """
@@ -118,7 +118,7 @@ def test_update_peer_after_the_prefill_restarts(peers: Callable[[], Any], nixl_w
         if agent_name is None:  # the dead agent is gone from NIXL
             assert not decode._agent.check_remote_metadata(old.agent_name)
         result = decode.read_blocks(ENGINE, [1, 3, 7], [4, 5, 6], timeout=30)
-        assert result.num_blocks == 3
+        assert result.blocks == 3
         assert _holds(cache, [4, 5, 6], [1, 3, 7], seed=2)  # the new prefill's data
         assert _holds(cache, [2, 9, 0], [11, 0, 5], seed=1)  # the first READ's, intact
         untouched = [b for b in range(16) if b not in (2, 9, 0, 4, 5, 6)]

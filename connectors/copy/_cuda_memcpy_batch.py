@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.errors import KvconnectError
+
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 CU_MEM_LOCATION_TYPE_INVALID = 0
 _SUCCESS = 0
@@ -33,7 +35,7 @@ class _MemcpyAttributes(ctypes.Structure):
                 ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
 
 
-class MemcpyBatchUnavailable(RuntimeError):
+class MemcpyBatchUnavailable(KvconnectError, RuntimeError):
     """The driver has no ``cuMemcpyBatchAsync`` (CUDA < 12.8) or no CUDA driver is loaded."""
 
 

@@ -64,12 +64,13 @@ from ..copy._cuda_streams import current_stream, synchronize
 from ..copy._kernel_launch import wait_events
 from ..copy.block_copy import LAUNCH_MODES, BlockCopyPlan, as_block_ids, layout_block_region
 from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from ..transport import FetchResult, TransportContext, TransportSpec, register_transport
+from ..transport import FetchResult, TransportContext, TransportSpec
 from .reply import checked_layout, peer_block_region
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DIRECTIONS", "IpcExportServer", "IpcTransport", "PendingFetch", "device_uuid"]
+__all__ = ["DIRECTIONS", "IPC_TRANSPORT", "IpcExportServer", "IpcTransport", "PendingFetch",
+           "device_uuid"]
 
 #: where a cross-GPU copy runs: the exporter's GPU (push), ours (pull), or push when possible
 DIRECTIONS = ("auto", "push", "pull")
@@ -559,14 +560,16 @@ def _merged_ids(requests: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
     return (np.concatenate(src) if src else empty), (np.concatenate(dst) if dst else empty)
 
 
-def _receiver(ctx: TransportContext) -> IpcTransport:
-    return IpcTransport(ctx.cache, timeout=ctx.timeout, **ctx.options.get("ipc", {}))
+def _receiver(ctx: TransportContext, registration: object = None) -> IpcTransport:
+    return IpcTransport(ctx.cache, timeout=ctx.timeout, **ctx.options_for("ipc"))
 
 
-def _exporter(ctx: TransportContext) -> IpcExportServer:
+def _exporter(ctx: TransportContext, registration: object = None) -> IpcExportServer:
     return IpcExportServer(ctx.cache, ctx.directory, ctx.name, ctx.allowed_pids, ctx.timeout)
 
 
-register_transport(TransportSpec(
-    "ipc", _receiver, _exporter, same_host_only=True,
-    description="POSIX-fd handles over a Unix socket; one block-copy launch per fetch"))
+#: the ``ipc`` transport (registered by kvconnect.connectors.registry)
+IPC_TRANSPORT = TransportSpec(
+    "ipc", _receiver, _exporter, same_host_only=True, needs_directory=True,
+    sends_chunk_fds=True,
+    description="POSIX-fd handles over a Unix socket; one block-copy launch per fetch")

@@ -8,6 +8,7 @@ process.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -17,8 +18,11 @@ from ..errors import KVConnectorError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NixlUnavailableError", "NotificationInbox", "create_agent", "drain_agent",
-           "import_nixl", "nixl_importable"]
+__all__ = ["NIXL_MODULES", "NixlUnavailableError", "NotificationInbox", "create_agent",
+           "drain_agent", "import_nixl", "nixl_importable", "nixl_install_problem"]
+
+#: the modules NIXL's Python API comes from, in the order they are tried
+NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
 
 
 class NixlUnavailableError(KVConnectorError, ImportError):
@@ -28,7 +32,7 @@ class NixlUnavailableError(KVConnectorError, ImportError):
 def import_nixl() -> tuple[Any, Any]:
     """Return ``(nixl_agent, nixl_agent_config)`` from ``nixl_cu13`` / ``nixl_cu12`` / ``nixl``."""
     errors = []
-    for mod in ("nixl_cu13._api", "nixl_cu12._api", "nixl._api"):
+    for mod in NIXL_MODULES:
         try:
             module = __import__(mod, fromlist=["nixl_agent", "nixl_agent_config"])
             return module.nixl_agent, module.nixl_agent_config
@@ -39,9 +43,22 @@ def import_nixl() -> tuple[Any, Any]:
         "(nixl-cu13==1.5.1). Tried " + "; ".join(errors))
 
 
+def nixl_install_problem() -> str | None:
+    """None when a NIXL Python API can be found, else why not and what to install. Only
+    looks for the modules: never imports NIXL (nor loads UCX)."""
+    for mod in NIXL_MODULES:
+        try:
+            if importlib.util.find_spec(mod.split(".")[0]) is not None:
+                return None
+        except (ImportError, ValueError):
+            continue
+    return ("NIXL is not installed (no nixl_cu13 / nixl_cu12 / nixl module); install "
+            "kvconnect[nixl] (nixl-cu13==1.5.1) or drop nixl from the transports")
+
+
 def nixl_importable() -> bool:
-    """True when the NIXL Python bindings import (this imports them; the harness's
-    environment report only looks for the modules)."""
+    """True when the NIXL Python bindings import (this imports them;
+    :func:`nixl_install_problem` only looks for the modules)."""
     try:
         import_nixl()
     except NixlUnavailableError:

@@ -1,33 +1,40 @@
 """The ``nixl`` transport: the :class:`~kvconnect.connectors.transport.Transport` interface
 over a registered :class:`~kvconnect.connectors.nixl.worker.NixlRegionWorker`.
 
-The worker (agent, registrations, re-registration after sleep / wake) stays with whoever
-created it; this adapter only loads peers and READs. A peer's offer is
+:data:`NIXL_TRANSPORT` is its spec. Per worker, :class:`NixlRegistration` owns the
+NixlRegionWorker (agent, registration after the final commit, re-registration after
+sleep / wake, progress, READ completion notices); both halves use it. A peer's offer is
 ``{"metadata": <the peer's metadata_json()>}``; :meth:`NixlTransport.open_peer` loads or
 refreshes it (``update_peer``) when it changed. ``attribution(engine_id)`` may name the UCX
-lanes a READ used (the harness passes its lane tracker); without it the backend is what
-NIXL reports. When those lanes show GPU memory moved by UCX's TCP software emulation, the
-fetch's note says why and what changes it (:func:`slow_gpu_lane_advice`, measured in
-docs/backends.md, "UCX and cuda_ipc on one node").
+lanes a READ used: the spec passes a :class:`~.ucx_lanes.LaneTracker` when UCX prints its
+protocol choices (``UCX_PROTO_INFO=y``, which the spec asks for in worker processes);
+without it the backend is what NIXL reports. When those lanes show GPU memory moved by UCX's
+TCP software emulation, the fetch's note says why and what changes it
+(:func:`slow_gpu_lane_advice`, measured in docs/backends.md, "UCX and cuda_ipc on one node").
 
 Units: bytes, seconds, logical blocks for block ids.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import KVConnectorError
-from ..transport import FetchResult, TransportContext, TransportSpec, register_transport
+from ..transport import FetchResult, TransportContext, TransportSpec
+from .agent import nixl_install_problem
+from .ucx_lanes import PROTO_INFO_ENV, LaneTracker
 
-__all__ = ["NixlMetadataExporter", "NixlTransport", "slow_gpu_lane_advice"]
+__all__ = ["NIXL_TRANSPORT", "NixlMetadataExporter", "NixlRegistration", "NixlTransport",
+           "slow_gpu_lane_advice"]
 
 
 def slow_gpu_lane_advice(lanes: Sequence[str]) -> str:
     """Why UCX moved GPU memory through TCP software emulation and what changes it, or ""
-    when ``lanes`` (``"<config> <description> (<into><-<from>)"``, harness/ucx_lanes.py)
+    when ``lanes`` (``"<config> <description> (<into><-<from>)"``, ucx_lanes.py)
     show no such READ."""
     slow = [lane for lane in lanes if "software emulation" in lane and "cuda" in lane]
     if not slow:
@@ -80,15 +87,15 @@ class NixlTransport:
         engine = cached[1]
         res = self.worker.read_blocks(engine, list(remote_ids), list(local_ids),
                                       timeout=self.timeout if timeout is None else timeout)
-        via = res.backend if res.transport == res.backend else f"{res.backend}/{res.transport}"
+        via = res.backend
         used = self.attribution(engine) if self.attribution is not None else []
         if used:
             via = f"{via} " + ", ".join(used)
         note = f"{res.descriptors} descriptors"
         if advice := slow_gpu_lane_advice(used):
             note = f"{note}; {advice}"
-        return FetchResult(int(res.bytes), float(res.seconds), via,
-                           self._unreported_setup.pop(peer, 0.0), int(res.num_blocks), note)
+        return dataclasses.replace(res, backend=via, note=note,
+                                   setup_seconds=self._unreported_setup.pop(peer, 0.0))
 
     def invalidate(self, peer: str | None = None) -> None:
         """Forget loaded metadata so the next :meth:`open_peer` loads it again."""
@@ -121,23 +128,70 @@ class NixlMetadataExporter:
         return None
 
 
-def _receiver(ctx: TransportContext) -> NixlTransport:
-    return NixlTransport(ctx.nixl, timeout=ctx.timeout, attribution=ctx.attribution,
-                         **ctx.options.get("nixl", {}))
+class NixlRegistration:
+    """One worker's NIXL agent and its registration of ``ctx.cache`` (the
+    :class:`~kvconnect.connectors.transport.MemoryRegistration` of ``nixl``). The agent runs
+    without NIXL's progress thread (NIXL 1.5 spins it without pause, a core per agent): a
+    READ progresses inside ``read_blocks``, a serving worker calls :meth:`progress`."""
+
+    def __init__(self, ctx: TransportContext) -> None:
+        from .worker import NixlRegionWorker
+
+        self.cache = ctx.cache
+        self.worker = NixlRegionWorker(ctx.name, default_timeout=ctx.timeout,
+                                       progress_thread=False)
+        self.identity = self.worker.agent_name
+
+    def register(self) -> str:
+        """Register the committed KV cache (refused before its final commit)."""
+        w = self.worker
+        w.register_kv_cache(self.cache)
+        return (f"agent {w.agent_name}: {w.num_registrations} registrations (one per "
+                f"physical chunk) of {len(w.regions)} committed regions, memory type "
+                f"{w.memory_type}, after the final commit")
+
+    def deregister(self) -> None:
+        self.worker.deregister()
+
+    def reregister(self) -> str:
+        self.worker.reregister()
+        return (f"registered again: generation {self.worker.generation}, "
+                f"{self.worker.num_registrations} registrations")
+
+    def progress(self) -> None:
+        self.worker.progress()
+
+    def take_notices(self) -> dict[str, int]:
+        """READ completion notifications received since the last call, per agent name."""
+        return {agent: len(msgs) for agent, msgs in self.worker.get_notifications().items()}
+
+    def close(self) -> None:
+        self.worker.close()
 
 
-def _exporter(ctx: TransportContext) -> NixlMetadataExporter:
-    if ctx.nixl is None:
-        raise KVConnectorError("the nixl exporter needs a registered NixlRegionWorker")
-    return NixlMetadataExporter(ctx.nixl)
+def _worker_of(registration: Any, half: str) -> Any:
+    if not isinstance(registration, NixlRegistration):
+        raise KVConnectorError(f"the nixl {half} needs this worker's NixlRegistration "
+                               "(NIXL_TRANSPORT.registration(ctx), registered with its KV "
+                               f"cache), got {type(registration).__name__}")
+    return registration.worker
 
 
-def _requires() -> str | None:
-    from .worker import nixl_importable
+def _receiver(ctx: TransportContext, registration: Any) -> NixlTransport:
+    lanes = LaneTracker() if os.environ.get(PROTO_INFO_ENV) else None
+    return NixlTransport(_worker_of(registration, "receiver"), timeout=ctx.timeout,
+                         attribution=lanes.lanes_after_read if lanes else None,
+                         **ctx.options_for("nixl"))
 
-    return None if nixl_importable() else "NIXL is not installed (pip install kvconnect[nixl])"
+
+def _exporter(ctx: TransportContext, registration: Any) -> NixlMetadataExporter:
+    return NixlMetadataExporter(_worker_of(registration, "exporter"))
 
 
-register_transport(TransportSpec(
-    "nixl", _receiver, _exporter, same_host_only=False, requires=_requires,
-    description="NIXL READs of registered committed regions (UCX underneath)"))
+#: the ``nixl`` transport (registered by kvconnect.connectors.registry)
+NIXL_TRANSPORT = TransportSpec(
+    "nixl", _receiver, _exporter, registration=NixlRegistration,
+    completion_notice="a NIXL notification sent with each READ",
+    requires=nixl_install_problem,
+    environment={PROTO_INFO_ENV: "y"},  # UCX names its lanes: READs are attributed
+    description="NIXL READs of registered committed regions (UCX underneath)")

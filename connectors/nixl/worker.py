@@ -37,7 +37,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,6 +46,7 @@ from kvconnect.polling import poll_until
 
 from ..copy.block_copy import as_block_ids
 from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
+from ..transport import FetchResult
 from .agent import (
     NixlUnavailableError,
     NotificationInbox,
@@ -86,7 +86,6 @@ __all__ = [
     "MAX_PEER_DESCRIPTORS",
     "NixlRegionWorker",
     "NixlUnavailableError",
-    "TransferResult",
     "check_descriptors_in_chunks",
     "memory_type_for_device",
     "nixl_importable",
@@ -103,33 +102,6 @@ def _settled(state: str) -> str | None:
     """A NIXL transfer state once it is final (``"DONE"``, ``"ERR"``, ...), None while
     ``"PROC"``."""
     return None if state == "PROC" else state
-
-
-# -- results -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TransferResult:
-    """Outcome of one :meth:`NixlRegionWorker.read_blocks`.
-
-    ``bytes`` moved, wall ``seconds`` from posting the prepared request to seeing it complete
-    (the first read from a peer includes UCX connection set-up), ``descriptors`` (blocks x
-    transfer regions),
-    ``backend`` as NIXL reports it (``query_xfer_backend``), ``transport``: the UCX transport when
-    known, else the backend name (NIXL 1.5 does not expose UCX's lane choice).
-    """
-
-    peer: str
-    num_blocks: int
-    bytes: int
-    seconds: float
-    descriptors: int
-    backend: str
-    transport: str
-
-    @property
-    def gbps(self) -> float:
-        """Throughput in GB/s (10^9 bytes per second)."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
 class NixlRegionWorker:
@@ -426,7 +398,7 @@ class NixlRegionWorker:
     # -- transfers -----------------------------------------------------------
     def read_blocks(self, peer: str, remote_block_ids: Sequence[int] | np.ndarray,
                     local_block_ids: Sequence[int] | np.ndarray, *,
-                    timeout: float | None = None, notif: bytes | None = None) -> TransferResult:
+                    timeout: float | None = None, notif: bytes | None = None) -> FetchResult:
         """READ blocks ``remote_block_ids`` of ``peer`` into local ``local_block_ids`` (pairwise),
         for every region; block until done or ``timeout`` seconds pass.
 
@@ -434,6 +406,11 @@ class NixlRegionWorker:
         completion with ``notif`` (default: a small JSON message naming us and the block count).
         Any failure (an ``"ERR"`` state, a NIXL exception, the deadline) raises
         :class:`KVTransferError` naming the peer, the local blocks and the cause.
+
+        Returns a :class:`~kvconnect.connectors.transport.FetchResult`: ``bytes`` moved, wall
+        ``seconds`` from posting the prepared request to seeing it complete (the first read
+        from a peer includes UCX connection set-up), ``blocks``, ``descriptors`` (blocks x
+        transfer regions) and ``backend`` as NIXL reports it (``query_xfer_backend``).
         """
         entry, plan = self._read_target(peer)
         remote = as_block_ids(remote_block_ids, "remote_block_ids")
@@ -450,9 +427,8 @@ class NixlRegionWorker:
         timeout = self.default_timeout if timeout is None else float(timeout)
         seconds, backend = self._read(peer, entry, local.tolist(), local_idx, remote_idx,
                                       notif, timeout)
-        return TransferResult(peer=peer, num_blocks=int(local.size), bytes=nbytes,
-                              seconds=seconds, descriptors=int(local_idx.size),
-                              backend=backend, transport=backend)
+        return FetchResult(bytes=nbytes, seconds=seconds, backend=backend,
+                           blocks=int(local.size), descriptors=int(local_idx.size))
 
     def _read_target(self, peer: str) -> tuple[LoadedPeer, RegistrationPlan]:
         """The loaded peer and our registration a read needs (KVConnectorError without)."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..checks import checked_int
+from ..errors import KvconnectError
 
 __all__ = [
     "AttentionSpec", "FullAttentionSpec", "KVCacheSpec", "LayoutError", "MLAAttentionSpec",
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 
-class LayoutError(ValueError):
+class LayoutError(KvconnectError, ValueError):
     """A config that cannot be laid out (or does not match the tensors); says why."""
 
 

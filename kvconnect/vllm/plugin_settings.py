@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from kvconnect.errors import KvconnectError
+
 __all__ = ["CAPACITY_ENV", "ENTRY_POINT", "SUPPORTED_VLLM_SERIES", "SWITCH_ENV",
            "PluginConfigError", "UnsupportedVllmError", "capacity_bytes_from_env",
            "check_vllm_version", "enabled"]
@@ -22,11 +24,11 @@ SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
-class UnsupportedVllmError(RuntimeError):
+class UnsupportedVllmError(KvconnectError, RuntimeError):
     """The installed vLLM is not a version the plugin supports (nothing was patched)."""
 
 
-class PluginConfigError(ValueError):
+class PluginConfigError(KvconnectError, ValueError):
     """A kvconnect plugin setting (environment variable) or request vLLM cannot honour."""
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import KvconnectError
 from .base import VmmError
 
 # -- scalar types (cuda.h) -------------------------------------------------------------------
@@ -293,7 +294,7 @@ HIP = Backend(
 BACKENDS: dict[str, Backend] = {"cuda": CUDA, "hip": HIP}
 
 
-class DriverLibraryError(OSError):
+class DriverLibraryError(KvconnectError, OSError):
     """The backend's shared library is missing or lacks a required symbol."""
 
 

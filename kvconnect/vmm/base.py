@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..checks import round_up
+from ..errors import KvconnectError
 
 __all__ = [
     "DEFAULT_OPTIONS", "DLPACK_CPU", "DLPACK_CUDA", "DLPACK_ROCM", "AllocationOptions",
@@ -34,7 +35,7 @@ DLPACK_CUDA = 2
 DLPACK_ROCM = 10
 
 
-class VmmError(RuntimeError):
+class VmmError(KvconnectError, RuntimeError):
     """A driver call failed. ``call`` is the driver entry point, ``code`` its status."""
 
     def __init__(self, call: str, code: int | str, detail: str = "") -> None:

@@ -33,6 +33,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from kvconnect.layout import LayoutError
+
 from .probes import ConnectorProbe, GenericProbe, Region, probe_for
 
 __all__ = ["CASE_DEFAULTS", "DeviceBytes", "fill_committed", "resolve_connector", "run_case"]
@@ -246,7 +248,7 @@ def _register(connector: Any, views: dict[str, Any], checks: _Checks) -> bool:
         connector.register_kv_caches(views)
     except Exception as exc:
         # kvconnect's bounding refusing a layout it cannot describe is not a fault
-        refused = type(exc).__name__ == "LayoutError"
+        refused = isinstance(exc, LayoutError)
         checks["register"] = {"status": "refused" if refused else "fail",
                               "error": _error(exc),
                               "where": traceback.extract_tb(exc.__traceback__)[-1].name}

@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 
 from kvconnect.checks import check_can_create_file
+from kvconnect.errors import KvconnectError
 from kvconnect.layout.formats import VLLM_LAYOUTS
 
 __all__ = ["OptionError", "check_output_path", "gpu_absent_reason", "parse_caches",
@@ -24,7 +25,7 @@ __all__ = ["OptionError", "check_output_path", "gpu_absent_reason", "parse_cache
 ENGINE_CACHES = ("extensible", "plain")
 
 
-class OptionError(ValueError):
+class OptionError(KvconnectError, ValueError):
     """A bad option value; the message names the option's rule."""
 
 

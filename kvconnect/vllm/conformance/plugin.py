@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from kvconnect.errors import KvconnectError
+
 __all__ = ["ConformanceItem", "EngineConformanceItem", "pytest_addoption", "pytest_collection_modifyitems",
            "pytest_configure"]
 
@@ -145,7 +147,7 @@ class EngineConformanceItem(_KitItem):
             raise ConformanceFailure(ext)
 
 
-class ConformanceFailure(Exception):
+class ConformanceFailure(KvconnectError):
     def __init__(self, result: dict[str, Any]) -> None:
         super().__init__(result["status"])
         self.result = result

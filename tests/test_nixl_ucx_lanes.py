@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvconnect.harness.ucx_lanes import LaneTracker, parse_read_lanes
+from kvconnect.connectors.nixl.ucx_lanes import LaneTracker, parse_read_lanes
 
 _P = "[1795997993.341576] [vm:18832:0]   "
 SAMPLE = "\n".join(_P + line for line in [
@@ -48,7 +48,7 @@ def test_tracker_reads_only_new_output_and_remembers_the_peer(tmp_path: Path,
                                                               monkeypatch) -> None:
     log = tmp_path / "worker.log"
     log.write_text("old output\n")
-    monkeypatch.setattr("kvconnect.harness.ucx_lanes._stdout_file", lambda: str(log))
+    monkeypatch.setattr("kvconnect.connectors.nixl.ucx_lanes._stdout_file", lambda: str(log))
     tracker = LaneTracker()
     assert tracker.lanes_after_read("prefill0") == []
     with log.open("a") as f:
@@ -65,7 +65,7 @@ def test_a_reused_selection_among_several_is_named_as_alternatives(tmp_path: Pat
                                                                    monkeypatch) -> None:
     log = tmp_path / "worker.log"
     log.write_text("")
-    monkeypatch.setattr("kvconnect.harness.ucx_lanes._stdout_file", lambda: str(log))
+    monkeypatch.setattr("kvconnect.connectors.nixl.ucx_lanes._stdout_file", lambda: str(log))
     tracker = LaneTracker()
     assert tracker.lanes_after_read("prefill0") == []  # no table yet: nothing is known
     with log.open("a") as f:
