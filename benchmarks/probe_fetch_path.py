@@ -335,6 +335,8 @@ SHAPES: dict[str, tuple[int, dict[str, Any]]] = {
     "chunk16k": (16 * 1024, {}),
     "warps8": (32 * 1024, {"num_warps": 8}),
     "bw2048": (32 * 1024, {"block_words": 2048}),
+    "bw4096": (32 * 1024, {"block_words": 4096}),  # a 32 KiB column loaded in one step
+    "bw4096w8": (32 * 1024, {"block_words": 4096, "num_warps": 8}),
     "streaming": (32 * 1024, {"streaming": True}),
 }
 
@@ -562,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="shapes part: cache blocks per copied block (the harness's 1 GiB "
                          "sweep point: 1, every block of the cache)")
     ap.add_argument("--shapes", nargs="+", default=["default", "items2", "items4", "items8",
-                                                    "chunk16k", "warps8", "bw2048"],
+                                                    "chunk16k", "warps8", "bw2048", "bw4096",
+                                                    "bw4096w8"],
                     choices=sorted(SHAPES))
     ap.add_argument("--ipc", action="store_true",
                     help="shapes part: also IpcTransport.fetch from a second process")
