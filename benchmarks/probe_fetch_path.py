@@ -206,12 +206,22 @@ def _percentile(v: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(len(v) * q))]
 
 
+def _completed(timeout: float = 30.0) -> float:
+    """Wait (event + poll, as the transport does) until the current stream's work is done;
+    returns ``time.perf_counter()`` then."""
+    from kvconnect.connectors.copy._kernel_launch import wait_events
+
+    ev = torch.cuda.Event()
+    ev.record()
+    wait_events([ev], timeout)
+    return time.perf_counter()
+
+
 def _time_one_copy(plan: BlockCopyPlan, nb: int, k: int, rng: np.random.Generator,
                    iters: int) -> dict[str, float]:
     """p50 microseconds of the pieces of ``iters`` whole copies of ``k`` random blocks (ids
     -> array + checks, ``plan.copy``, event + completion wait) and of a plain copy of the same
     bytes, interleaved; plus the p99 of the whole and of the plain copy."""
-    from kvconnect.connectors.copy._kernel_launch import wait_events
     from kvconnect.connectors.copy.block_copy import as_block_ids
 
     a = torch.empty(k * plan.bytes_per_block, dtype=torch.uint8, device=DEV)
@@ -228,10 +238,7 @@ def _time_one_copy(plan: BlockCopyPlan, nb: int, k: int, rng: np.random.Generato
         t1 = time.perf_counter()
         plan.copy(s_arr, d_arr, validate=False)
         t2 = time.perf_counter()
-        ev = torch.cuda.Event()
-        ev.record()
-        wait_events([ev], 10.0)
-        t3 = time.perf_counter()
+        t3 = _completed()
         torch.cuda.synchronize()
         r0 = time.perf_counter()
         b.copy_(a)
@@ -348,7 +355,6 @@ def _fetch_like(plan: BlockCopyPlan, remote: Any, local: Any, iters: int,
     the pieces. ``remote`` / ``local``: lists (as the harness passes them) or arrays.
     ``slice_ids``: convert, check and launch ``slice_ids`` ids at a time (a pipelined fetch:
     the GPU copies a slice while the host converts the next; checks per slice only)."""
-    from kvconnect.connectors.copy._kernel_launch import wait_events
     from kvconnect.connectors.copy.block_copy import as_block_ids
 
     n = len(remote)
@@ -370,10 +376,7 @@ def _fetch_like(plan: BlockCopyPlan, remote: Any, local: Any, iters: int,
             t2 = time.perf_counter()
             plan.copy(s_arr, d_arr, validate=False)
             t3 = time.perf_counter()
-        ev = torch.cuda.Event()
-        ev.record()
-        wait_events([ev], 30.0)
-        t4 = time.perf_counter()
+        t4 = _completed()
         if i >= 3:
             for k, v in (("whole", t4 - t0), ("ids", t1 - t0), ("check", t2 - t1),
                          ("submit", t3 - t2), ("wait", t4 - t3)):
