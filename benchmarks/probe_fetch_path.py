@@ -16,17 +16,12 @@ Two questions, one GPU, one process:
 2. **Host work** (``--part host``): a whole copy of 1 and 16 blocks (``plan.copy`` + an
    event + its wait) and its pieces, for the graph replay through ``cuGraphLaunch``, through
    torch's ``replay()``, and eager launches; then a cProfile of many such copies.
-3. **Geometry and launch shape** (``--part shapes``): few regions x many blocks (the
-   harness preset: 4 layers = 8 regions of 32 KiB pages, 4096 blocks per GiB, every block of
-   the cache) against 64 regions x 512 blocks, same bytes (``--regions``, ``--shape-mib``).
-   Per ``--shapes`` launch shape (:data:`SHAPES`: items per program, chunk, warps, words per
-   step): the kernel alone (one copy, and copies back to back, CUDA events), the fetch as
-   ``IpcTransport`` times it (Python-list ids -> arrays, checks, launch, completion; and its
-   pieces), the same with array ids, and a pipelined fetch (``--slice-ids`` ids converted,
-   checked and launched at a time). ``--ipc``: ``IpcTransport.fetch`` itself from a second
-   process (``FetchResult.seconds``, what the harness sweep reports), per ``--ipc-shapes``.
-   Reference: a contiguous d2d copy, by events and timed as the harness does (synchronize,
-   copy, synchronize).
+3. **Geometry and launch shape** (``--part shapes``): the harness preset (8 regions of 32
+   KiB pages, 4096 blocks per GiB, every block of the cache) against 64 regions, same bytes.
+   Per launch shape (:data:`SHAPES`): the kernel alone (CUDA events), the fetch as
+   ``IpcTransport`` times it (list ids; and its pieces), with array ids, and pipelined
+   (``--slice-ids``); ``--ipc``: ``IpcTransport.fetch`` from a second process, as the
+   harness sweep reports it. Reference: a d2d copy, by events and as the harness times it.
 
     python benchmarks/probe_fetch_path.py --json probe.json
     python benchmarks/probe_fetch_path.py --part shapes --ipc --json shapes.json
@@ -350,11 +345,9 @@ SHAPES: dict[str, tuple[int, dict[str, Any]]] = {
 
 def _fetch_like(plan: BlockCopyPlan, remote: Any, local: Any, iters: int,
                 slice_ids: int = 0) -> dict[str, float]:
-    """p50 microseconds of ``iters`` copies timed as ``IpcTransport.fetch`` times its own
-    ``seconds`` (synchronize; ids -> arrays, checks, launch, event, completion wait) and of
-    the pieces. ``remote`` / ``local``: lists (as the harness passes them) or arrays.
-    ``slice_ids``: convert, check and launch ``slice_ids`` ids at a time (a pipelined fetch:
-    the GPU copies a slice while the host converts the next; checks per slice only)."""
+    """p50 microseconds of ``iters`` copies timed as ``IpcTransport.fetch`` times its
+    ``seconds``, and of the pieces; ids as lists (as the harness passes them) or arrays.
+    ``slice_ids``: convert, check and launch that many ids at a time (a pipelined fetch)."""
     from kvconnect.connectors.copy.block_copy import as_block_ids
 
     n = len(remote)
@@ -412,6 +405,18 @@ def _single_copy_ms(fn: Any, reps: int) -> float:
         b.synchronize()
         out.append(a.elapsed_time(b))
     return statistics.median(out)
+
+
+def _id_conversion_us(ids: list[int]) -> dict[str, float]:
+    """Microseconds to turn one Python list of ids into int64 values, three ways."""
+    import array
+    import struct
+    import timeit
+
+    ways = {"array": lambda: array.array("q", ids), "fromiter": lambda: np.fromiter(
+        ids, np.int64, len(ids)), "struct": lambda: struct.pack(f"{len(ids)}q", *ids)}
+    return {f"list_to_int64_{k}_us": min(timeit.repeat(f, number=20, repeat=5)) / 20 * 1e6
+            for k, f in ways.items()}
 
 
 def _shape_ids(regions: int, nb: int, k: int) -> tuple[list[int], list[int]]:
@@ -479,6 +484,7 @@ def part_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
         base["d2d_b2b_ms"] = _events_ms(lambda a=a, b=b: b.copy_(a), args.reps, 3)
         del a, b
         base["d2d_host_timed_us"] = _host_timed_copy_us(nbytes, 5)
+        base.update(_id_conversion_us(local))
         try:
             src = _kvcache_regions(nb, args.block_kib, keep, regions)
             dst = _kvcache_regions(nb, args.block_kib, keep, regions)
