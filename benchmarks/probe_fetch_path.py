@@ -506,6 +506,7 @@ def part_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
         torch.cuda.synchronize()
         _release(keep)
         torch.cuda.empty_cache()
+        _dump(args, rows)
     return rows
 
 
@@ -594,11 +595,16 @@ def main(argv: list[str] | None = None) -> int:
         rows += part_offload(args)
     if "shapes" in args.part:
         rows += part_shapes(args)
+    _dump(args, rows)
+    return 0
+
+
+def _dump(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` to ``--json`` (also after each geometry: a cut-short run keeps them)."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(0),
                        "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
