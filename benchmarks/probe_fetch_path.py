@@ -494,7 +494,10 @@ def part_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
                                            device=DEV, generator=g))
             want = None
             for shape in args.shapes:
-                row, want = _shape_row(args, shape, src, dst, base, (remote, local), want)
+                try:
+                    row, want = _shape_row(args, shape, src, dst, base, (remote, local), want)
+                except Exception as exc:  # noqa: BLE001 - one failed shape is a finding
+                    row = {**base, "shape": shape, "error": f"{type(exc).__name__}: {exc}"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if args.ipc:
