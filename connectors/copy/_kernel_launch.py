@@ -47,11 +47,14 @@ from ._cuda_streams import current_device, current_stream, raw_stream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LAUNCH_MODES", "MAX_SLOTS", "KernelLauncher", "bucket_sizes", "grid_programs",
-           "wait_events"]
+__all__ = ["ITEMS_PER_PROGRAM", "LAUNCH_MODES", "MAX_SLOTS", "KernelLauncher", "bucket_sizes",
+           "grid_programs", "wait_events"]
 
 #: how a launcher issues copies (module docstring)
 LAUNCH_MODES = ("graph", "eager")
+#: work items (one column of one block) each kernel program copies, by default (a plan's
+#: ``kernel_options`` may override it; :mod:`._triton_block_copy`)
+ITEMS_PER_PROGRAM = 1
 #: slots per bucket at most (copies of one bucket in flight at once)
 MAX_SLOTS = 4
 #: int64 words before the id pairs in an ids buffer: live count, padding
@@ -231,7 +234,7 @@ class KernelLauncher:
     def describe(self) -> dict[str, Any]:
         """JSON-able facts: mode, buckets, slots and graphs held."""
         slots = [s for bk in self._bucket.values() for s in bk.slots]
-        items = int(self.options.get("items_per_program", 1))
+        items = int(self.options.get("items_per_program", ITEMS_PER_PROGRAM))
         return {"launch": self.mode, "buckets": len(self.buckets),
                 "max_blocks": self.buckets[-1], "items_per_program": items,
                 "max_programs": grid_programs(self.buckets[-1], self.options["num_columns"],

@@ -48,7 +48,7 @@ import torch
 from kvconnect.views import block_span
 
 from ._host_block_copy import HostRowCopier, host_row_copier
-from ._kernel_launch import LAUNCH_MODES, KernelLauncher
+from ._kernel_launch import ITEMS_PER_PROGRAM, LAUNCH_MODES, KernelLauncher
 from .ops import WORD_DTYPES, word_size
 
 logger = logging.getLogger(__name__)
@@ -278,8 +278,9 @@ class BlockCopyPlan:
             "column_words": int(self._table[:, 4].max()) // self.word,
             "vec": 16 // self.word if aligned else 1,
             "even": bool(np.all(self._table[:, 4] == self._table[0, 4])),
-            "column_major": True, **(kernel_options or {})}
-        items = self._kernel_options.get("items_per_program", 1)
+            "column_major": True, "items_per_program": ITEMS_PER_PROGRAM,
+            **(kernel_options or {})}
+        items = self._kernel_options["items_per_program"]
         if type(items) is not int or items <= 0:
             raise ValueError(f"kernel option items_per_program must be a positive int, got "
                              f"{items!r}")
