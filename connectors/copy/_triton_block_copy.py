@@ -96,8 +96,9 @@ def launch_block_copy(anchor: torch.Tensor, table: torch.Tensor, ids: torch.Tens
     ``column_major``: item numbering (module docstring); ``num_warps`` / ``block_words``:
     launch shape; ``streaming``: streaming cache hints on loads and stores (even columns
     only); ``items_per_program``: consecutive items each program copies (grid:
-    :func:`._kernel_launch.grid_programs`); ``compile_only``: an empty grid with the same arguments (Triton
-    compiles one variant per ``num_blocks`` class: 1, a multiple of 16, any other)."""
+    :func:`._kernel_launch.grid_programs`); ``compile_only``: an empty grid with the same
+    arguments (Triton compiles one variant per ``num_blocks`` class: 1, a multiple of 16, any
+    other)."""
     block = min(block_words, triton.next_power_of_2(max(column_words, 1)))
     column = triton.cdiv(column_words, block) * block
     if even and column != column_words:
