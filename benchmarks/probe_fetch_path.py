@@ -16,8 +16,15 @@ Two questions, one GPU, one process:
 2. **Host work** (``--part host``): a whole copy of 1 and 16 blocks (``plan.copy`` + an
    event + its wait) and its pieces, for the graph replay through ``cuGraphLaunch``, through
    torch's ``replay()``, and eager launches; then a cProfile of many such copies.
+3. **Geometry and launch shape** (``--part shapes``): the harness preset (8 regions of 32
+   KiB pages, 4096 blocks per GiB, every block of the cache) against 64 regions, same bytes.
+   Per launch shape (:data:`SHAPES`): the kernel alone (CUDA events), the fetch as
+   ``IpcTransport`` times it (list ids; and its pieces), with array ids, and pipelined
+   (``--slice-ids``); ``--ipc``: ``IpcTransport.fetch`` from a second process, as the
+   harness sweep reports it. Reference: a d2d copy, by events and as the harness times it.
 
     python benchmarks/probe_fetch_path.py --json probe.json
+    python benchmarks/probe_fetch_path.py --part shapes --ipc --json shapes.json
 """
 
 from __future__ import annotations
@@ -96,15 +103,16 @@ def _flats(kind: str, nb: int, blen: int, keep: list[Any]) -> list[torch.Tensor]
     return [big[i * span:(i + 1) * span] for i in range(REGIONS)]
 
 
-def _kvcache_regions(nb: int, block_kib: int, keep: list[Any]) -> list[BlockRegion]:
+def _kvcache_regions(nb: int, block_kib: int, keep: list[Any], regions: int = REGIONS
+                     ) -> list[BlockRegion]:
     from kvconnect.kv_cache import ExtensibleKVCache
     from kvconnect.layout import preset
     from kvconnect.views import page_holders
     from kvconnect.vmm import AllocationOptions
 
-    cfg = preset("llama3-8b-like", num_blocks=nb, num_layers=REGIONS // 2,
+    cfg = preset("llama3-8b-like", num_blocks=nb, num_layers=regions // 2,
                  block_size=block_kib * 1024 // (8 * 128 * 2))
-    cache = ExtensibleKVCache(cfg, "cuda:0", capacity_blocks=2 * nb,
+    cache = ExtensibleKVCache(cfg, str(DEV), capacity_blocks=2 * nb,
                               options=AllocationOptions(shareable=True))
     cache.allocate()
     cache.extend_kv_cache(nb, single_handle=True)
@@ -195,12 +203,22 @@ def _percentile(v: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(len(v) * q))]
 
 
+def _completed(timeout: float = 30.0) -> float:
+    """Wait (event + poll, as the transport does) until the current stream's work is done;
+    returns ``time.perf_counter()`` then."""
+    from kvconnect.connectors.copy._kernel_launch import wait_events
+
+    ev = torch.cuda.Event()
+    ev.record()
+    wait_events([ev], timeout)
+    return time.perf_counter()
+
+
 def _time_one_copy(plan: BlockCopyPlan, nb: int, k: int, rng: np.random.Generator,
                    iters: int) -> dict[str, float]:
     """p50 microseconds of the pieces of ``iters`` whole copies of ``k`` random blocks (ids
     -> array + checks, ``plan.copy``, event + completion wait) and of a plain copy of the same
     bytes, interleaved; plus the p99 of the whole and of the plain copy."""
-    from kvconnect.connectors.copy._kernel_launch import wait_events
     from kvconnect.connectors.copy.block_copy import as_block_ids
 
     a = torch.empty(k * plan.bytes_per_block, dtype=torch.uint8, device=DEV)
@@ -217,10 +235,7 @@ def _time_one_copy(plan: BlockCopyPlan, nb: int, k: int, rng: np.random.Generato
         t1 = time.perf_counter()
         plan.copy(s_arr, d_arr, validate=False)
         t2 = time.perf_counter()
-        ev = torch.cuda.Event()
-        ev.record()
-        wait_events([ev], 10.0)
-        t3 = time.perf_counter()
+        t3 = _completed()
         torch.cuda.synchronize()
         r0 = time.perf_counter()
         b.copy_(a)
@@ -315,6 +330,238 @@ def part_offload(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+#: launch shapes the ``shapes`` part compares: name -> (chunk_bytes, kernel_options)
+SHAPES: dict[str, tuple[int, dict[str, Any]]] = {
+    "default": (32 * 1024, {}),
+    "items2": (32 * 1024, {"items_per_program": 2}),
+    "items4": (32 * 1024, {"items_per_program": 4}),
+    "items8": (32 * 1024, {"items_per_program": 8}),
+    "chunk16k": (16 * 1024, {}),
+    "warps8": (32 * 1024, {"num_warps": 8}),
+    "bw2048": (32 * 1024, {"block_words": 2048}),
+    "bw4096": (32 * 1024, {"block_words": 4096}),  # a 32 KiB column loaded in one step
+    "bw4096w8": (32 * 1024, {"block_words": 4096, "num_warps": 8}),
+    "streaming": (32 * 1024, {"streaming": True}),
+}
+
+
+def _fetch_like(plan: BlockCopyPlan, remote: Any, local: Any, iters: int,
+                slice_ids: int = 0) -> dict[str, float]:
+    """p50 microseconds of ``iters`` copies timed as ``IpcTransport.fetch`` times its
+    ``seconds``, and of the pieces; ids as lists (as the harness passes them) or arrays.
+    ``slice_ids``: convert, check and launch that many ids at a time (a pipelined fetch)."""
+    from kvconnect.connectors.copy.block_copy import as_block_ids
+
+    n = len(remote)
+    times: dict[str, list[float]] = {k: [] for k in ("whole", "ids", "check", "submit", "wait")}
+    for i in range(iters + 3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if slice_ids:
+            for lo in range(0, n, slice_ids):
+                s_arr = as_block_ids(remote[lo:lo + slice_ids], "remote_ids")
+                d_arr = as_block_ids(local[lo:lo + slice_ids], "local_ids")
+                plan.check_ids(s_arr, d_arr)
+                plan.copy(s_arr, d_arr, validate=False)
+            t1 = t2 = t3 = time.perf_counter()
+        else:
+            s_arr, d_arr = as_block_ids(remote, "remote_ids"), as_block_ids(local, "local_ids")
+            t1 = time.perf_counter()
+            plan.check_ids(s_arr, d_arr)
+            t2 = time.perf_counter()
+            plan.copy(s_arr, d_arr, validate=False)
+            t3 = time.perf_counter()
+        t4 = _completed()
+        if i >= 3:
+            for k, v in (("whole", t4 - t0), ("ids", t1 - t0), ("check", t2 - t1),
+                         ("submit", t3 - t2), ("wait", t4 - t3)):
+                times[k].append(v)
+    return {f"{k}_us": statistics.median(v) * 1e6 for k, v in times.items()}
+
+
+def _host_timed_copy_us(nbytes: int, reps: int) -> float:
+    """Median microseconds of one contiguous d2d torch copy timed as the harness's
+    reference is (synchronize, copy, synchronize)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=DEV).fill_(5)
+    b = torch.empty_like(a)
+    out = []
+    for i in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        if i:
+            out.append(time.perf_counter() - t0)
+    return statistics.median(out) * 1e6
+
+
+def _single_copy_ms(fn: Any, reps: int) -> float:
+    """Median milliseconds of one call of ``fn`` alone between two CUDA events."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def _id_conversion_us(ids: list[int]) -> dict[str, float]:
+    """Microseconds to turn one Python list of ids into int64 values, three ways."""
+    import array
+    import struct
+    import timeit
+
+    ways = {"array": lambda: array.array("q", ids), "fromiter": lambda: np.fromiter(
+        ids, np.int64, len(ids)), "struct": lambda: struct.pack(f"{len(ids)}q", *ids)}
+    return {f"list_to_int64_{k}_us": min(timeit.repeat(f, number=20, repeat=5)) / 20 * 1e6
+            for k, f in ways.items()}
+
+
+def _shape_ids(regions: int, nb: int, k: int) -> tuple[list[int], list[int]]:
+    """Ids as the harness sweep makes them: a seeded sorted sample, a shuffled sample."""
+    import random
+
+    rng = random.Random(f"probe/{regions}/{nb}/{k}")
+    return sorted(rng.sample(range(nb), k)), rng.sample(range(nb), k)
+
+
+def _shape_row(args: argparse.Namespace, shape: str, src: list[BlockRegion],
+               dst: list[BlockRegion], base: dict[str, Any], ids: tuple[list[int], list[int]],
+               want: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor]:
+    """One launch shape on one geometry: checked byte-exact, then the kernel alone and the
+    fetch-like timings. Returns the row and the source blocks read (reused as ``want``)."""
+    remote, local = ids
+    s_arr, d_arr = np.asarray(remote), np.asarray(local)
+    chunk, options = SHAPES[shape]
+    plan = BlockCopyPlan(src, dst, device=DEV, method="kernel", chunk_bytes=chunk,
+                         kernel_options=options)
+    plan.warm_up()
+    for r in dst:
+        r.flat.zero_()
+    plan.copy(s_arr, d_arr)
+    if want is None:
+        want = plan.read_blocks("src", s_arr)
+    ok = bool(torch.equal(plan.read_blocks("dst", d_arr), want))
+
+    def copy() -> None:
+        plan.copy(s_arr, d_arr, validate=False)
+
+    row = {**base, "shape": shape, "chunk_bytes": chunk, "options": options,
+           "columns": plan.num_columns, "verified": ok,
+           "programs": plan.describe().get("max_programs"),
+           "kernel_ms": _single_copy_ms(copy, args.reps),
+           "kernel_b2b_ms": _events_ms(copy, args.reps, 3)}
+    row["kernel_ratio"] = row["d2d_ms"] / row["kernel_ms"]
+    fetch = _fetch_like(plan, remote, local, args.fetch_iters)
+    row.update({f"fetch_{n}": v for n, v in fetch.items()})
+    row["fetch_ratio"] = base["d2d_host_timed_us"] / fetch["whole_us"]
+    row["fetch_arrays_us"] = _fetch_like(plan, s_arr, d_arr, args.fetch_iters)["whole_us"]
+    for sl in args.slice_ids:
+        row[f"fetch_sliced{sl}_us"] = _fetch_like(plan, remote, local, args.fetch_iters,
+                                                  sl)["whole_us"]
+    return row, want
+
+
+def part_shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per ``--regions`` count at ``--shape-mib``: the kernel alone (one copy; copies back to
+    back) and the fetch as the transport times it, for each ``--shapes`` launch shape, on two
+    ExtensibleKVCaches of the llama3-8b-like layout in this process."""
+    rows = []
+    blen = args.block_kib * 1024
+    for regions in args.regions:
+        k = max(1, args.shape_mib * MIB // (regions * blen))
+        nb = k * args.cache_factor
+        nbytes = k * regions * blen
+        remote, local = _shape_ids(regions, nb, k)
+        keep: list[Any] = []
+        base: dict[str, Any] = {"part": "shapes", "regions": regions, "block_bytes": blen,
+                                "blocks": k, "cache_blocks": nb, "request_bytes": nbytes}
+        a = torch.empty(nbytes, dtype=torch.uint8, device=DEV).fill_(3)
+        b = torch.empty_like(a)
+        base["d2d_ms"] = _single_copy_ms(lambda a=a, b=b: b.copy_(a), args.reps)
+        base["d2d_b2b_ms"] = _events_ms(lambda a=a, b=b: b.copy_(a), args.reps, 3)
+        del a, b
+        base["d2d_host_timed_us"] = _host_timed_copy_us(nbytes, 5)
+        base.update(_id_conversion_us(local))
+        try:
+            src = _kvcache_regions(nb, args.block_kib, keep, regions)
+            dst = _kvcache_regions(nb, args.block_kib, keep, regions)
+            g = torch.Generator(device=DEV).manual_seed(regions)
+            for r in src:
+                r.flat.copy_(torch.randint(0, 256, (r.flat.numel(),), dtype=torch.uint8,
+                                           device=DEV, generator=g))
+            want = None
+            for shape in args.shapes:
+                try:
+                    row, want = _shape_row(args, shape, src, dst, base, (remote, local), want)
+                except Exception as exc:  # noqa: BLE001 - one failed shape is a finding
+                    row = {**base, "shape": shape, "error": f"{type(exc).__name__}: {exc}"}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if args.ipc:
+                rows += _ipc_shapes(args, regions, nb, remote, local, keep[1], keep, base)
+        except Exception as exc:  # noqa: BLE001 - a geometry that cannot be built is a finding
+            rows.append({**base, "error": f"{type(exc).__name__}: {exc}"})
+            print(json.dumps(rows[-1]), flush=True)
+        src = dst = want = None
+        torch.cuda.synchronize()
+        _release(keep)
+        torch.cuda.empty_cache()
+        _dump(args, rows)
+    return rows
+
+
+def _ipc_shapes(args: argparse.Namespace, regions: int, nb: int, remote: list[int],
+                local: list[int], cache: Any, keep: list[Any], base: dict[str, Any]
+                ) -> list[dict[str, Any]]:
+    """``IpcTransport.fetch`` from a second process's cache (bench_transfer's server) into
+    ``cache``, ``FetchResult.seconds`` as the harness sweep reports it, per
+    ``--ipc-shapes`` (the transport's plan re-launched with that shape's kernel options)."""
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_transfer import _Server
+
+    from kvconnect.connectors.ipc.transport import IpcTransport
+
+    rows = []
+    server = _Server(argparse.Namespace(num_layers=regions // 2, nixl=False), args.block_kib,
+                     nb, "cuda:0")
+    keep.append(server)
+    t = IpcTransport(cache)
+    keep.append(t)
+    t.open_peer("serve", server.offers["ipc"])
+    plan = t.plan_for("serve")
+    defaults = dict(plan._kernel_options)
+    for shape in args.ipc_shapes:
+        chunk, options = SHAPES[shape]
+        if chunk != plan.chunk_bytes:
+            continue  # the transport's plan has the default chunking
+        plan._kernel_options = {**defaults, **options}  # the probe re-shapes the launch
+        plan._launcher = None
+        plan.warm_up()
+        res = t.fetch("serve", remote, local)
+        ok = bool(torch.equal(plan.read_blocks("dst", local), plan.read_blocks("src", remote)))
+        for _ in range(5):
+            t.fetch("serve", remote, local)
+        lists = statistics.median(t.fetch("serve", remote, local).seconds
+                                  for _ in range(args.fetch_iters))
+        arrays = statistics.median(t.fetch("serve", np.asarray(remote), np.asarray(local))
+                                   .seconds for _ in range(args.fetch_iters))
+        row = {**base, "part": "ipc-shapes", "shape": shape, "verified": ok,
+               "backend": res.backend, "fetch_seconds_lists_us": lists * 1e6,
+               "fetch_seconds_arrays_us": arrays * 1e6,
+               "ratio_lists": base["d2d_host_timed_us"] / (lists * 1e6),
+               "ratio_arrays": base["d2d_host_timed_us"] / (arrays * 1e6)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", nargs="+", default=["memory", "host", "offload"])
@@ -325,6 +572,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-kib", type=int, default=32)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--host-iters", type=int, default=300)
+    ap.add_argument("--regions", type=int, nargs="+", default=[8, 64],
+                    help="shapes part: K/V regions (2 per layer; the harness preset has 8)")
+    ap.add_argument("--shape-mib", type=int, default=1024, help="shapes part: bytes per copy")
+    ap.add_argument("--cache-factor", type=int, default=1,
+                    help="shapes part: cache blocks per copied block (the harness's 1 GiB "
+                         "sweep point: 1, every block of the cache)")
+    ap.add_argument("--shapes", nargs="+", default=["default", "items2", "items4", "items8",
+                                                    "chunk16k", "warps8", "bw2048", "bw4096",
+                                                    "bw4096w8"],
+                    choices=sorted(SHAPES))
+    ap.add_argument("--ipc", action="store_true",
+                    help="shapes part: also IpcTransport.fetch from a second process")
+    ap.add_argument("--ipc-shapes", nargs="+", default=["default", "items4"],
+                    choices=sorted(SHAPES))
+    ap.add_argument("--slice-ids", type=int, nargs="*", default=[512],
+                    help="shapes part: also a pipelined fetch, this many ids per launch")
+    ap.add_argument("--fetch-iters", type=int, default=20)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -334,11 +598,18 @@ def main(argv: list[str] | None = None) -> int:
         rows += part_host(args)
     if "offload" in args.part:
         rows += part_offload(args)
+    if "shapes" in args.part:
+        rows += part_shapes(args)
+    _dump(args, rows)
+    return 0
+
+
+def _dump(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` to ``--json`` (also after each geometry: a cut-short run keeps them)."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(0),
                        "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kvconnect.connectors.copy._host_block_copy import HostRowCopier, host_row_copier
-from kvconnect.connectors.copy._kernel_launch import bucket_sizes
+from kvconnect.connectors.copy._kernel_launch import bucket_sizes, grid_programs
 from kvconnect.connectors.copy.block_copy import (
     BlockCopyPlan,
     BlockRegion,
@@ -335,6 +335,27 @@ def test_id_count_buckets() -> None:
         bucket_sizes(0)
 
 
+def test_grid_programs_cover_every_work_item_once() -> None:
+    """Programs x items per program cover every (column, block) item, with less than one
+    program's worth of overshoot (the kernel skips items past the end)."""
+    for blocks, columns, items in ((4096, 8, 1), (4096, 8, 4), (7, 3, 4), (1, 1, 8),
+                                   (512, 64, 3)):
+        programs = grid_programs(blocks, columns, items)
+        assert programs * items >= blocks * columns > (programs - 1) * items
+    with pytest.raises(ValueError, match="items_per_program"):
+        grid_programs(16, 8, 0)
+
+
+def test_plan_refuses_a_bad_items_per_program() -> None:
+    src, dst, _keep = _layouts(8)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="items_per_program"):
+            BlockCopyPlan(src, dst, method="torch", kernel_options={"items_per_program": bad})
+    plan = BlockCopyPlan(src, dst, method="torch", kernel_options={"items_per_program": 4})
+    assert plan.kernel_arguments(np.arange(3), np.arange(3), torch.device("cpu"))[3][
+        "items_per_program"] == 4
+
+
 def test_table_merges_contiguous_columns_and_chunks_long_ones() -> None:
     n = 8
     base = _random_bytes(n * 1024, 3)
@@ -409,10 +430,14 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     from kvconnect.connectors.copy.block_copy import BlockCopyPlan
     from kvconnect.connectors.copy._triton_block_copy import launch_block_copy
     n = 12
-    for chunk, major in ((64, True), (32 * 1024, True), (32 * 1024, False)):
+    # items per program: 1 (one program per column of a block), 3 (the last program runs
+    # past the items: 5 blocks x 6 or 17 columns), 16 (one program holds several columns)
+    for chunk, major, items in ((64, True, 1), (32 * 1024, True, 1), (32 * 1024, False, 1),
+                                (64, True, 3), (32 * 1024, False, 3), (64, True, 16)):
         src, dst, keep = _layouts(n, seed=7)
         plan = BlockCopyPlan(src, dst, method="torch", chunk_bytes=chunk,
-                             kernel_options={{"column_major": major}})
+                             kernel_options={{"column_major": major,
+                                              "items_per_program": items}})
         s_ids, d_ids = np.array([11, 0, 5, 6, 7]), np.array([2, 3, 4, 10, 9])
         before = [_block_bytes(dst, b) for b in range(n)]
         anchor, table, ids, options = plan.kernel_arguments(s_ids, d_ids, torch.device("cpu"))
@@ -443,7 +468,7 @@ def test_kernel_in_triton_interpreter_is_byte_exact() -> None:
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == 4 and "slack ok" in proc.stdout
+    assert proc.stdout.count("ok") == 7 and "slack ok" in proc.stdout
 
 
 # -- on a GPU ------------------------------------------------------------------------------

@@ -47,10 +47,14 @@ from ._cuda_streams import current_device, current_stream, raw_stream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LAUNCH_MODES", "MAX_SLOTS", "KernelLauncher", "bucket_sizes", "wait_events"]
+__all__ = ["ITEMS_PER_PROGRAM", "LAUNCH_MODES", "MAX_SLOTS", "KernelLauncher", "bucket_sizes",
+           "grid_programs", "wait_events"]
 
 #: how a launcher issues copies (module docstring)
 LAUNCH_MODES = ("graph", "eager")
+#: work items (one column of one block) each kernel program copies, by default (a plan's
+#: ``kernel_options`` may override it; :mod:`._triton_block_copy`)
+ITEMS_PER_PROGRAM = 1
 #: slots per bucket at most (copies of one bucket in flight at once)
 MAX_SLOTS = 4
 #: int64 words before the id pairs in an ids buffer: live count, padding
@@ -72,6 +76,16 @@ def bucket_sizes(max_blocks: int) -> list[int]:
         p *= 2
     out.append(max_blocks)
     return out
+
+
+def grid_programs(num_blocks: int, num_columns: int, items_per_program: int = 1) -> int:
+    """Programs of one kernel launch over ``num_blocks`` blocks of ``num_columns`` columns
+    (work items) when each program copies ``items_per_program`` consecutive items:
+    ``ceil(num_blocks * num_columns / items_per_program)`` (:mod:`._triton_block_copy`)."""
+    if min(num_blocks, num_columns, items_per_program) <= 0:
+        raise ValueError(f"num_blocks {num_blocks}, num_columns {num_columns} and "
+                         f"items_per_program {items_per_program} must be positive")
+    return -(-num_blocks * num_columns // items_per_program)
 
 
 def wait_events(events: Sequence[Any], timeout: float, what: str = "copy") -> None:
@@ -220,8 +234,12 @@ class KernelLauncher:
     def describe(self) -> dict[str, Any]:
         """JSON-able facts: mode, buckets, slots and graphs held."""
         slots = [s for bk in self._bucket.values() for s in bk.slots]
+        items = int(self.options.get("items_per_program", ITEMS_PER_PROGRAM))
         return {"launch": self.mode, "buckets": len(self.buckets),
-                "max_blocks": self.buckets[-1], "slots": len(slots),
+                "max_blocks": self.buckets[-1], "items_per_program": items,
+                "max_programs": grid_programs(self.buckets[-1], self.options["num_columns"],
+                                              items),
+                "slots": len(slots),
                 "graphs": sum(s.graph is not None for s in slots),
                 "driver_replays": sum(bool(s.graph_exec) for s in slots)}
 

@@ -49,7 +49,7 @@ from kvconnect.peer_layout import LayoutRegion
 from kvconnect.views import block_span
 
 from ._host_block_copy import HostRowCopier, host_row_copier
-from ._kernel_launch import LAUNCH_MODES, KernelLauncher
+from ._kernel_launch import ITEMS_PER_PROGRAM, LAUNCH_MODES, KernelLauncher
 from .ops import WORD_DTYPES, word_size
 
 logger = logging.getLogger(__name__)
@@ -254,7 +254,8 @@ class BlockCopyPlan:
     :meth:`copy` (``"auto"``: ``kernel`` where Triton and CUDA are present, else ``host``
     where the geometry allows it, else ``torch``). ``chunk_bytes``: the longest column
     (kernel work item); ``kernel_options``: launch shape overrides (``num_warps``,
-    ``block_words``, ``column_major``, ``streaming``) for measurements; ``launch``: how the
+    ``block_words``, ``column_major``, ``streaming``, ``items_per_program``: work items each
+    kernel program copies) for measurements; ``launch``: how the
     kernel is issued (:data:`LAUNCH_MODES`). Validation happens here, once: the regions must
     pair up with equal bytes per logical block; every view is bounded. Not thread-safe: one
     plan is driven by one thread at a time.
@@ -294,7 +295,12 @@ class BlockCopyPlan:
             "column_words": int(self._table[:, 4].max()) // self.word,
             "vec": 16 // self.word if aligned else 1,
             "even": bool(np.all(self._table[:, 4] == self._table[0, 4])),
-            "column_major": True, **(kernel_options or {})}
+            "column_major": True, "items_per_program": ITEMS_PER_PROGRAM,
+            **(kernel_options or {})}
+        items = self._kernel_options["items_per_program"]
+        if type(items) is not int or items <= 0:
+            raise ValueError(f"kernel option items_per_program must be a positive int, got "
+                             f"{items!r}")
         self._host: HostRowCopier | str | None = None  # built on first need
         self._seen = np.zeros(self.dst_blocks, dtype=bool)  # check_ids' scratch marks
         self.method = self._resolve(method)
