@@ -35,9 +35,9 @@ Units: bytes for lengths, offsets, strides and addresses; logical blocks for ids
 
 from __future__ import annotations
 
-import array
 import logging
 import operator
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -190,16 +190,19 @@ def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -
             raise TypeError(f"{what} must be a 1-D integer tensor, got {values.dtype} of shape "
                             f"{tuple(values.shape)}")
         return values.detach().cpu().numpy().astype(np.int64, copy=False)
-    # a list or tuple without bools (array.array and numpy take True as 1): the fast paths
-    if isinstance(values, (list, tuple)) and bool not in map(type, values):
-        if values:
-            try:  # plain ints: the fastest conversion (no per-element Python code)
-                return np.frombuffer(array.array("q", values), dtype=np.int64)
-            except (TypeError, OverflowError):
-                pass  # a float, a huge value, ...: the checks below name it
-        fast = np.asarray(values) if values else np.zeros(0, dtype=np.int64)
-        if fast.ndim == 1 and fast.dtype.kind in "iu":
-            values = fast
+    if isinstance(values, (list, tuple)):
+        if not values:
+            return np.zeros(0, dtype=np.int64)
+        try:  # ints: the fastest conversion (no per-element Python code; ~2x array.array)
+            fast = np.frombuffer(struct.pack(f"{len(values)}q", *values), dtype=np.int64)
+        except (struct.error, TypeError, OverflowError):
+            pass  # a float, a huge value, ...: the checks below name it
+        else:
+            # struct takes True as 1: only the 0s and 1s can be bools, look at those alone
+            for i in np.flatnonzero(fast <= 1).tolist():
+                if isinstance(values[i], bool):
+                    raise TypeError(f"{what} must hold ints, got a bool ({values[i]})")
+            return fast
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iu":
             raise TypeError(f"{what} must be a 1-D integer array, got {values.dtype}")
