@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from kvconnect.child import exit_signal_name, exit_text, log_tail
+from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
 
 from .cleanup import ProcessRecord, become_subreaper, check_cleanup, take_baseline
@@ -72,7 +73,7 @@ PEER_QUERY_GRACE_S = 1.0
 EXIT_DRAIN_S = 2.0
 
 
-class _StartupFailed(Exception):
+class _StartupFailed(KvconnectError):
     """A worker failed during start-up (its check says how): the run ends."""
 
 
