@@ -98,11 +98,13 @@ def layout_facts(config: Any) -> dict[str, Any]:
     dtypes: list[str] = []
     for group in getattr(config, "kv_cache_groups", ()) or ():
         spec = getattr(group, "kv_cache_spec", None)
-        if block_size is None and getattr(spec, "block_size", None) is not None:
-            block_size = int(spec.block_size)
+        spec_block_size = getattr(spec, "block_size", None)
+        if block_size is None and spec_block_size is not None:
+            block_size = int(spec_block_size)
         found = list(getattr(spec, "dtypes", ()) or ())
-        if getattr(spec, "dtype", None) is not None:
-            found.insert(0, spec.dtype)
+        spec_dtype = getattr(spec, "dtype", None)
+        if spec_dtype is not None:
+            found.insert(0, spec_dtype)
         for dt in found:
             name = str(dt).removeprefix("torch.")
             if name not in dtypes:
@@ -221,7 +223,8 @@ class PeerLayout:
             raise PeerLayoutError(f"num_blocks must be positive, got {n}")
         info = layout_facts(config)
         info.update({k: v for k, v in facts.items() if v is not None})
-        out, layers = [], {}
+        out: list[LayoutRegion] = []
+        layers: dict[str, None] = {}  # an ordered set
         for r, owner, count in zip(regions, page_owners(regions), counts, strict=True):
             _check_geometry(r, count, n)
             for name in getattr(r, "layers", ()) or (r.layer_name,):

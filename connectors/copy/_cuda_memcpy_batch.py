@@ -60,7 +60,8 @@ def _entry() -> tuple[Any, bool, Any]:
     has_fail_index = version.value < 13000
     vp = ctypes.c_void_p
     size_t = ctypes.c_size_t
-    args = [vp, vp, vp, size_t, ctypes.POINTER(_MemcpyAttributes), vp, size_t]
+    args: list[type[ctypes._SimpleCData[Any]] | type[ctypes._Pointer[Any]]] = [
+        vp, vp, vp, size_t, ctypes.POINTER(_MemcpyAttributes), vp, size_t]
     if has_fail_index:
         args.append(ctypes.POINTER(size_t))
     args.append(vp)

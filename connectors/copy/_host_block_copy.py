@@ -120,7 +120,7 @@ def _span_rows(flats: Sequence[torch.Tensor], row_bytes: int) -> tuple[int, np.n
     hi = max(f.data_ptr() + f.numel() for f in flats)
     nrows = (hi - lo) // row_bytes
     buf = (ctypes.c_uint8 * (nrows * row_bytes)).from_address(lo)
-    return lo, np.frombuffer(buf, dtype=np.uint8).reshape(nrows, row_bytes)
+    return lo, np.frombuffer(memoryview(buf), dtype=np.uint8).reshape(nrows, row_bytes)
 
 
 def _torch_row_shape(row_bytes: int, src_lo: int, dst_lo: int) -> tuple[torch.dtype, int]:

@@ -203,7 +203,7 @@ class KernelLauncher:
             pairs[1::2] = dst
             if self.mode == "graph" and slot.graph is None and bucket.loaded:
                 self._capture(slot, b)  # first use of this slot (the kernel is loaded)
-            if self.mode == "graph" and slot.graph_exec:
+            if self.mode == "graph" and slot.graph_exec and self._graph_launch is not None:
                 rc = self._graph_launch(slot.graph_exec, self._stream_handle())
                 if rc != 0:
                     raise RuntimeError(f"cuGraphLaunch of a block copy failed with CUresult {rc}")

@@ -350,8 +350,8 @@ class BlockCopyPlan:
             raise ValueError(f"copy method 'kernel' is unavailable on {self.device}: {why}")
         if method == "memcpy_batch" and self.device.type != "cuda":
             raise ValueError("copy method 'memcpy_batch' needs a CUDA launch device")
-        if method == "host" and isinstance(why := self._host_copier(), str):
-            raise ValueError(f"copy method 'host' is unavailable for this plan: {why}")
+        if method == "host" and isinstance(host := self._host_copier(), str):
+            raise ValueError(f"copy method 'host' is unavailable for this plan: {host}")
         return method
 
     # -- copies ----------------------------------------------------------------------------

@@ -141,7 +141,7 @@ class TensorsSource:
                 f"inside the committed storage of layer {name!r}"
             )
         out = torch.empty(0, dtype=torch.uint8, device=self._device[name])
-        return out.set_(storage, start, (span,))
+        return out.set_(storage, start, (span,), (1,))
 
     def state_token(self) -> object:
         return self._num_blocks

@@ -63,6 +63,18 @@ class BoundedKVCaches:
         return sorted(set(planes) | (set(self.registered) - inside))
 
 
+def _one_tensor_each(views: dict[str, torch.Tensor | list[torch.Tensor]]
+                     ) -> dict[str, torch.Tensor]:
+    """vLLM's views: one tensor per layer (a list, kvconnect's Mamba states, is not vLLM's)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, v in views.items():
+        if not isinstance(v, torch.Tensor):
+            raise LayoutError(f"layer {name!r}: a list of {len(v)} tensors; vLLM's KV cache "
+                              f"views are one tensor per layer")
+        out[name] = v
+    return out
+
+
 def _layer_start(plan: LayoutPlan, name: str, view: torch.Tensor) -> int:
     g = plan.layers[name].views[0]
     return view.data_ptr() - g.offset_bytes
@@ -128,9 +140,9 @@ def bound_for_connector(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any
     ours = config_from_vllm(kv_cache_config, layout, kernel_block_size)
     n = int(kv_cache_config.num_blocks if num_blocks is None else num_blocks)
     plan = plan_layout(ours)
-    views = narrow_kv_caches_to_num_blocks(kv_caches, n, plan)
+    views = _one_tensor_each(narrow_kv_caches_to_num_blocks(kv_caches, n, plan))
     planes: dict[str, tuple[int, ...]] | None = {} if head_planes else None
-    tensors = _bounded_tensors(plan, kv_cache_config, views, n, planes)  # type: ignore[arg-type]
+    tensors = _bounded_tensors(plan, kv_cache_config, views, n, planes)
     config = dataclasses.replace(kv_cache_config, kv_cache_tensors=tensors, num_blocks=n,
                                  kv_cache_layout=ours.layout)
     seen: dict[int, int] = {}
@@ -141,5 +153,5 @@ def bound_for_connector(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any
     if planes:
         v = views[next(iter(planes))]
         plane_bytes = n * v.stride(0) * v.element_size()
-    return BoundedKVCaches(views, config, n, tuple(sorted(seen.items())),  # type: ignore[arg-type]
-                           planes or {}, plane_bytes)
+    return BoundedKVCaches(views, config, n, tuple(sorted(seen.items())), planes or {},
+                           plane_bytes)

@@ -307,7 +307,7 @@ def run_pd(connector: str, layout: str, *, num_blocks: int = 128, capacity_block
         finally:
             sigs = {"prefill": _end(p_pid)}
             os.close(p_fd)
-            if d_pid is not None:
+            if d_pid is not None and d_fd is not None:
                 sigs["decode"] = _end(d_pid)
                 os.close(d_fd)
             for side, sig in sigs.items():
