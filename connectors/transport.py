@@ -29,7 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from kvconnect.bounded_json import JSON, JSONObject
+
+if TYPE_CHECKING:
+    from kvconnect.cache_source import KVCacheSource
+
+    from .nixl.worker import NixlRegionWorker
 
 __all__ = [
     "Exporter",
@@ -70,7 +77,7 @@ class Transport(Protocol):
 
     name: str
 
-    def open_peer(self, peer: str, offer: Mapping[str, Any]) -> float: ...
+    def open_peer(self, peer: str, offer: Mapping[str, JSON]) -> float: ...
 
     def fetch(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int], *,
               timeout: float | None = None) -> FetchResult: ...
@@ -84,7 +91,7 @@ class Transport(Protocol):
 class Exporter(Protocol):
     """The serving half: what a peer needs to fetch from this worker."""
 
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> JSONObject: ...
 
     def pause(self) -> None: ...
 
@@ -102,12 +109,12 @@ class TransportContext:
     registered NixlRegionWorker, for transports that read through NIXL; ``options``:
     per-transport keywords (e.g. ``{"ipc": {"direction": "pull"}}``)."""
 
-    cache: Any
+    cache: KVCacheSource
     timeout: float = 60.0
     name: str = "worker"
     directory: str = ""
     allowed_pids: Callable[[], set[int]] = field(default=lambda: set())
-    nixl: Any = None
+    nixl: NixlRegionWorker | None = None
     attribution: Callable[[str], list[str]] | None = None
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 

@@ -18,6 +18,8 @@ __version__ = "0.1.0"
 
 #: submodule -> the public names it defines (the one list of kvconnect's exports)
 _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
+    "bounded_json": ("JSON", "JSONObject",),
+    "cache_source": ("KVCacheSource",),
     "framing": ("IpcError", "PeerError", "PeerRefusedError",),
     "ipc": ("PeerMapping",),
     "session": ("PeerSession", "accept_session", "connect_session",),
@@ -38,7 +40,8 @@ _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     "undo": ("UndoStack",),
     "polling": ("poll_until",),
     "peer_layout": (
-        "PEER_LAYOUT_SCHEMA", "LayoutRegion", "PeerLayout", "PeerLayoutError", "layout_facts",
+        "PEER_LAYOUT_SCHEMA", "LayoutFacts", "LayoutRegion", "PeerLayout", "PeerLayoutError",
+        "layout_facts",
     ),
     "views": (
         "CommittedRegion", "PagedRegion", "block_span", "bound_packed_storage",
@@ -56,7 +59,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in _MODULE_EXPORTS.it
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> Any:  # the lazily imported attribute: any type
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,10 +48,11 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import torch
+
+from kvconnect.bounded_json import JSONObject
 
 __all__ = ["ENGINES", "MEMMOVE_MIN_RUN_BYTES", "MIN_ROW_BYTES", "STAGING_BYTES",
            "HostRowCopier", "host_row_copier"]
@@ -145,7 +146,7 @@ class HostRowCopier:
     plan; :attr:`last_engine` names the engine of the latest batch."""
 
     def __init__(self, columns: np.ndarray, src: Sequence[torch.Tensor],
-                 dst: Sequence[torch.Tensor], row_bytes: int, keep: Any,
+                 dst: Sequence[torch.Tensor], row_bytes: int, keep: object,
                  engine: str = "auto") -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown host copy engine {engine!r}; choose from {ENGINES}")
@@ -170,7 +171,7 @@ class HostRowCopier:
                                  g[:, 1] // row_bytes, (g[:, 2] - self._dst_lo) // row_bytes,
                                  g[:, 3] // row_bytes))
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         """JSON-able facts: ``row_bytes``, the ``host_engine`` setting, the
         ``host_last_engine`` of the latest batch, and the torch-rows engine's element and
         sub-row bytes."""
@@ -264,7 +265,7 @@ class HostRowCopier:
 
 
 def host_row_copier(columns: np.ndarray, src: Sequence[torch.Tensor],
-                    dst: Sequence[torch.Tensor], keep: Any, engine: str = "auto"
+                    dst: Sequence[torch.Tensor], keep: object, engine: str = "auto"
                     ) -> HostRowCopier | str:
     """A :class:`HostRowCopier` for a plan's merged ``columns`` over the flat views ``src``
     and ``dst`` (host tensors), or why the plan cannot have one."""

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.bounded_json import JSONObject
 from kvconnect.polling import poll_until
 
 from ._cuda_streams import current_device, current_stream, raw_stream
@@ -74,7 +75,8 @@ def bucket_sizes(max_blocks: int) -> list[int]:
     return out
 
 
-def wait_events(events: Sequence[Any], timeout: float, what: str = "copy") -> None:
+def wait_events(events: Sequence[torch.cuda.Event], timeout: float, what: str = "copy"
+                ) -> None:
     """Wait until every CUDA event in ``events`` has completed, at most ``timeout`` seconds:
     spin for :data:`SPIN_SECONDS`, then poll with back-off. Raises ``TimeoutError``."""
     start = time.monotonic()
@@ -217,7 +219,7 @@ class KernelLauncher:
             slot.event.record(current_stream(self._index))
             slot.used = True
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         """JSON-able facts: mode, buckets, slots and graphs held."""
         slots = [s for bk in self._bucket.values() for s in bk.slots]
         return {"launch": self.mode, "buckets": len(self.buckets),

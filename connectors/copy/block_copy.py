@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.bounded_json import JSONObject
 from kvconnect.peer_layout import LayoutRegion
 from kvconnect.views import block_span
 
@@ -528,7 +529,7 @@ class BlockCopyPlan:
             parts.append(rows.index_select(0, torch.from_numpy(idx).to(rows.device)).to(out))
         return torch.cat(parts, dim=1)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         """JSON-able facts of the plan (for reports)."""
         lengths = self._table[:, 4]
         out = {"regions": len(self.src), "columns": self.num_columns,

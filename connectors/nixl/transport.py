@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+from kvconnect.bounded_json import JSON, JSONObject
 
 from ..errors import KVConnectorError
 from ..transport import FetchResult, TransportContext, TransportSpec, register_transport
+
+if TYPE_CHECKING:
+    from .worker import NixlRegionWorker
 
 __all__ = ["NixlMetadataExporter", "NixlTransport", "slow_gpu_lane_advice"]
 
@@ -44,7 +49,7 @@ class NixlTransport:
 
     name = "nixl"
 
-    def __init__(self, worker: Any, *, timeout: float = 60.0,
+    def __init__(self, worker: NixlRegionWorker | None, *, timeout: float = 60.0,
                  attribution: Callable[[str], list[str]] | None = None) -> None:
         if worker is None:
             raise KVConnectorError("the nixl transport needs a NixlRegionWorker registered "
@@ -55,7 +60,7 @@ class NixlTransport:
         self._engines: dict[str, tuple[str, str]] = {}  # peer -> (metadata, engine id)
         self._unreported_setup: dict[str, float] = {}
 
-    def open_peer(self, peer: str, offer: Mapping[str, Any]) -> float:
+    def open_peer(self, peer: str, offer: Mapping[str, JSON]) -> float:
         """Load ``peer``'s NIXL metadata (again when it changed, e.g. after its wake)."""
         metadata = offer.get("metadata")
         if not isinstance(metadata, str) or not metadata:
@@ -105,10 +110,10 @@ class NixlMetadataExporter:
     """The serving half: publishes the worker's current metadata (registration happens
     elsewhere; NIXL serves READs itself)."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: NixlRegionWorker) -> None:
         self.worker = worker
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         return {"metadata": self.worker.metadata_json().decode()}
 
     def pause(self) -> None:

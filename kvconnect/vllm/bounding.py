@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 from kvconnect.layout import LayoutError, LayoutPlan, plan_layout
-from kvconnect.layout.foreign import config_from_vllm
+from kvconnect.layout.foreign import VllmKVCacheConfigLike, config_from_vllm
 from kvconnect.views import narrow_kv_caches_to_num_blocks
+
+from .convert import replace_vllm_config
 
 __all__ = ["BoundedKVCaches", "bound_for_connector"]
 
@@ -48,7 +50,7 @@ class BoundedKVCaches:
     """
 
     kv_caches: dict[str, torch.Tensor]
-    kv_cache_config: Any
+    kv_cache_config: VllmKVCacheConfigLike
     num_blocks: int
     registered: tuple[tuple[int, int], ...]
     head_planes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -127,7 +129,8 @@ def _bounded_tensors(plan: LayoutPlan, cfg: Any, views: dict[str, torch.Tensor],
     return out
 
 
-def bound_for_connector(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any,
+def bound_for_connector(kv_caches: dict[str, torch.Tensor],
+                        kv_cache_config: VllmKVCacheConfigLike,
                         num_blocks: int | None = None, *, layout: object = None,
                         kernel_block_size: int | None = None,
                         head_planes: bool = False) -> BoundedKVCaches:
@@ -143,7 +146,7 @@ def bound_for_connector(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any
     views = _one_tensor_each(narrow_kv_caches_to_num_blocks(kv_caches, n, plan))
     planes: dict[str, tuple[int, ...]] | None = {} if head_planes else None
     tensors = _bounded_tensors(plan, kv_cache_config, views, n, planes)
-    config = dataclasses.replace(kv_cache_config, kv_cache_tensors=tensors, num_blocks=n,
+    config = replace_vllm_config(kv_cache_config, kv_cache_tensors=tensors, num_blocks=n,
                                  kv_cache_layout=ours.layout)
     seen: dict[int, int] = {}
     for v in views.values():
