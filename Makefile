@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # crashes fails the run at once instead of leaving its group unscheduled (which hung).
 PYTEST_ARGS ?= -n auto --dist loadgroup --max-worker-restart=0
 
-.PHONY: test test-vllm test-engine engine-venv validate lint venv clean
+.PHONY: test test-vllm test-engine engine-venv validate lint typecheck venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,7 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check kvconnect connectors harness tests scripts benchmarks
+	$(PY) scripts/typecheck.py
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 validate: $(STAMP)
@@ -27,6 +28,11 @@ validate: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvconnect connectors harness tests scripts benchmarks
+	$(PY) scripts/typecheck.py
+
+# mypy over kvconnect/ and connectors/ (as kvconnect.connectors; see scripts/typecheck.py)
+typecheck: $(STAMP)
+	$(PY) scripts/typecheck.py
 
 # vLLM 0.33 on CPU (docs/conformance.md): CPU torch from constraints-cpu.txt, vLLM without its
 # dependency pins (it pins torch 2.14, whose CPU build is not published), and the modules it

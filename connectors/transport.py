@@ -32,7 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from kvconnect.bounded_json import JSON, JSONObject
+
+if TYPE_CHECKING:
+    from kvconnect.cache_source import KVCacheSource
+
 
 from kvconnect.units import gbps
 
@@ -74,7 +80,7 @@ class Transport(Protocol):
 
     name: str
 
-    def open_peer(self, peer: str, offer: Mapping[str, Any]) -> float: ...
+    def open_peer(self, peer: str, offer: Mapping[str, JSON]) -> float: ...
 
     def fetch(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int], *,
               timeout: float | None = None) -> FetchResult: ...
@@ -88,7 +94,7 @@ class Transport(Protocol):
 class Exporter(Protocol):
     """The serving half: what a peer needs to fetch from this worker."""
 
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> JSONObject: ...
 
     def pause(self) -> None: ...
 
@@ -132,7 +138,7 @@ class TransportContext:
     may connect (serving side); ``options``: per-transport keywords for its builders (e.g.
     ``{"ipc": {"direction": "pull"}}``)."""
 
-    cache: Any
+    cache: KVCacheSource
     timeout: float = 60.0
     name: str = "worker"
     directory: str = ""

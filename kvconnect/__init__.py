@@ -20,6 +20,8 @@ __version__ = "0.1.0"
 #: submodule -> the public names it defines (the one list of kvconnect's exports)
 _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     "errors": ("KvconnectError",),
+    "bounded_json": ("JSON", "JSONObject",),
+    "cache_source": ("KVCacheSource",),
     "framing": ("IpcError", "PeerError", "PeerRefusedError",),
     "ipc": ("PeerMapping",),
     "child": ("Child", "LineReader", "LineWriter", "exit_signal_name", "exit_text",),
@@ -41,7 +43,8 @@ _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     "units": ("gbps",),
     "polling": ("poll_until",),
     "peer_layout": (
-        "PEER_LAYOUT_SCHEMA", "LayoutRegion", "PeerLayout", "PeerLayoutError", "layout_facts",
+        "PEER_LAYOUT_SCHEMA", "LayoutFacts", "LayoutRegion", "PeerLayout", "PeerLayoutError",
+        "layout_facts",
     ),
     "views": (
         "CommittedRegion", "PagedRegion", "block_span", "bound_packed_storage",
@@ -59,7 +62,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in _MODULE_EXPORTS.it
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> Any:  # the lazily imported attribute: any type
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

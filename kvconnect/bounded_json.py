@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TypeAlias
 
 from .errors import KvconnectError
 
-__all__ = ["DEFAULT_MAX_DEPTH", "DEFAULT_MAX_INT_DIGITS", "BoundedJSONError", "loads"]
+__all__ = ["DEFAULT_MAX_DEPTH", "DEFAULT_MAX_INT_DIGITS", "JSON", "BoundedJSONError",
+           "JSONObject", "loads"]
+
+#: a decoded JSON value (object, array, string, number, bool or null): what crosses a process
+#: boundary, read field by field and checked by whoever reads it. An alias of ``Any`` that says
+#: so; :data:`JSONObject` is a JSON object.
+JSON: TypeAlias = Any
+JSONObject: TypeAlias = "dict[str, JSON]"
 
 #: deepest nesting of arrays/objects accepted by default (wire messages use fewer than 8)
 DEFAULT_MAX_DEPTH = 64
@@ -71,7 +78,7 @@ def nesting_depth(text: str, max_depth: int = DEFAULT_MAX_DEPTH) -> int:
 
 
 def loads(data: str | bytes | bytearray, *, max_depth: int = DEFAULT_MAX_DEPTH,
-          max_int_digits: int = DEFAULT_MAX_INT_DIGITS) -> Any:
+          max_int_digits: int = DEFAULT_MAX_INT_DIGITS) -> JSON:
     """Decode one JSON document (``bytes`` must be UTF-8) within the bounds.
 
     Raises :class:`BoundedJSONError` for invalid UTF-8 or JSON, nesting deeper than

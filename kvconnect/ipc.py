@@ -21,16 +21,20 @@ import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._pointer_view import ViewAnchor, pointer_view
+from .bounded_json import JSON, JSONObject
 from .checks import MAX_BYTES, checked_int
 from .errors import KvconnectError
 from .framing import IpcError
 from .undo import UndoStack
 from .vmm import AllocationOptions, PhysicalHandle, Reservation, VmmDriver, VmmError
+
+if TYPE_CHECKING:
+    from .tensor import ExtensibleTensor
 
 __all__ = ["PeerMapping", "export_message", "import_message"]
 
@@ -102,7 +106,7 @@ class PeerMapping:
         driver: VmmDriver,
         capacity_bytes: int,
         segment_capacity: int,
-        chunks: Sequence[Any],
+        chunks: Sequence[JSON],
         fds: Sequence[int],
         access_devices: Sequence[int] = (),
     ) -> PeerMapping:
@@ -209,7 +213,7 @@ class PeerMapping:
 
 
 # -- the export message ----------------------------------------------------------------------
-def export_message(tensors: Sequence[Any]) -> tuple[dict[str, Any], list[int]]:
+def export_message(tensors: Sequence[ExtensibleTensor]) -> tuple[JSONObject, list[int]]:
     """The export message for ``tensors`` (ExtensibleTensors created shareable) and its fds,
     one per chunk in record order. The caller owns the fds (close them after sending); on
     failure none stays open."""
@@ -227,7 +231,7 @@ def export_message(tensors: Sequence[Any]) -> tuple[dict[str, Any], list[int]]:
     return {"op": "chunks", "tensors": info, "chunks": records}, fds
 
 
-def import_message(driver: VmmDriver, message: Any, fds: Sequence[int],
+def import_message(driver: VmmDriver, message: JSON, fds: Sequence[int],
                    access_devices: Sequence[int] = ()) -> list[PeerMapping]:
     """Map every tensor of a peer's export message (one :class:`PeerMapping` each, in the
     peer's tensor order). Every field is validated; anything malformed raises
@@ -245,7 +249,7 @@ def import_message(driver: VmmDriver, message: Any, fds: Sequence[int],
         raise IpcError(f"export message has {len(chunks)} chunk records but {len(fds)} fds")
     if chunks and not tensors:
         raise IpcError(f"export message has {len(chunks)} chunk records but no tensors")
-    per_tensor: list[tuple[list[Any], list[int]]] = [([], []) for _ in tensors]
+    per_tensor: list[tuple[list[JSON], list[int]]] = [([], []) for _ in tensors]
     for i, (rec, fd) in enumerate(zip(chunks, fds, strict=True)):
         if not isinstance(rec, dict) or "tensor" not in rec:
             raise IpcError(f"chunk record {i} is not an object with a 'tensor' field")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import torch
 
@@ -31,7 +30,7 @@ from .lifetime import Closeable, LiveViewsError
 from .tensor import ExtensibleTensor
 from .undo import UndoStack
 from .views import CommittedRegion, committed_regions, narrow_kv_caches_to_num_blocks
-from .vmm import AllocationOptions, VmmDriver, parse_device
+from .vmm import AllocationOptions, DeviceSpec, VmmDriver, parse_device
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class ExtensibleKVCache(Closeable):
     requested with.
     """
 
-    def __init__(self, cfg: KVCacheConfig, device: Any = "cpu",
+    def __init__(self, cfg: KVCacheConfig, device: DeviceSpec = "cpu",
                  capacity_blocks: int | None = None, *,
                  options: AllocationOptions | None = None) -> None:
         self._plan = plan_layout(cfg)

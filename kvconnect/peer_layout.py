@@ -40,18 +40,25 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
-from .bounded_json import BoundedJSONError
+from .bounded_json import JSON, BoundedJSONError, JSONObject
 from .bounded_json import loads as bounded_loads
 from .checks import MAX_BYTES, checked_int
 from .errors import KvconnectError
 from .views import PagedRegion, block_span, page_owners
 
+if TYPE_CHECKING:
+    from .cache_source import KVCacheSource
+
 __all__ = [
-    "MAX_LAYOUT_BYTES", "PEER_LAYOUT_SCHEMA", "LayoutRegion", "PeerLayout", "PeerLayoutError",
-    "kvconnect_version", "layout_facts",
+    "MAX_LAYOUT_BYTES", "PEER_LAYOUT_SCHEMA", "LayoutFacts", "LayoutRegion", "PeerLayout",
+    "PeerLayoutError", "kvconnect_version", "layout_facts",
 ]
+
+#: config facts of a layout (:func:`layout_facts`): ``block_size`` and ``kernel_block_size``
+#: (tokens, int), ``dtype`` and ``layout`` (str); ``None`` when unknown
+LayoutFacts: TypeAlias = "dict[str, int | str | None]"
 
 #: schema tag of every layout document; another tag is refused (bump when a field changes)
 PEER_LAYOUT_SCHEMA = "kvconnect.peer_layout/1"
@@ -88,8 +95,9 @@ def kvconnect_version() -> str:
         return __version__
 
 
-def layout_facts(config: Any) -> dict[str, Any]:
-    """The config facts a layout carries, from a :class:`kvconnect.layout.KVCacheConfig`:
+def layout_facts(config: object) -> LayoutFacts:
+    """The config facts a layout carries, from a :class:`kvconnect.layout.KVCacheConfig`
+    (or vLLM's, or any object with those fields, read with ``getattr``):
     ``block_size`` (tokens, of the first group with one), ``dtype`` (every spec dtype, in
     order, joined by ``","``), ``layout`` (the page format's name) and ``kernel_block_size``
     (tokens). Missing attributes give ``None``; ``config=None`` gives ``{}``."""
@@ -99,11 +107,13 @@ def layout_facts(config: Any) -> dict[str, Any]:
     dtypes: list[str] = []
     for group in getattr(config, "kv_cache_groups", ()) or ():
         spec = getattr(group, "kv_cache_spec", None)
-        if block_size is None and getattr(spec, "block_size", None) is not None:
-            block_size = int(spec.block_size)
+        spec_block_size = getattr(spec, "block_size", None)
+        if block_size is None and spec_block_size is not None:
+            block_size = int(spec_block_size)
         found = list(getattr(spec, "dtypes", ()) or ())
-        if getattr(spec, "dtype", None) is not None:
-            found.insert(0, spec.dtype)
+        spec_dtype = getattr(spec, "dtype", None)
+        if spec_dtype is not None:
+            found.insert(0, spec_dtype)
         for dt in found:
             name = str(dt).removeprefix("torch.")
             if name not in dtypes:
@@ -163,7 +173,7 @@ class LayoutRegion:
         """Bytes from block 0's first byte to the last byte of ``num_blocks`` logical blocks."""
         return block_span(num_blocks * self.sub_blocks, self.block_stride, self.block_len)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         """The region as a JSON object (the field names of :meth:`PeerLayout.to_json`)."""
         return {"layer": self.layer_name, "part": self.part, "block_len": self.block_len,
                 "block_stride": self.block_stride, "sub_blocks": self.sub_blocks,
@@ -197,8 +207,8 @@ class PeerLayout:
     # -- building ------------------------------------------------------------------------
     @classmethod
     def from_regions(cls, regions: Sequence[PagedRegion], num_blocks: int | None = None, *,
-                     tensor_bases: Sequence[int] | None = None, config: Any = None,
-                     **facts: Any) -> PeerLayout:
+                     tensor_bases: Sequence[int] | None = None, config: object = None,
+                     **facts: int | str | None) -> PeerLayout:
         """The layout of committed ``regions`` (:class:`kvconnect.views.CommittedRegion`, or
         any :class:`~kvconnect.views.PagedRegion`) of a cache with ``num_blocks`` logical
         blocks (default: the greatest common divisor of the regions' block counts).
@@ -222,7 +232,8 @@ class PeerLayout:
             raise PeerLayoutError(f"num_blocks must be positive, got {n}")
         info = layout_facts(config)
         info.update({k: v for k, v in facts.items() if v is not None})
-        out, layers = [], {}
+        out: list[LayoutRegion] = []
+        layers: dict[str, None] = {}  # an ordered set
         for r, owner, count in zip(regions, page_owners(regions), counts, strict=True):
             _check_geometry(r, count, n)
             for name in getattr(r, "layers", ()) or (r.layer_name,):
@@ -233,10 +244,13 @@ class PeerLayout:
                 count // n, -1 if owner == len(out) else owner, tensor_index,
                 int(getattr(r, "segment", 0)),
                 None if tensor_bases is None else int(r.base_ptr) - tensor_bases[tensor_index]))
-        return cls(tuple(out), n, layer_names=tuple(layers), **info)
+        return cls(tuple(out), n, block_size=_int_fact(info, "block_size"),
+                   dtype=_str_fact(info, "dtype"), layout=_str_fact(info, "layout"),
+                   kernel_block_size=_int_fact(info, "kernel_block_size"),
+                   layer_names=tuple(layers))
 
     @classmethod
-    def from_cache(cls, cache: Any, regions: Sequence[PagedRegion] | None = None
+    def from_cache(cls, cache: KVCacheSource, regions: Sequence[PagedRegion] | None = None
                    ) -> PeerLayout:
         """The layout of an :class:`~kvconnect.kv_cache.ExtensibleKVCache`'s committed
         regions (``regions``: ``cache.committed_regions()`` already taken, to keep their
@@ -244,7 +258,7 @@ class PeerLayout:
         regions = cache.committed_regions() if regions is None else regions
         return cls.from_regions(regions, int(cache.num_blocks),
                                 tensor_bases=[t.base_ptr for t in cache.tensors],
-                                config=getattr(cache, "config", None))
+                                config=cache.config)
 
     # -- reading -------------------------------------------------------------------------
     def holders(self) -> Iterator[tuple[int, LayoutRegion, tuple[str, ...]]]:
@@ -318,7 +332,7 @@ class PeerLayout:
         return diffs
 
     # -- JSON ----------------------------------------------------------------------------
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         """The layout as a JSON object (embed it in a message, or ``json.dumps`` it)."""
         return {"schema": PEER_LAYOUT_SCHEMA, "num_blocks": self.num_blocks,
                 "block_size": self.block_size, "dtype": self.dtype, "layout": self.layout,
@@ -327,7 +341,7 @@ class PeerLayout:
                 "regions": [r.to_json() for r in self.regions]}
 
     @classmethod
-    def from_json(cls, doc: Any, *, where: str = "layout",
+    def from_json(cls, doc: JSON, *, where: str = "layout",
                   max_bytes: int = MAX_LAYOUT_BYTES) -> PeerLayout:
         """A peer's layout from :meth:`to_json`'s object, or from its JSON bytes or text
         (parsed with bounded nesting and integers, at most ``max_bytes``). Every field is
@@ -361,6 +375,16 @@ class PeerLayout:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+def _int_fact(facts: LayoutFacts, key: str) -> int | None:
+    value = facts.get(key)
+    return None if value is None else int(value)
+
+
+def _str_fact(facts: LayoutFacts, key: str) -> str | None:
+    value = facts.get(key)
+    return None if value is None else str(value)
+
+
 def _short(items: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
@@ -422,7 +446,7 @@ def _region_from_json(d: _Doc, count: int) -> LayoutRegion:
         offset=None if offset is None else d.integer("offset", 0, MAX_BYTES))
 
 
-def _name(value: Any, what: str) -> str:
+def _name(value: JSON, what: str) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
         got = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
         raise PeerLayoutError(f"{what} must be a name of 1..{MAX_NAME_CHARS} characters, got "
@@ -433,12 +457,12 @@ def _name(value: Any, what: str) -> str:
 class _Doc:
     """Checked reads of one JSON object's fields; errors name ``<where>.<field>``."""
 
-    def __init__(self, doc: Any, where: str) -> None:
+    def __init__(self, doc: JSON, where: str) -> None:
         if not isinstance(doc, dict):
             raise PeerLayoutError(f"{where} must be an object, got {type(doc).__name__}")
         self.doc, self.where = doc, where
 
-    def raw(self, key: str, required: bool = False) -> Any:
+    def raw(self, key: str, required: bool = False) -> JSON:
         if required and key not in self.doc:
             raise PeerLayoutError(f"{self.where}: missing field {key!r}")
         return self.doc.get(key)
@@ -465,7 +489,7 @@ class _Doc:
     def opt_str(self, key: str) -> str | None:
         return self.text(key, required=False)
 
-    def items(self, key: str, limit: int) -> list[Any]:
+    def items(self, key: str, limit: int) -> list[JSON]:
         value = self.raw(key, True)
         if not isinstance(value, list) or len(value) > limit:
             raise PeerLayoutError(f"{self.where}.{key} must be a list of at most {limit} "

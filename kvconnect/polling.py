@@ -12,7 +12,7 @@ __all__ = ["poll_until"]
 T = TypeVar("T")
 
 
-def poll_until(ready: Callable[[], T], timeout: float, *,
+def poll_until(ready: Callable[[], T | None], timeout: float, *,
                on_timeout: Callable[[float], BaseException],
                first_pause: float = 1e-4, max_pause: float = 1e-2,
                factor: float = 2.0) -> T:

@@ -18,9 +18,13 @@ import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .checks import checked_int, round_up
 from .errors import KvconnectError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +156,8 @@ def blocks_for_kv_cache_memory_bytes(kv_cache_memory_bytes: int, bytes_per_block
                 f"kv_cache_memory_bytes={budget}", "kv_cache_memory_bytes")
 
 
-def measure_non_kv_memory_bytes(device: object = "cuda:0", kv_committed_bytes: int = 0) -> int:
+def measure_non_kv_memory_bytes(device: str | int | torch.device = "cuda:0",
+                                kv_committed_bytes: int = 0) -> int:
     """CUDA: device memory in use now (``total - free`` from ``torch.cuda.mem_get_info``,
     every process on the device) minus the KV cache's committed bytes. Call after warm-up
     (graphs captured, worst-case activations run) and pass

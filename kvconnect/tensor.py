@@ -285,7 +285,7 @@ class ExtensibleTensor(Closeable):
     def physical_chunks(self) -> list[Chunk]:
         """Every physical allocation now mapped, in address order."""
         self._check_alive()
-        out = []
+        out: list[Chunk] = []
         for s, seg in enumerate(self._state.chunks):
             start = self.segment_base(s)
             out.extend(Chunk(s, m.va, m.size, m.va - start) for m in seg)

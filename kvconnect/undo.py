@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec
+
+P = ParamSpec("P")
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ class UndoStack:
     def __init__(self) -> None:
         self._steps: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
 
-    def push(self, undo: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+    def push(self, undo: Callable[P, object], /, *args: P.args, **kwargs: P.kwargs) -> None:
         """Register ``undo(*args, **kwargs)`` to run if a later step fails."""
         self._steps.append((undo, args, kwargs))
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 import torch
 
@@ -33,16 +33,19 @@ from ._pointer_view import bytes_tensor
 from .checks import checked_int
 from .layout import KVCacheConfig, LayerPlan, LayoutError, LayoutPlan, plan_layout
 from .layout.build import typed_view
-from .layout.foreign import config_from_vllm, is_vllm_like_config
+from .layout.foreign import VllmKVCacheConfigLike, config_from_vllm, is_vllm_like_config
 
 __all__ = [
-    "CommittedRegion", "KVCaches", "PagedRegion", "block_span", "bound_packed_storage",
+    "CommittedRegion", "KVCacheConfigLike", "KVCaches", "PagedRegion", "block_span",
+    "bound_packed_storage",
     "committed_extents", "committed_regions", "narrow_kv_caches_to_num_blocks", "page_holders",
     "page_owners",
 ]
 
 #: a layer's entry: one tensor, or a list of tensors (Mamba states)
 KVCaches = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
+#: what says where a cache's blocks are: kvconnect's config or plan, or vLLM 0.33's config
+KVCacheConfigLike: TypeAlias = "KVCacheConfig | LayoutPlan | VllmKVCacheConfigLike"
 
 
 def block_span(num_blocks: int, block_stride: int, block_len: int) -> int:
@@ -230,7 +233,7 @@ class _BufferMatch:
     segment_stride: int
 
 
-def _as_plan(config: object) -> LayoutPlan:
+def _as_plan(config: KVCacheConfigLike) -> LayoutPlan:
     if isinstance(config, LayoutPlan):
         return config
     if isinstance(config, KVCacheConfig):
@@ -382,7 +385,7 @@ def _layer_extent(lp: LayerPlan, extents: list[tuple[int, int]], segment_stride:
 
 # -- public helpers ------------------------------------------------------------------------
 def bound_packed_storage(kv_caches: KVCaches, num_blocks: int,
-                         kv_cache_config: object) -> torch.UntypedStorage:
+                         kv_cache_config: KVCacheConfigLike) -> torch.UntypedStorage:
     """The one storage of a block-outer layout (the seed's packed, vLLM's ``BL*``/``BH*``)
     bounded to ``num_blocks * block_stride`` bytes from row 0 (``nbytes() // num_blocks ==
     block_stride``). Raises unless the layout is block-outer and every layer's view lies in
@@ -397,7 +400,7 @@ def bound_packed_storage(kv_caches: KVCaches, num_blocks: int,
 
 
 def narrow_kv_caches_to_num_blocks(
-    kv_caches: KVCaches, num_blocks: int, kv_cache_config: object,
+    kv_caches: KVCaches, num_blocks: int, kv_cache_config: KVCacheConfigLike,
 ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
     """Narrow every layer to its first ``num_blocks`` logical blocks AND bound its storage.
 
@@ -431,7 +434,7 @@ def narrow_kv_caches_to_num_blocks(
 
 
 def committed_regions(kv_caches: KVCaches, num_blocks: int,
-                      kv_cache_config: object) -> list[CommittedRegion]:
+                      kv_cache_config: KVCacheConfigLike) -> list[CommittedRegion]:
     """The regions a connector should register for the first ``num_blocks`` blocks.
 
     K and V separately for K/V-split layouts (parts "k"/"v", segments 0/1), one "kv" region

@@ -40,6 +40,7 @@ LAYER_OF = {
     "kvconnect._pointer_view": "tensor", "kvconnect.tensor": "tensor", "kvconnect.ipc": "tensor",
     "kvconnect.layout": "layout",
     "kvconnect.views": "views", "kvconnect.peer_layout": "views",
+    "kvconnect.cache_source": "views",
     "kvconnect.kv_cache": "kv_cache", "kvconnect.sizing": "kv_cache",
     "kvconnect.connectors": "connectors", "kvconnect.vllm": "connectors",
     "kvconnect.harness": "harness",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,8 @@ def _entry() -> tuple[Any, bool, Any]:
     has_fail_index = version.value < 13000
     vp = ctypes.c_void_p
     size_t = ctypes.c_size_t
-    args = [vp, vp, vp, size_t, ctypes.POINTER(_MemcpyAttributes), vp, size_t]
+    args: list[type[ctypes._SimpleCData[Any]] | type[ctypes._Pointer[Any]]] = [
+        vp, vp, vp, size_t, ctypes.POINTER(_MemcpyAttributes), vp, size_t]
     if has_fail_index:
         args.append(ctypes.POINTER(size_t))
     args.append(vp)
@@ -84,7 +86,7 @@ def _bound(name: str, argtypes: list[Any]) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def memcpy_htod_async_entry() -> Any:
+def memcpy_htod_async_entry() -> Callable[..., int]:
     """``cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: void*, nbytes: size_t, stream) ->
     CUresult`` (the context current on the calling thread must own ``dst``)."""
     return _bound("cuMemcpyHtoDAsync_v2",
@@ -92,7 +94,7 @@ def memcpy_htod_async_entry() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def graph_launch_entry() -> Any:
+def graph_launch_entry() -> Callable[..., int]:
     """``cuGraphLaunch(exec: CUgraphExec, stream: CUstream) -> CUresult``."""
     return _bound("cuGraphLaunch", [ctypes.c_void_p, ctypes.c_void_p])
 

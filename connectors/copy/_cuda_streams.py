@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -64,7 +63,7 @@ def synchronize(index: int | None) -> None:
 
 
 @contextlib.contextmanager
-def use_stream(stream: Any) -> Iterator[None]:
+def use_stream(stream: torch.cuda.Stream) -> Iterator[None]:
     """Make ``stream`` current for the block (as ``torch.cuda.stream(stream)``); the fast
     path applies when ``stream``'s device is already the current device."""
     index = stream.device_index

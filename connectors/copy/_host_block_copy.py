@@ -48,10 +48,11 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import torch
+
+from kvconnect.bounded_json import JSONObject
 
 __all__ = ["ENGINES", "MEMMOVE_MIN_RUN_BYTES", "MIN_ROW_BYTES", "STAGING_BYTES",
            "HostRowCopier", "host_row_copier"]
@@ -120,7 +121,7 @@ def _span_rows(flats: Sequence[torch.Tensor], row_bytes: int) -> tuple[int, np.n
     hi = max(f.data_ptr() + f.numel() for f in flats)
     nrows = (hi - lo) // row_bytes
     buf = (ctypes.c_uint8 * (nrows * row_bytes)).from_address(lo)
-    return lo, np.frombuffer(buf, dtype=np.uint8).reshape(nrows, row_bytes)
+    return lo, np.frombuffer(memoryview(buf), dtype=np.uint8).reshape(nrows, row_bytes)
 
 
 def _torch_row_shape(row_bytes: int, src_lo: int, dst_lo: int) -> tuple[torch.dtype, int]:
@@ -145,7 +146,7 @@ class HostRowCopier:
     plan; :attr:`last_engine` names the engine of the latest batch."""
 
     def __init__(self, columns: np.ndarray, src: Sequence[torch.Tensor],
-                 dst: Sequence[torch.Tensor], row_bytes: int, keep: Any,
+                 dst: Sequence[torch.Tensor], row_bytes: int, keep: object,
                  engine: str = "auto") -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown host copy engine {engine!r}; choose from {ENGINES}")
@@ -170,7 +171,7 @@ class HostRowCopier:
                                  g[:, 1] // row_bytes, (g[:, 2] - self._dst_lo) // row_bytes,
                                  g[:, 3] // row_bytes))
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         """JSON-able facts: ``row_bytes``, the ``host_engine`` setting, the
         ``host_last_engine`` of the latest batch, and the torch-rows engine's element and
         sub-row bytes."""
@@ -264,7 +265,7 @@ class HostRowCopier:
 
 
 def host_row_copier(columns: np.ndarray, src: Sequence[torch.Tensor],
-                    dst: Sequence[torch.Tensor], keep: Any, engine: str = "auto"
+                    dst: Sequence[torch.Tensor], keep: object, engine: str = "auto"
                     ) -> HostRowCopier | str:
     """A :class:`HostRowCopier` for a plan's merged ``columns`` over the flat views ``src``
     and ``dst`` (host tensors), or why the plan cannot have one."""

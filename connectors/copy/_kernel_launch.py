@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.bounded_json import JSONObject
 from kvconnect.polling import poll_until
 
 from ._cuda_streams import current_device, current_stream, raw_stream
@@ -88,7 +89,8 @@ def grid_programs(num_blocks: int, num_columns: int, items_per_program: int = 1)
     return -(-num_blocks * num_columns // items_per_program)
 
 
-def wait_events(events: Sequence[Any], timeout: float, what: str = "copy") -> None:
+def wait_events(events: Sequence[torch.cuda.Event], timeout: float, what: str = "copy"
+                ) -> None:
     """Wait until every CUDA event in ``events`` has completed, at most ``timeout`` seconds:
     spin for :data:`SPIN_SECONDS`, then poll with back-off. Raises ``TimeoutError``."""
     start = time.monotonic()
@@ -217,7 +219,7 @@ class KernelLauncher:
             pairs[1::2] = dst
             if self.mode == "graph" and slot.graph is None and bucket.loaded:
                 self._capture(slot, b)  # first use of this slot (the kernel is loaded)
-            if self.mode == "graph" and slot.graph_exec:
+            if self.mode == "graph" and slot.graph_exec and self._graph_launch is not None:
                 rc = self._graph_launch(slot.graph_exec, self._stream_handle())
                 if rc != 0:
                     raise RuntimeError(f"cuGraphLaunch of a block copy failed with CUresult {rc}")
@@ -231,7 +233,7 @@ class KernelLauncher:
             slot.event.record(current_stream(self._index))
             slot.used = True
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         """JSON-able facts: mode, buckets, slots and graphs held."""
         slots = [s for bk in self._bucket.values() for s in bk.slots]
         items = int(self.options.get("items_per_program", ITEMS_PER_PROGRAM))

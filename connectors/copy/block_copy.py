@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.bounded_json import JSONObject
 from kvconnect.peer_layout import LayoutRegion
 from kvconnect.views import block_span
 
@@ -359,8 +360,8 @@ class BlockCopyPlan:
             raise ValueError(f"copy method 'kernel' is unavailable on {self.device}: {why}")
         if method == "memcpy_batch" and self.device.type != "cuda":
             raise ValueError("copy method 'memcpy_batch' needs a CUDA launch device")
-        if method == "host" and isinstance(why := self._host_copier(), str):
-            raise ValueError(f"copy method 'host' is unavailable for this plan: {why}")
+        if method == "host" and isinstance(host := self._host_copier(), str):
+            raise ValueError(f"copy method 'host' is unavailable for this plan: {host}")
         return method
 
     # -- copies ----------------------------------------------------------------------------
@@ -537,7 +538,7 @@ class BlockCopyPlan:
             parts.append(rows.index_select(0, torch.from_numpy(idx).to(rows.device)).to(out))
         return torch.cat(parts, dim=1)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         """JSON-able facts of the plan (for reports)."""
         lengths = self._table[:, 4]
         out = {"regions": len(self.src), "columns": self.num_columns,

@@ -14,9 +14,10 @@ does not lie inside what the peer mapped. Nothing else of the reply is trusted.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
+from kvconnect.bounded_json import JSON
 from kvconnect.framing import IpcError
+from kvconnect.ipc import PeerMapping
 from kvconnect.peer_layout import PeerLayout, PeerLayoutError
 
 from ..copy.block_copy import BlockRegion, layout_block_region
@@ -24,7 +25,7 @@ from ..copy.block_copy import BlockRegion, layout_block_region
 __all__ = ["checked_layout", "peer_block_region"]
 
 
-def checked_layout(peer: str, reply: Mapping[str, Any], num_tensors: int) -> PeerLayout:
+def checked_layout(peer: str, reply: Mapping[str, JSON], num_tensors: int) -> PeerLayout:
     """The peer's layout from an export reply, each region that holds its pages placed in one
     of the ``num_tensors`` tensors its chunk records mapped; :class:`IpcError` naming the
     field for anything missing, of the wrong type, out of range or listed twice."""
@@ -43,7 +44,7 @@ def checked_layout(peer: str, reply: Mapping[str, Any], num_tensors: int) -> Pee
     return layout
 
 
-def peer_block_region(peer: str, layout: PeerLayout, index: int, mappings: Sequence[Any],
+def peer_block_region(peer: str, layout: PeerLayout, index: int, mappings: Sequence[PeerMapping],
                       name: str) -> BlockRegion:
     """The copy's source region ``index`` of the peer's ``layout`` (from
     :func:`checked_layout`) over its mapping of the region's tensor: :class:`IpcError` when

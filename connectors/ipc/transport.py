@@ -43,11 +43,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
+from kvconnect.bounded_json import JSON, JSONObject
+from kvconnect.cache_source import KVCacheSource
 from kvconnect.framing import (
     IpcError,
     connect_unix,
@@ -117,7 +118,7 @@ class IpcExportServer:
     MAX_KEPT_ERRORS = 64
     MAX_LOGGED_ERRORS = 10
 
-    def __init__(self, cache: Any, directory: str, name: str,
+    def __init__(self, cache: KVCacheSource, directory: str, name: str,
                  allowed: Callable[[], set[int]], timeout: float) -> None:
         self.cache = cache
         self.path = os.path.join(directory, f"{name}.sock")
@@ -144,7 +145,7 @@ class IpcExportServer:
         self._thread = threading.Thread(target=self._serve, name="kvc-ipc-export", daemon=True)
         self._thread.start()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         """What a receiver needs to connect: the socket path, our pid, the generation."""
         return {"path": self.path, "pid": os.getpid(), "generation": self.generation}
 
@@ -229,7 +230,7 @@ class IpcExportServer:
         with self._state:
             self.served += 1
 
-    def _reply(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _reply(self, message: JSONObject) -> JSONObject:
         """The export reply: ``message`` (chunk records) with the layout
         (``PeerLayout.from_cache``), device and generation added."""
         message.update(version=WIRE_VERSION, layout=PeerLayout.from_cache(self.cache).to_json(),
@@ -301,7 +302,7 @@ class PendingFetch:
     local_ids: np.ndarray
     nbytes: int
     started: float
-    events: list[Any]
+    events: list[torch.cuda.Event]
     timeout: float
     finished: float | None = None
 
@@ -337,7 +338,7 @@ class IpcTransport:
 
     name = "ipc"
 
-    def __init__(self, cache: Any, *, timeout: float = 60.0, direction: str = "auto",
+    def __init__(self, cache: KVCacheSource, *, timeout: float = 60.0, direction: str = "auto",
                  method: str = "auto", launch: str = "graph") -> None:
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
@@ -356,7 +357,7 @@ class IpcTransport:
         return (int(self.cache.num_blocks),
                 tuple((t.committed_bytes, t.num_physical_chunks) for t in self.cache.tensors))
 
-    def open_peer(self, peer: str, offer: Mapping[str, Any]) -> float:
+    def open_peer(self, peer: str, offer: Mapping[str, JSON]) -> float:
         """Map ``peer``'s chunks from its :meth:`IpcExportServer.describe` ``offer`` and
         build the copy plan, unless the cached ones are still valid. Returns the seconds
         spent (0.0 when cached). Raises :class:`IpcError` for a bad or unreachable peer,
@@ -431,7 +432,7 @@ class IpcTransport:
             for ch in t.physical_chunks():
                 t.driver.set_access(ch.va, ch.size, [launch.index])
 
-    def _plan(self, peer: str, reply: Mapping[str, Any], mappings: list[PeerMapping],
+    def _plan(self, peer: str, reply: Mapping[str, JSON], mappings: list[PeerMapping],
               launch: torch.device) -> BlockCopyPlan:
         cache = self.cache
         # every field of the peer's layout is validated there (IpcError)
@@ -487,7 +488,7 @@ class IpcTransport:
             entry.plan.check_ids(src, dst)
         local = torch.device(self.cache.device)
         cross = entry.launch != local and local.type == "cuda"
-        events: list[Any] = []
+        events: list[torch.cuda.Event] = []
         try:
             if cross:
                 current_stream(entry.launch.index).wait_stream(current_stream(local.index))
@@ -545,7 +546,8 @@ class IpcTransport:
         self.close()
 
 
-def _merged_ids(requests: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
+def _merged_ids(requests: Sequence[tuple[Sequence[int], Sequence[int]]]
+                ) -> tuple[np.ndarray, np.ndarray]:
     """Every request's ids as two int64 arrays, in request order."""
     src, dst = [], []
     for i, (r, lo) in enumerate(requests):

@@ -11,26 +11,61 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Protocol, TypeAlias
+
+import numpy as np
 
 from ..errors import KVConnectorError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NIXL_MODULES", "NixlUnavailableError", "NotificationInbox", "create_agent",
-           "drain_agent", "import_nixl", "nixl_importable", "nixl_install_problem"]
+__all__ = ["NIXL_MODULES", "NixlAgent", "NixlHandle", "NixlUnavailableError",
+           "NotificationInbox", "Notifications", "create_agent", "drain_agent", "import_nixl",
+           "nixl_importable", "nixl_install_problem"]
 
 #: the modules NIXL's Python API comes from, in the order they are tried
 NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+
+#: what NIXL hands back for a registration, a prepared descriptor list or a transfer, and takes
+#: back to release it: opaque here
+NixlHandle: TypeAlias = object
+#: ``get_new_notifs()``: remote agent name (str or bytes) -> the messages received from it
+Notifications: TypeAlias = "Mapping[str | bytes, Sequence[bytes]]"
+
+
+class NixlAgent(Protocol):
+    """The members of NIXL's ``nixl_agent`` (NIXL 1.5, untyped bindings) that kvconnect calls.
+    Memory types are ``"DRAM"`` / ``"VRAM"``; descriptor rows ``(address, bytes, device)``."""
+
+    @property
+    def backends(self) -> Collection[str]: ...
+    def register_memory(self, descs: list[tuple[int, int, int, str]], mem_type: str
+                        ) -> NixlHandle: ...
+    def deregister_memory(self, dlist: NixlHandle) -> None: ...
+    def get_agent_metadata(self) -> bytes: ...
+    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
+    def remove_remote_agent(self, agent_name: str | bytes) -> None: ...
+    def prep_xfer_dlist(self, agent_name: str, descs: np.ndarray, mem_type: str
+                        ) -> NixlHandle: ...
+    def release_dlist_handle(self, handle: NixlHandle) -> None: ...
+    def make_prepped_xfer(self, operation: str, local: NixlHandle, local_indices: list[int],
+                          remote: NixlHandle, remote_indices: list[int], notif: bytes
+                          ) -> NixlHandle: ...
+    def transfer(self, handle: NixlHandle) -> str: ...
+    def check_xfer_state(self, handle: NixlHandle) -> str: ...
+    def query_xfer_backend(self, handle: NixlHandle) -> str | bytes: ...
+    def release_xfer_handle(self, handle: NixlHandle) -> None: ...
+    def get_new_notifs(self) -> Notifications: ...
 
 
 class NixlUnavailableError(KVConnectorError, ImportError):
     """The NIXL Python bindings are not installed."""
 
 
-def import_nixl() -> tuple[Any, Any]:
-    """Return ``(nixl_agent, nixl_agent_config)`` from ``nixl_cu13`` / ``nixl_cu12`` / ``nixl``."""
+def import_nixl() -> tuple[Callable[..., NixlAgent], Callable[..., object]]:
+    """Return ``(nixl_agent, nixl_agent_config)`` from ``nixl_cu13`` / ``nixl_cu12`` / ``nixl``
+    (the classes: an agent is ``nixl_agent(name, nixl_agent_config(...))``)."""
     errors = []
     for mod in NIXL_MODULES:
         try:
@@ -67,7 +102,7 @@ def nixl_importable() -> bool:
 
 
 def create_agent(agent_name: str, backends: Sequence[str], progress_thread: bool,
-                 who: str) -> Any:
+                 who: str) -> NixlAgent:
     """A NIXL agent named ``agent_name`` with ``backends`` (its own progress thread or not).
 
     Raises :class:`NixlUnavailableError` without NIXL and :class:`KVConnectorError` (prefixed
@@ -97,7 +132,7 @@ class NotificationInbox:
     def __init__(self) -> None:
         self._by_agent: dict[str, list[bytes]] = {}
 
-    def keep(self, new: dict[Any, list[Any]]) -> int:
+    def keep(self, new: Notifications) -> int:
         """Add notifications as NIXL returns them (``get_new_notifs``); returns how many."""
         count = 0
         for agent, msgs in new.items():
@@ -124,8 +159,8 @@ class NotificationInbox:
 DRAIN_PASSES = 3
 
 
-def drain_agent(agent: Any, engine_id: str,
-                keep_notifs: Callable[[dict[Any, list[Any]]], int] | None = None) -> None:
+def drain_agent(agent: NixlAgent, engine_id: str,
+                keep_notifs: Callable[[Notifications], int] | None = None) -> None:
     """Run NIXL/UCX progress on ``agent`` until it is idle, so that no UCX operation stays queued.
 
     Why: when a READ fails half-posted (the peer died or closed its agent while NIXL was posting

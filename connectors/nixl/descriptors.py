@@ -9,23 +9,30 @@ uncommitted memory. Units: bytes for addresses and lengths, blocks for block ids
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TypeAlias, TypeVar
 
 import numpy as np
 
-from kvconnect.views import page_holders
+from kvconnect.tensor import Chunk
+from kvconnect.views import PagedRegion, page_holders
 from kvconnect.vmm import parse_device
 
 from ..copy.block_copy import as_block_ids
 from ..errors import KVConnectorError
 
 __all__ = [
+    "PhysicalChunk",
     "check_descriptors_in_chunks",
     "memory_type_for_device",
     "region_descriptors",
     "registration_extents",
     "transfer_regions",
 ]
+
+#: a physical allocation holding committed blocks: a :class:`~kvconnect.tensor.Chunk`, or
+#: ``(va, size[, ...])`` in bytes (memory that is not an ExtensibleKVCache)
+PhysicalChunk: TypeAlias = "Chunk | tuple[int, ...]"
+RegionT = TypeVar("RegionT", bound=PagedRegion)
 
 UCX_MULTI_HANDLE_ISSUE = ("UCX exports only the first physical handle of a region spanning "
                           "several (ucx #11283): recommit each segment as one handle "
@@ -44,7 +51,7 @@ def memory_type_for_device(device: object) -> tuple[str, int]:
     return ("DRAM", 0) if kind == "host" else ("VRAM", index)
 
 
-def region_descriptors(regions: Sequence[Any], block_ids: Iterable[int] | None = None, *,
+def region_descriptors(regions: Sequence[PagedRegion], block_ids: Iterable[int] | None = None, *,
                        device_id: int | None = None) -> np.ndarray:
     """Transfer descriptors for blocks of committed regions: an ``N x 3`` uint64 array of
     ``(address, length, device_id)`` rows, region-major.
@@ -79,7 +86,7 @@ def region_descriptors(regions: Sequence[Any], block_ids: Iterable[int] | None =
     return np.concatenate(parts, axis=0)
 
 
-def transfer_regions(regions: Sequence[Any]) -> list[Any]:
+def transfer_regions(regions: Sequence[RegionT]) -> list[RegionT]:
     """The regions whose blocks a transfer moves: the regions that hold their own pages
     (:func:`kvconnect.views.page_holders`; a region whose blocks lie inside another's, as a
     Mamba layer's inside the attention page of the same KV tensor in a hybrid model, is moved
@@ -88,11 +95,11 @@ def transfer_regions(regions: Sequence[Any]) -> list[Any]:
     return [r for r, _ in page_holders(regions)]
 
 
-def _chunk_bounds(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+def _chunk_bounds(chunks: Sequence[PhysicalChunk]) -> tuple[np.ndarray, np.ndarray]:
     """Sorted chunk starts and ends from ``Chunk`` objects or ``(va, size[, ...])`` tuples."""
     pairs = []
     for c in chunks:
-        if hasattr(c, "va"):
+        if isinstance(c, Chunk):
             pairs.append((int(c.va), int(c.size)))
         else:
             pairs.append((int(c[0]), int(c[1])))
@@ -104,7 +111,7 @@ def _chunk_bounds(chunks: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
     return starts, ends
 
 
-def check_descriptors_in_chunks(descs: np.ndarray, chunks: Sequence[Any], *,
+def check_descriptors_in_chunks(descs: np.ndarray, chunks: Sequence[PhysicalChunk], *,
                                 what: str = "descriptor") -> np.ndarray:
     """Check that every ``(addr, len, dev)`` row lies wholly inside one chunk.
 
@@ -141,7 +148,8 @@ def check_descriptors_in_chunks(descs: np.ndarray, chunks: Sequence[Any], *,
     return idx
 
 
-def registration_extents(regions: Sequence[Any], chunks: Sequence[Any]) -> list[tuple[int, int, int]]:
+def registration_extents(regions: Sequence[PagedRegion], chunks: Sequence[PhysicalChunk]
+                         ) -> list[tuple[int, int, int]]:
     """The extents to register: one ``(addr, length, device_id)`` per physical chunk holding
     committed blocks, spanning exactly from the first committed block byte in that chunk to the
     last (never the chunk's or the storage's full size).

@@ -8,14 +8,15 @@ prepared as one NIXL descriptor list; :func:`drop_peer` releases it and the remo
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from kvconnect.views import PagedRegion, page_owners
 
 from ..errors import IncompatiblePeerError, KVConnectorError
+from .agent import NixlAgent, NixlHandle
 from .descriptors import check_descriptors_in_chunks, region_descriptors
 from .handshake import HandshakeMetadata
 from .registration import RegistrationPlan
@@ -36,7 +37,7 @@ class LoadedPeer:
 
     metadata: HandshakeMetadata
     agent_name: str
-    prep: Any
+    prep: NixlHandle | None
     #: for each local region (local order): first row of that region in the remote dlist
     offsets: np.ndarray
     #: for each local region (local order): remote committed block count
@@ -74,7 +75,7 @@ def remote_paged_regions(md: HandshakeMetadata) -> list[PagedRegion]:
     return regions
 
 
-def peer_descriptors(md: HandshakeMetadata, local_xfer_regions: list[Any]
+def peer_descriptors(md: HandshakeMetadata, local_xfer_regions: Sequence[PagedRegion]
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The peer's block descriptors paired with ours: ``(descs, offsets, counts)``.
 
@@ -127,7 +128,7 @@ def read_indices(plan: RegistrationPlan, entry: LoadedPeer, local: np.ndarray,
             (entry.offsets[:, None] + remote[None, :]).reshape(-1))
 
 
-def load_peer(agent: Any, engine_id: str, md: HandshakeMetadata, remote_descs: np.ndarray,
+def load_peer(agent: NixlAgent, engine_id: str, md: HandshakeMetadata, remote_descs: np.ndarray,
               offsets: np.ndarray, counts: np.ndarray) -> LoadedPeer:
     """Add the peer's NIXL agent and prepare its descriptor list; nothing stays loaded when
     this raises (:class:`KVConnectorError`)."""
@@ -152,7 +153,7 @@ def load_peer(agent: Any, engine_id: str, md: HandshakeMetadata, remote_descs: n
     return LoadedPeer(md, md.agent_name, prep, offsets, counts)
 
 
-def drop_peer(agent: Any, engine_id: str, entry: LoadedPeer) -> None:
+def drop_peer(agent: NixlAgent, engine_id: str, entry: LoadedPeer) -> None:
     """Release the peer's descriptor list and remove its remote agent (failures are logged)."""
     if entry.prep is not None:
         try:

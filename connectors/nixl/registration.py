@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from kvconnect.peer_layout import PeerLayout
+from kvconnect.cache_source import KVCacheSource
+from kvconnect.peer_layout import LayoutFacts, PeerLayout
 from kvconnect.undo import UndoStack
+from kvconnect.views import PagedRegion
 
 from ..errors import KVConnectorError
+from .agent import NixlAgent, NixlHandle
 from .descriptors import (
+    PhysicalChunk,
     memory_type_for_device,
     region_descriptors,
     registration_extents,
@@ -37,11 +40,12 @@ LOCAL_AGENT = "NIXL_INIT_AGENT"
 class GivenRegions:
     """Regions and the physical chunks holding them, given by hand (no cache object)."""
 
-    regions: list[Any]
-    chunks: list[Any]
+    regions: list[PagedRegion]
+    chunks: list[PhysicalChunk]
 
 
-def source_regions(src: Any, who: str) -> tuple[list[Any], list[Any]]:
+def source_regions(src: KVCacheSource | GivenRegions, who: str
+                   ) -> tuple[list[PagedRegion], list[PhysicalChunk]]:
     """``(regions, chunks)`` of ``src``: a :class:`GivenRegions`, or a KV cache that must be
     final and awake (else :class:`KVConnectorError` prefixed with ``who``)."""
     if isinstance(src, GivenRegions):
@@ -52,12 +56,13 @@ def source_regions(src: Any, who: str) -> tuple[list[Any], list[Any]]:
             getattr(t, "is_released", False) for t in getattr(src, "tensors", ())):
         raise KVConnectorError(f"{who}: the KV cache's physical memory is released (asleep); "
                                "call cache.recommit() before registering")
-    return (list(src.committed_regions()),
-            [c for t in src.tensors for c in t.physical_chunks()])
+    regions: list[PagedRegion] = list(src.committed_regions())
+    chunks: list[PhysicalChunk] = [c for t in src.tensors for c in t.physical_chunks()]
+    return regions, chunks
 
 
-def source_layout(src: Any, regions: Sequence[Any], facts: dict[str, Any], who: str
-                  ) -> PeerLayout:
+def source_layout(src: KVCacheSource | GivenRegions, regions: Sequence[PagedRegion],
+                  facts: LayoutFacts, who: str) -> PeerLayout:
     """The layout a worker publishes for ``regions`` of ``src``: a cache's
     ``PeerLayout.from_cache`` (the one every user of that cache builds), or for
     :class:`GivenRegions` the regions' layout with ``facts`` (``block_size``, ``dtype``,
@@ -65,7 +70,9 @@ def source_layout(src: Any, regions: Sequence[Any], facts: dict[str, Any], who: 
     ``who`` when the regions do not form a layout."""
     try:
         if isinstance(src, GivenRegions):
-            return PeerLayout.from_regions(regions, **facts)
+            return PeerLayout.from_regions(
+                regions, block_size=facts.get("block_size"), dtype=facts.get("dtype"),
+                layout=facts.get("layout"), kernel_block_size=facts.get("kernel_block_size"))
         return PeerLayout.from_cache(src)
     except ValueError as exc:
         raise KVConnectorError(f"{who}: {exc}") from None
@@ -76,20 +83,20 @@ class RegistrationPlan:
     """What one registration of committed regions needs, checked before any NIXL call."""
 
     #: the regions as given (their order is the handshake's)
-    regions: list[Any]
+    regions: list[PagedRegion]
     #: ``(addr, length, device_id)`` per physical chunk holding committed blocks, bytes
     extents: list[tuple[int, int, int]]
     #: ``"DRAM"`` or ``"VRAM"``
     memory_type: str
     #: the regions transfers move (:func:`transfer_regions`), in local order
-    xfer_regions: list[Any]
+    xfer_regions: list[PagedRegion]
     #: every block of every transfer region, region-major (``N x 3`` uint64)
     local_descs: np.ndarray
     #: first row of each transfer region in ``local_descs``
     local_offsets: np.ndarray
 
 
-def plan_registration(regions: Sequence[Any], chunks: Sequence[Any], who: str
+def plan_registration(regions: Sequence[PagedRegion], chunks: Sequence[PhysicalChunk], who: str
                       ) -> RegistrationPlan:
     """Check committed ``regions`` held in physical ``chunks`` and plan their registration.
 
@@ -123,11 +130,12 @@ def plan_registration(regions: Sequence[Any], chunks: Sequence[Any], who: str
                             region_descriptors(xfer_regions), offsets)
 
 
-def register_plan(agent: Any, plan: RegistrationPlan, who: str) -> tuple[list[Any], Any]:
+def register_plan(agent: NixlAgent, plan: RegistrationPlan, who: str
+                  ) -> tuple[list[NixlHandle], NixlHandle]:
     """Register ``plan``'s extents with ``agent`` and prepare its local descriptor list:
     ``(registration handles, prepared list)``. On failure every registration made is undone
     and :class:`KVConnectorError` (prefixed with ``who``) raised."""
-    handles: list[Any] = []
+    handles: list[NixlHandle] = []
     try:
         with UndoStack() as undo:
             for addr, length, dev in plan.extents:

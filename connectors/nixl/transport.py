@@ -21,12 +21,17 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvconnect.bounded_json import JSON, JSONObject
 
 from ..errors import KVConnectorError
 from ..transport import FetchResult, TransportContext, TransportSpec
 from .agent import nixl_install_problem
 from .ucx_lanes import PROTO_INFO_ENV, LaneTracker
+
+if TYPE_CHECKING:
+    from .worker import NixlRegionWorker
 
 __all__ = ["NIXL_TRANSPORT", "NixlMetadataExporter", "NixlRegistration", "NixlTransport",
            "slow_gpu_lane_advice"]
@@ -51,7 +56,7 @@ class NixlTransport:
 
     name = "nixl"
 
-    def __init__(self, worker: Any, *, timeout: float = 60.0,
+    def __init__(self, worker: NixlRegionWorker | None, *, timeout: float = 60.0,
                  attribution: Callable[[str], list[str]] | None = None) -> None:
         if worker is None:
             raise KVConnectorError("the nixl transport needs a NixlRegionWorker registered "
@@ -62,7 +67,7 @@ class NixlTransport:
         self._engines: dict[str, tuple[str, str]] = {}  # peer -> (metadata, engine id)
         self._unreported_setup: dict[str, float] = {}
 
-    def open_peer(self, peer: str, offer: Mapping[str, Any]) -> float:
+    def open_peer(self, peer: str, offer: Mapping[str, JSON]) -> float:
         """Load ``peer``'s NIXL metadata (again when it changed, e.g. after its wake)."""
         metadata = offer.get("metadata")
         if not isinstance(metadata, str) or not metadata:
@@ -112,10 +117,10 @@ class NixlMetadataExporter:
     """The serving half: publishes the worker's current metadata (registration happens
     elsewhere; NIXL serves READs itself)."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: NixlRegionWorker) -> None:
         self.worker = worker
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         return {"metadata": self.worker.metadata_json().decode()}
 
     def pause(self) -> None:

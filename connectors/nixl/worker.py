@@ -41,8 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from kvconnect.peer_layout import PeerLayout, layout_facts
+from kvconnect.cache_source import KVCacheSource
+from kvconnect.peer_layout import LayoutFacts, PeerLayout, layout_facts
 from kvconnect.polling import poll_until
+from kvconnect.views import PagedRegion
 
 from ..copy.block_copy import as_block_ids
 from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
@@ -55,6 +57,7 @@ from .agent import (
     nixl_importable,
 )
 from .descriptors import (
+    PhysicalChunk,
     check_descriptors_in_chunks,
     memory_type_for_device,
     region_descriptors,
@@ -134,8 +137,8 @@ class NixlRegionWorker:
         #: drains and drops the agent when this worker is closed or collected (see drain_agent)
         self._retire_agent: weakref.finalize | None = None
         self._closed = False
-        self._layout_info: dict[str, Any] = {}
-        self._source: Any = None
+        self._layout_info: LayoutFacts = {}
+        self._source: KVCacheSource | GivenRegions | None = None
         #: the last registration's regions, extents and transfer regions (kept while the
         #: memory sleeps, so peers can still be loaded; dropped at close)
         self._plan: RegistrationPlan | None = None
@@ -168,7 +171,7 @@ class NixlRegionWorker:
         return list(self._extents)
 
     @property
-    def regions(self) -> list[Any]:
+    def regions(self) -> list[PagedRegion]:
         """The committed regions currently registered (local region order)."""
         return list(self._plan.regions) if self._plan is not None else []
 
@@ -195,8 +198,9 @@ class NixlRegionWorker:
         return self._layout
 
     # -- registration --------------------------------------------------------
-    def register_kv_cache(self, cache: Any) -> HandshakeMetadata:
-        """Register the committed regions of an :class:`~kvconnect.kv_cache.ExtensibleKVCache`.
+    def register_kv_cache(self, cache: KVCacheSource) -> HandshakeMetadata:
+        """Register the committed regions of an :class:`~kvconnect.kv_cache.ExtensibleKVCache`
+        (any :class:`~kvconnect.cache_source.KVCacheSource`).
 
         Only legal after the final commit (``cache.is_final``); raises
         :class:`KVConnectorError` before. The published :class:`~kvconnect.peer_layout.PeerLayout`
@@ -214,8 +218,9 @@ class NixlRegionWorker:
         self._source = cache
         return self._register()
 
-    def register_regions(self, regions: Sequence[Any], chunks: Sequence[Any], *,
-                         config: Any = None, **layout_info: Any) -> HandshakeMetadata:
+    def register_regions(self, regions: Sequence[PagedRegion], chunks: Sequence[PhysicalChunk],
+                         *, config: object = None, **layout_info: int | str | None
+                         ) -> HandshakeMetadata:
         """Register committed regions of memory that is not an ExtensibleKVCache (e.g. an
         ordinary cudaMalloc allocation, as the benchmarks' control): ``regions`` from
         :func:`kvconnect.views.committed_regions`, ``chunks`` the physical allocations holding
@@ -266,9 +271,12 @@ class NixlRegionWorker:
             raise KVConnectorError(f"{self.engine_id}: deregistration failed: {errors[0]}")
 
     def _register(self) -> HandshakeMetadata:
-        regions, chunks = source_regions(self._source, self.engine_id)
+        source = self._source
+        if source is None:
+            raise KVConnectorError(f"{self.engine_id}: no KV cache or regions to register")
+        regions, chunks = source_regions(source, self.engine_id)
         plan = plan_registration(regions, chunks, self.engine_id)
-        layout = source_layout(self._source, regions, self._layout_info, self.engine_id)
+        layout = source_layout(source, regions, self._layout_info, self.engine_id)
         self._ensure_agent()
         self._reg_dlists, self._local_prep = register_plan(self._agent, plan, self.engine_id)
         self._extents = plan.extents

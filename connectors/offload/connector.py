@@ -63,9 +63,10 @@ from typing import Any
 
 import torch
 
+from kvconnect.cache_source import KVCacheSource
 from kvconnect.checks import checked_int
 from kvconnect.peer_layout import PeerLayout
-from kvconnect.views import CommittedRegion
+from kvconnect.views import CommittedRegion, KVCacheConfigLike, KVCaches
 
 from ..copy._cuda_streams import current_stream, use_stream
 from ..copy.block_copy import (
@@ -127,7 +128,8 @@ class _Plans:
 class CPUOffloadConnector:
     """Save / load logical KV blocks of ``cache`` to / from a CPU pool of ``num_cpu_blocks``.
 
-    ``cache``: an ``ExtensibleKVCache``; for ordinary tensors use :meth:`from_kv_caches`.
+    ``cache``: an ``ExtensibleKVCache`` (any :class:`~kvconnect.cache_source.KVCacheSource`);
+    for ordinary tensors use :meth:`from_kv_caches`.
     ``num_cpu_blocks``: pool slots, each :attr:`bytes_per_block` bytes. ``pin_memory``: pin
     the pool (default: on CUDA only). ``max_staging_bytes``: bound on the device staging
     buffers of the ``staged`` path (bytes, both buffers together); ``staging_chunk_bytes``:
@@ -137,7 +139,7 @@ class CPUOffloadConnector:
 
     def __init__(
         self,
-        cache: Any,
+        cache: KVCacheSource | CacheSource | TensorsSource,
         num_cpu_blocks: int,
         *,
         pin_memory: bool | None = None,
@@ -195,9 +197,9 @@ class CPUOffloadConnector:
     @classmethod
     def from_kv_caches(
         cls,
-        kv_caches: Any,
+        kv_caches: KVCaches,
         num_blocks: int,
-        kv_cache_config: Any,
+        kv_cache_config: KVCacheConfigLike,
         num_cpu_blocks: int,
         **kwargs: Any,
     ) -> CPUOffloadConnector:

@@ -2,8 +2,9 @@
 
 Two sources, one interface (:class:`BlockSource`):
 
-- :class:`CacheSource`: an :class:`~kvconnect.kv_cache.ExtensibleKVCache`; views are
-  ``committed_view``s of its ExtensibleTensors, re-derived when its commit state changes;
+- :class:`CacheSource`: an :class:`~kvconnect.kv_cache.ExtensibleKVCache` (any
+  :class:`~kvconnect.cache_source.KVCacheSource`); views are ``committed_view``s of its
+  ExtensibleTensors, re-derived when its commit state changes;
 - :class:`TensorsSource`: ordinary (or already narrowed) per-layer tensors with a
   ``KVCacheConfig``; geometry from :func:`kvconnect.views.committed_regions`, views from the
   narrowed, storage-bounded layers. No automatic rebind.
@@ -13,12 +14,13 @@ Two sources, one interface (:class:`BlockSource`):
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from kvconnect.cache_source import KVCacheSource
 from kvconnect.peer_layout import PeerLayout
-from kvconnect.views import CommittedRegion
+from kvconnect.views import CommittedRegion, KVCacheConfigLike, KVCaches
 
 from ..errors import KVConnectorError
 
@@ -45,15 +47,15 @@ class BlockSource(Protocol):
 
 
 class CacheSource:
-    """Geometry and bounded views from an ExtensibleKVCache (re-derived on state changes)."""
+    """Geometry and bounded views from an ExtensibleKVCache, or any KVCacheSource
+    (re-derived on state changes)."""
 
-    def __init__(self, cache: Any) -> None:
-        from kvconnect.kv_cache import ExtensibleKVCache
-
-        if not isinstance(cache, ExtensibleKVCache):
+    def __init__(self, cache: KVCacheSource) -> None:
+        if not isinstance(cache, KVCacheSource):
             raise TypeError(
-                f"cache must be an ExtensibleKVCache, got {type(cache).__name__}; for "
-                "ordinary tensors use CPUOffloadConnector.from_kv_caches()"
+                f"cache must be an ExtensibleKVCache (a KVCacheSource), got "
+                f"{type(cache).__name__}; for ordinary tensors use "
+                "CPUOffloadConnector.from_kv_caches()"
             )
         self.cache = cache
         self.capacity_blocks: int | None = cache.capacity_blocks
@@ -103,7 +105,8 @@ class TensorsSource:
 
     capacity_blocks: int | None = None
 
-    def __init__(self, kv_caches: Any, num_blocks: int, kv_cache_config: Any) -> None:
+    def __init__(self, kv_caches: KVCaches, num_blocks: int,
+                 kv_cache_config: KVCacheConfigLike) -> None:
         from kvconnect.views import committed_regions, narrow_kv_caches_to_num_blocks
 
         self._num_blocks = int(num_blocks)
@@ -141,7 +144,7 @@ class TensorsSource:
                 f"inside the committed storage of layer {name!r}"
             )
         out = torch.empty(0, dtype=torch.uint8, device=self._device[name])
-        return out.set_(storage, start, (span,))
+        return out.set_(storage, start, (span,), (1,))
 
     def state_token(self) -> object:
         return self._num_blocks
@@ -150,7 +153,8 @@ class TensorsSource:
         return None
 
 
-def block_source(cache: Any) -> CacheSource | TensorsSource:
+def block_source(cache: KVCacheSource | CacheSource | TensorsSource
+                 ) -> CacheSource | TensorsSource:
     """``cache`` itself when it is a source already, else a :class:`CacheSource` over it."""
     if isinstance(cache, (CacheSource, TensorsSource)):
         return cache

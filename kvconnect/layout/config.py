@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
+from ..bounded_json import JSON, JSONObject
 from ..checks import checked_int
 from .geometry import LayoutPlan
 from .plan import plan_layout
@@ -64,8 +64,8 @@ class KVCacheTensor:
         """The seed's name for :attr:`layers` (kept for old callers)."""
         return self.layers
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"size": self.size, "layers": list(self.layers)}
+    def to_dict(self) -> JSONObject:
+        out: JSONObject = {"size": self.size, "layers": list(self.layers)}
         if self.is_placement:
             out.update(layer_stride=self.layer_stride, block_stride=self.block_stride,
                        offset=self.offset)
@@ -74,7 +74,7 @@ class KVCacheTensor:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "kv_cache_tensor") -> KVCacheTensor:
+    def from_dict(cls, d: Mapping[str, JSON], where: str = "kv_cache_tensor") -> KVCacheTensor:
         """The tensor :meth:`to_dict` described (``shared_by`` is accepted for ``layers``);
         any malformed field raises LayoutError."""
         if not isinstance(d, Mapping) or "size" not in d or not ("layers" in d
@@ -183,7 +183,7 @@ class KVCacheConfig:
                     num_blocks, maximum=alloc)
         return replace(self, num_blocks=num_blocks)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """A JSON-serialisable description (for handshakes: compare, never unpickle)."""
         return {
             "num_blocks": self.num_blocks,
@@ -196,7 +196,7 @@ class KVCacheConfig:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> KVCacheConfig:
+    def from_dict(cls, d: Mapping[str, JSON]) -> KVCacheConfig:
         """The config :meth:`to_dict` described. Every field is checked (types, positive
         ints, known spec kinds and dtypes); anything malformed raises LayoutError. Whether
         the config can be laid out is :func:`plan_layout`'s to say."""

@@ -12,9 +12,9 @@ naming it. ``kvconnect.views`` calls this for any config that is not kvconnect's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 from .config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from .formats import VLLM_LAYOUTS
@@ -27,7 +27,46 @@ from .specs import (
     SlidingWindowSpec,
 )
 
-__all__ = ["SPEC_CONVERTERS", "config_from_vllm", "is_vllm_like_config", "spec_from_vllm"]
+__all__ = ["SPEC_CONVERTERS", "VllmKVCacheConfigLike", "VllmKVCacheGroupLike",
+           "VllmKVCacheTensorLike", "config_from_vllm", "is_vllm_like_config", "spec_from_vllm"]
+
+
+class VllmKVCacheTensorLike(Protocol):
+    """vLLM 0.33's ``KVCacheTensor`` as read here (bytes; ``host_resident`` optional)."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def layers(self) -> Sequence[str]: ...
+    @property
+    def layer_stride(self) -> int: ...
+    @property
+    def block_stride(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+
+
+class VllmKVCacheGroupLike(Protocol):
+    """vLLM 0.33's ``KVCacheGroupSpec``: layer names and their spec (a vLLM spec class,
+    converted by class name: :data:`SPEC_CONVERTERS`)."""
+
+    @property
+    def layer_names(self) -> Sequence[str]: ...
+    @property
+    def kv_cache_spec(self) -> object: ...
+
+
+class VllmKVCacheConfigLike(Protocol):
+    """vLLM 0.33's ``KVCacheConfig`` as kvconnect reads it (no vLLM import): ``num_blocks``
+    (logical blocks), its tensors and groups; ``kv_cache_layout`` is read with ``getattr``
+    (the engine core sets it)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def kv_cache_tensors(self) -> Sequence[VllmKVCacheTensorLike]: ...
+    @property
+    def kv_cache_groups(self) -> Sequence[VllmKVCacheGroupLike]: ...
 
 
 def _attention_fields(spec: Any, what: str) -> dict[str, Any]:
@@ -87,7 +126,7 @@ SPEC_CONVERTERS: dict[str, Callable[[Any, str], KVCacheSpec]] = {
 }
 
 
-def spec_from_vllm(spec: Any, what: str = "spec") -> KVCacheSpec:
+def spec_from_vllm(spec: object, what: str = "spec") -> KVCacheSpec:
     """kvconnect's spec for a vLLM spec (by class name; see :data:`SPEC_CONVERTERS`)."""
     if isinstance(spec, KVCacheSpec):
         return spec
@@ -98,13 +137,13 @@ def spec_from_vllm(spec: Any, what: str = "spec") -> KVCacheSpec:
     return convert(spec, what)
 
 
-def is_vllm_like_config(obj: object) -> bool:
+def is_vllm_like_config(obj: object) -> TypeGuard[VllmKVCacheConfigLike]:
     """True for objects with vLLM 0.33 ``KVCacheConfig``'s fields (and not kvconnect's)."""
     return not isinstance(obj, KVCacheConfig) and all(
         hasattr(obj, a) for a in ("num_blocks", "kv_cache_tensors", "kv_cache_groups"))
 
 
-def _groups(cfg: Any) -> list[KVCacheGroupSpec]:
+def _groups(cfg: VllmKVCacheConfigLike) -> list[KVCacheGroupSpec]:
     out: list[KVCacheGroupSpec] = []
     for gi, g in enumerate(cfg.kv_cache_groups):
         spec = g.kv_cache_spec
@@ -121,7 +160,7 @@ def _groups(cfg: Any) -> list[KVCacheGroupSpec]:
     return out
 
 
-def config_from_vllm(cfg: Any, layout: object = None,
+def config_from_vllm(cfg: KVCacheConfig | VllmKVCacheConfigLike, layout: object = None,
                      kernel_block_size: int | None = None) -> KVCacheConfig:
     """kvconnect's :class:`KVCacheConfig` for vLLM 0.33's ``cfg``.
 

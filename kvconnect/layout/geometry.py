@@ -81,18 +81,27 @@ class ViewGeometry:
         """``(first, end)`` bytes, relative to the segment start, that one logical block of
         this view touches (one segment; the segment dimension held at one index)."""
         end = self.offset_bytes + self.itemsize
+        for n, sb in self._in_segment_dims():
+            end += (n - 1) * sb
+        return self.offset_bytes, end
+
+    def _in_segment_dims(self) -> list[tuple[int, int]]:
+        """``(count, byte stride)`` of every dimension but the segment one (whose stride is
+        the only ``None``)."""
+        out = []
         for d, (n, sb) in enumerate(zip(self.unit_shape, self.strides_bytes, strict=True)):
             if d == self.segment_dim:
                 continue
-            end += (n - 1) * int(sb)  # type: ignore[arg-type]
-        return self.offset_bytes, end
+            if sb is None:
+                raise LayoutError(f"dimension {d} has no byte stride but is not the segment "
+                                  f"dimension ({self.segment_dim})")
+            out.append((n, sb))
+        return out
 
     def runs_in_segment(self, max_runs: int = 4096) -> list[tuple[int, int]]:
         """The contiguous byte runs ``(offset, length)`` of one logical block in one
         segment, in address order (coalescing dimensions whose strides abut)."""
-        dims = sorted((int(sb), n) for d, (n, sb) in enumerate(
-            zip(self.unit_shape, self.strides_bytes, strict=True))
-            if d != self.segment_dim and n > 1)
+        dims = sorted((sb, n) for n, sb in self._in_segment_dims() if n > 1)
         run = self.itemsize
         i = 0
         while i < len(dims) and dims[i][0] == run:

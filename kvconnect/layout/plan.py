@@ -178,40 +178,47 @@ def _packed_slots(config: KVCacheConfig, facts: ConfigFacts) -> _Slotted:
     return _Slotted(slots, (TensorPlan(0, t.layers, row, 1),), config.num_blocks)
 
 
+def _placement_strides(t: KVCacheTensor, index: int) -> tuple[int, int]:
+    """``(layer_stride, block_stride)`` of a placement tensor, bytes (KVCacheTensor sets both
+    or neither)."""
+    if t.layer_stride is None or t.block_stride is None:
+        raise LayoutError(f"kv_cache_tensors[{index}] has no layer_stride/block_stride; a "
+                          f"placement config gives both for every tensor")
+    return t.layer_stride, t.block_stride
+
+
 def _placement_slots(config: KVCacheConfig, facts: ConfigFacts) -> _Slotted:
     """vLLM 0.33's placement form: one buffer. Layer-outer: every (layer, plane) is a
     segment of ``segment_stride = layer_stride / planes`` bytes; block-outer: one segment
     of ``block_stride``-byte rows."""
     fmt, tensors = facts.fmt, config.kv_cache_tensors
     size = tensors[0].size
-    strides = {t.block_stride for t in tensors}
+    layer_strides = [_placement_strides(t, i)[0] for i, t in enumerate(tensors)]
+    strides = {_placement_strides(t, i)[1] for i, t in enumerate(tensors)}
     if len(strides) != 1:
         raise LayoutError(f"placement tensors have block strides {sorted(strides)}; one "
                           f"buffer of equal block-prefix segments needs one block stride (vLLM "
                           f"places mixed page sizes only in block-outer layouts such as BLHNC)")
     bs = strides.pop()
-    assert bs is not None
     slots: dict[str, tuple[int, LayerSlot]] = {}
     if not fmt.layer_outer:
         if size % bs:
             raise LayoutError(f"buffer of {size} bytes is not a whole number of {bs}-byte rows")
-        for t in tensors:
+        for t, ls in zip(tensors, layer_strides, strict=True):
             for j, n in enumerate(t.layers):
-                slots[n] = (0, LayerSlot(0, t.offset + j * t.layer_stride, bs, t.layer_stride,  # type: ignore[operator]
-                                         len(t.layers)))
+                slots[n] = (0, LayerSlot(0, t.offset + j * ls, bs, ls, len(t.layers)))
         return _Slotted(slots, (TensorPlan(0, tuple(facts.owner), bs, 1),), size // bs)
     seg_strides = set()
-    for i, t in enumerate(tensors):
+    for i, (t, ls) in enumerate(zip(tensors, layer_strides, strict=True)):
         planes = {fmt.planes(facts.specs[n], facts.hybrid) for n in t.layers}
         if len(planes) != 1:
             raise LayoutError(f"kv_cache_tensors[{i}] places layers with different plane "
                               f"counts {sorted(planes)}; one tensor holds same-shaped layers")
         p = planes.pop()
-        assert t.layer_stride is not None
-        if t.layer_stride % p:
-            raise LayoutError(f"kv_cache_tensors[{i}].layer_stride {t.layer_stride} does not "
+        if ls % p:
+            raise LayoutError(f"kv_cache_tensors[{i}].layer_stride {ls} does not "
                               f"split into {p} planes")
-        seg_strides.add(t.layer_stride // p)
+        seg_strides.add(ls // p)
     if len(seg_strides) != 1:
         raise LayoutError(f"layer-outer tensors have segment strides {sorted(seg_strides)}; "
                           f"an extensible buffer needs equal segments (use one page size, or a "
@@ -221,7 +228,7 @@ def _placement_slots(config: KVCacheConfig, facts: ConfigFacts) -> _Slotted:
         raise LayoutError(f"layer-outer placement: segment stride {ss} is not a whole number of "
                           f"{bs}-byte blocks, or the {size}-byte buffer not of segments")
     num_segments = size // ss
-    for i, t in enumerate(tensors):
+    for i, (t, ls) in enumerate(zip(tensors, layer_strides, strict=True)):
         if t.offset % ss:
             raise LayoutError(f"kv_cache_tensors[{i}].offset {t.offset} is not at a segment "
                               f"start (a multiple of {ss} bytes)")
@@ -230,7 +237,7 @@ def _placement_slots(config: KVCacheConfig, facts: ConfigFacts) -> _Slotted:
             first = t.offset // ss + j * p
             if first + p > num_segments:
                 raise LayoutError(f"layer {n!r} lies past the end of the {size}-byte buffer")
-            slots[n] = (0, LayerSlot(first, 0, bs, t.layer_stride, len(t.layers)))  # type: ignore[arg-type]
+            slots[n] = (0, LayerSlot(first, 0, bs, ls, len(t.layers)))
     return _Slotted(slots, (TensorPlan(0, tuple(facts.owner), num_segments * bs, num_segments),),
                     ss // bs)
 

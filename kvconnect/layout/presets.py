@@ -8,7 +8,7 @@ blocks or tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -169,42 +169,42 @@ def hybrid_config(*, num_layers: int, attn_period: int = 8, num_kv_heads: int = 
                          kernel_block_size=kernel_block_size)
 
 
-def _llama(num_blocks: int, **kw: Any) -> KVCacheConfig:
-    args = dict(num_layers=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                block_size=16)
+def _llama(num_blocks: int, **kw: object) -> KVCacheConfig:
+    args: dict[str, Any] = dict(num_layers=32, num_kv_heads=8, head_size=128,
+                                dtype=torch.bfloat16, block_size=16)
     args.update(kw)
     return attention_config(num_blocks=num_blocks, **args)
 
 
-def _qwen(num_blocks: int, **kw: Any) -> KVCacheConfig:
-    args = dict(num_layers=24, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
-                block_size=16)
+def _qwen(num_blocks: int, **kw: object) -> KVCacheConfig:
+    args: dict[str, Any] = dict(num_layers=24, num_kv_heads=2, head_size=64,
+                                dtype=torch.bfloat16, block_size=16)
     args.update(kw)
     return attention_config(num_blocks=num_blocks, **args)
 
 
-def _deepseek(num_blocks: int, **kw: Any) -> KVCacheConfig:
-    args = dict(num_layers=27, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
-                block_size=64)
+def _deepseek(num_blocks: int, **kw: object) -> KVCacheConfig:
+    args: dict[str, Any] = dict(num_layers=27, kv_lora_rank=512, qk_rope_head_dim=64,
+                                dtype=torch.bfloat16, block_size=64)
     args.update(kw)
     return mla_config(num_blocks=num_blocks, **args)
 
 
-def _jamba(num_blocks: int, **kw: Any) -> KVCacheConfig:
-    args = dict(num_layers=32, attn_period=8)
+def _jamba(num_blocks: int, **kw: object) -> KVCacheConfig:
+    args: dict[str, Any] = dict(num_layers=32, attn_period=8)
     args.update(kw)
     return hybrid_config(num_blocks=num_blocks, **args)
 
 
-def _packed(num_blocks: int, **kw: Any) -> KVCacheConfig:
-    args = dict(num_layers=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                block_size=16, layout="packed")
+def _packed(num_blocks: int, **kw: object) -> KVCacheConfig:
+    args: dict[str, Any] = dict(num_layers=32, num_kv_heads=8, head_size=128,
+                                dtype=torch.bfloat16, block_size=16, layout="packed")
     args.update(kw)
     return attention_config(num_blocks=num_blocks, **args)
 
 
-def _vllm_llama(layout: str):
-    def build(num_blocks: int, **kw: Any) -> KVCacheConfig:
+def _vllm_llama(layout: str) -> Callable[..., KVCacheConfig]:
+    def build(num_blocks: int, **kw: object) -> KVCacheConfig:
         return _llama(num_blocks, **{"layout": layout, **kw})
     return build
 
@@ -224,7 +224,7 @@ PRESETS = {
 }
 
 
-def preset(name: str, num_blocks: int = 64, **overrides: Any) -> KVCacheConfig:
+def preset(name: str, num_blocks: int = 64, **overrides: object) -> KVCacheConfig:
     """A named config (see :data:`PRESETS`) for ``num_blocks`` blocks. ``overrides`` go to
     the builder: e.g. ``num_layers=4``, ``layout="kv_split_hnd"``, ``kernel_block_size=8``,
     ``dtype="float16"``, ``block_size=32``."""

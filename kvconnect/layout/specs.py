@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..bounded_json import JSON, JSONObject
 from ..checks import checked_int
 from ..errors import KvconnectError
 
@@ -62,8 +63,8 @@ class KVCacheSpec:
         """Bytes one logical block of this layer occupies (padding included)."""
         raise NotImplementedError
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": type(self).__name__}
+    def to_dict(self) -> JSONObject:
+        out: JSONObject = {"kind": type(self).__name__}
         for f in self.__dataclass_fields__:
             v = getattr(self, f)
             if isinstance(v, torch.dtype):
@@ -76,7 +77,7 @@ class KVCacheSpec:
         return out
 
     @staticmethod
-    def from_dict(d: Mapping[str, Any]) -> KVCacheSpec:
+    def from_dict(d: Mapping[str, JSON]) -> KVCacheSpec:
         """The spec :meth:`to_dict` described; any malformed field raises LayoutError."""
         kinds = {c.__name__: c for c in (FullAttentionSpec, SlidingWindowSpec,
                                          MLAAttentionSpec, MambaSpec)}

@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 from kvconnect.layout import LayoutError, LayoutPlan, plan_layout
-from kvconnect.layout.foreign import config_from_vllm
+from kvconnect.layout.foreign import VllmKVCacheConfigLike, config_from_vllm
 from kvconnect.views import narrow_kv_caches_to_num_blocks
+
+from .convert import replace_vllm_config
 
 __all__ = ["BoundedKVCaches", "bound_for_connector"]
 
@@ -48,7 +50,7 @@ class BoundedKVCaches:
     """
 
     kv_caches: dict[str, torch.Tensor]
-    kv_cache_config: Any
+    kv_cache_config: VllmKVCacheConfigLike
     num_blocks: int
     registered: tuple[tuple[int, int], ...]
     head_planes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -61,6 +63,18 @@ class BoundedKVCaches:
         inside = {st for st in self.registered
                   if any(st[0] <= a < st[0] + st[1] for a, _ in planes)}
         return sorted(set(planes) | (set(self.registered) - inside))
+
+
+def _one_tensor_each(views: dict[str, torch.Tensor | list[torch.Tensor]]
+                     ) -> dict[str, torch.Tensor]:
+    """vLLM's views: one tensor per layer (a list, kvconnect's Mamba states, is not vLLM's)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, v in views.items():
+        if not isinstance(v, torch.Tensor):
+            raise LayoutError(f"layer {name!r}: a list of {len(v)} tensors; vLLM's KV cache "
+                              f"views are one tensor per layer")
+        out[name] = v
+    return out
 
 
 def _layer_start(plan: LayoutPlan, name: str, view: torch.Tensor) -> int:
@@ -115,7 +129,8 @@ def _bounded_tensors(plan: LayoutPlan, cfg: Any, views: dict[str, torch.Tensor],
     return out
 
 
-def bound_for_connector(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any,
+def bound_for_connector(kv_caches: dict[str, torch.Tensor],
+                        kv_cache_config: VllmKVCacheConfigLike,
                         num_blocks: int | None = None, *, layout: object = None,
                         kernel_block_size: int | None = None,
                         head_planes: bool = False) -> BoundedKVCaches:
@@ -128,10 +143,10 @@ def bound_for_connector(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any
     ours = config_from_vllm(kv_cache_config, layout, kernel_block_size)
     n = int(kv_cache_config.num_blocks if num_blocks is None else num_blocks)
     plan = plan_layout(ours)
-    views = narrow_kv_caches_to_num_blocks(kv_caches, n, plan)
+    views = _one_tensor_each(narrow_kv_caches_to_num_blocks(kv_caches, n, plan))
     planes: dict[str, tuple[int, ...]] | None = {} if head_planes else None
-    tensors = _bounded_tensors(plan, kv_cache_config, views, n, planes)  # type: ignore[arg-type]
-    config = dataclasses.replace(kv_cache_config, kv_cache_tensors=tensors, num_blocks=n,
+    tensors = _bounded_tensors(plan, kv_cache_config, views, n, planes)
+    config = replace_vllm_config(kv_cache_config, kv_cache_tensors=tensors, num_blocks=n,
                                  kv_cache_layout=ours.layout)
     seen: dict[int, int] = {}
     for v in views.values():
@@ -141,5 +156,5 @@ def bound_for_connector(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any
     if planes:
         v = views[next(iter(planes))]
         plane_bytes = n * v.stride(0) * v.element_size()
-    return BoundedKVCaches(views, config, n, tuple(sorted(seen.items())),  # type: ignore[arg-type]
-                           planes or {}, plane_bytes)
+    return BoundedKVCaches(views, config, n, tuple(sorted(seen.items())), planes or {},
+                           plane_bytes)

@@ -13,15 +13,14 @@ Units: blocks are vLLM's logical blocks; bytes unless a name says blocks.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import KVCacheConfig
-from kvconnect.layout.foreign import config_from_vllm
-from kvconnect.views import committed_extents
-from kvconnect.vmm import AllocationOptions
+from kvconnect.layout.foreign import VllmKVCacheConfigLike, config_from_vllm
+from kvconnect.tensor import ExtensibleTensor
+from kvconnect.views import CommittedRegion, committed_extents
+from kvconnect.vmm import AllocationOptions, DeviceSpec
 
 from .convert import to_vllm_config
 
@@ -36,10 +35,11 @@ class VllmKVCache:
     attention kernel's block size when it splits vLLM's blocks; ``options`` is what the
     physical memory is requested with. Lifecycle as
     :class:`~kvconnect.kv_cache.ExtensibleKVCache` (``allocate``, ``ensure_kv_cache_blocks``,
-    ``extend_kv_cache``, ``release_physical`` / ``recommit``, ``close``), which it wraps.
+    ``extend_kv_cache``, ``release_physical`` / ``recommit``, ``close``), which it wraps;
+    like it, a :class:`~kvconnect.cache_source.KVCacheSource` (connectors read it the same).
     """
 
-    def __init__(self, kv_cache_config: Any, device: Any = "cpu", *,
+    def __init__(self, kv_cache_config: VllmKVCacheConfigLike, device: DeviceSpec = "cpu", *,
                  layout: object = None, capacity_blocks: int | None = None,
                  kernel_block_size: int | None = None,
                  options: AllocationOptions | None = None) -> None:
@@ -67,11 +67,32 @@ class VllmKVCache:
     def num_blocks(self) -> int:
         return self.cache.num_blocks
 
-    def capacity_config(self) -> Any:
+    # -- what connectors read (KVCacheSource) -------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    @property
+    def is_final(self) -> bool:
+        return self.cache.is_final
+
+    @property
+    def is_released(self) -> bool:
+        return self.cache.is_released
+
+    @property
+    def tensors(self) -> list[ExtensibleTensor]:
+        """The one ExtensibleTensor of vLLM's buffer."""
+        return self.cache.tensors
+
+    def committed_regions(self) -> list[CommittedRegion]:
+        return self.cache.committed_regions()
+
+    def capacity_config(self) -> VllmKVCacheConfigLike:
         """vLLM's ``KVCacheConfig`` of the whole reservation (``capacity_blocks`` blocks)."""
         return to_vllm_config(self._config.with_num_blocks(self.capacity_blocks), self._template)
 
-    def connector_config(self) -> Any:
+    def connector_config(self) -> VllmKVCacheConfigLike:
         """vLLM's ``KVCacheConfig`` a connector of this cache is handed: the placement of the
         reservation with ``num_blocks`` = the committed blocks (what vLLM's extensible cache
         hands its connectors)."""

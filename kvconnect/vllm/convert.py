@@ -8,15 +8,23 @@ vLLM's own object. Units: bytes; ``num_blocks`` is logical blocks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from kvconnect.layout import KVCacheConfig, LayoutError
+from kvconnect.layout.foreign import VllmKVCacheConfigLike
 
-__all__ = ["to_vllm_config"]
+__all__ = ["replace_vllm_config", "to_vllm_config"]
 
 
-def to_vllm_config(config: KVCacheConfig, template: Any, *, num_blocks: int | None = None
-                   ) -> Any:
+def replace_vllm_config(config: VllmKVCacheConfigLike, **changes: object
+                        ) -> VllmKVCacheConfigLike:
+    """``dataclasses.replace`` of vLLM's ``KVCacheConfig`` (a dataclass, which the protocol
+    cannot say: hence the cast)."""
+    return dataclasses.replace(cast(Any, config), **changes)
+
+
+def to_vllm_config(config: KVCacheConfig, template: VllmKVCacheConfigLike, *,
+                   num_blocks: int | None = None) -> VllmKVCacheConfigLike:
     """vLLM's ``KVCacheConfig``: ``template`` with ``config``'s tensors (placement form),
     ``config.layout`` as its ``kv_cache_layout`` and ``num_blocks`` (default: the config's;
     may be below the blocks the placement holds, as for an extensible cache)."""
@@ -28,6 +36,6 @@ def to_vllm_config(config: KVCacheConfig, template: Any, *, num_blocks: int | No
     tensors = [KVCacheTensor(size=t.size, layers=list(t.layers), layer_stride=t.layer_stride,
                              block_stride=t.block_stride, offset=t.offset)
                for t in config.kv_cache_tensors]
-    return dataclasses.replace(template, kv_cache_tensors=tensors,
+    return replace_vllm_config(template, kv_cache_tensors=tensors,
                                num_blocks=config.num_blocks if num_blocks is None else num_blocks,
                                kv_cache_layout=config.layout)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvconnect.bounded_json import JSONObject
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.vmm import AllocationOptions, probe_vmm
 
@@ -60,7 +61,7 @@ class EngineKVCache:
     vllm_version: str = ""
     events: list[str] = field(default_factory=list)
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         """JSON-able facts (fields in docs/vllm-plugin.md); read them again after a change."""
         c = self.cache
         tensors = c.tensors

@@ -55,7 +55,7 @@ def view_head_planes(view: torch.Tensor) -> tuple[int, ...]:
 def split_to_committed(ranges: list[tuple], committed: list[tuple[int, int]]) -> list[tuple]:
     """Registration ranges ``(address, nbytes, *rest)`` cut to the parts that lie in the
     ``committed`` runs (a range covering none is dropped, one inside a run is unchanged)."""
-    out = []
+    out: list[tuple] = []
     for start, n, *rest in ranges:
         pieces = [(max(start, a), min(start + n, a + m)) for a, m in committed
                   if a < start + n and start < a + m]

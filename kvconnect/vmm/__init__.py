@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING, TypeAlias
 
 from .base import (
     DEFAULT_OPTIONS,
@@ -31,14 +32,21 @@ from .base import (
 )
 from .reservation import Reservation
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_OPTIONS", "DLPACK_CPU", "DLPACK_CUDA", "DLPACK_ROCM", "AllocationOptions",
-    "DeviceCapabilities", "GrantedFlags", "PhysicalHandle", "Reservation", "VmmDriver",
+    "DeviceCapabilities", "DeviceSpec", "GrantedFlags", "PhysicalHandle", "Reservation", "VmmDriver",
     "VmmError", "VmmProbe", "get_vmm_driver", "probe_vmm", "parse_device", "round_up",
     "HostVmmDriver", "CudaVmmDriver", "HipVmmDriver",
 ]
+
+#: what names a device (:func:`parse_device`): ``"cpu"``, ``"cuda:1"``, ``"hip:0"``, a
+#: torch.device, or the VmmDriver to use
+DeviceSpec: TypeAlias = "str | torch.device | VmmDriver"
 
 # (pid, backend kind, device index) -> the driver of that device in this process. A forked
 # child gets its own (CUDA contexts do not survive fork).

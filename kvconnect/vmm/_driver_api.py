@@ -170,16 +170,17 @@ class Entry:
     logical: str
     cuda: str | None
     hip: str | None
-    argtypes: tuple[Any, ...]
-    restype: Any = CUresult
-    hip_argtypes: tuple[Any, ...] | None = None
-    hip_restype: Any = None
+    #: ctypes types (c_int, c_void_p, POINTER(...), structures)
+    argtypes: tuple[type, ...]
+    restype: type | None = CUresult
+    hip_argtypes: tuple[type, ...] | None = None
+    hip_restype: type | None = None
 
     def symbol(self, backend: str) -> str | None:
         """The exported symbol name for ``backend`` (``"cuda"`` or ``"hip"``)."""
         return self.cuda if backend == "cuda" else self.hip
 
-    def signature(self, backend: str) -> tuple[tuple[Any, ...], Any]:
+    def signature(self, backend: str) -> tuple[tuple[type, ...], type | None]:
         """``(argtypes, restype)`` for ``backend``."""
         if backend == "hip" and self.hip_argtypes is not None:
             return self.hip_argtypes, self.hip_restype
@@ -305,7 +306,7 @@ class DriverLibrary:
     driver's own error name) on a non-zero status; ``raw(logical)`` gives the ctypes function.
     """
 
-    def __init__(self, backend: Backend, handle: Any, path: str) -> None:
+    def __init__(self, backend: Backend, handle: ctypes.CDLL, path: str) -> None:
         self.backend = backend
         self.path = path
         self._lib = handle
@@ -346,11 +347,11 @@ class DriverLibrary:
             raise VmmError(self.symbol(logical), "symbol not exported",
                            f"{self.path} has no {self.symbol(logical)}") from None
 
-    def try_call(self, logical: str, *args: Any) -> int:
+    def try_call(self, logical: str, *args: object) -> int:
         """Run one entry and return its status code (0 = success) without raising."""
         return int(self.raw(logical)(*args))
 
-    def call(self, logical: str, *args: Any) -> None:
+    def call(self, logical: str, *args: object) -> None:
         """Run one entry; raise :class:`VmmError` with the driver's error name on failure."""
         rc = self.raw(logical)(*args)
         if rc:

@@ -329,6 +329,7 @@ def _pd_case(run: _Run, base: dict[str, Any], cache: str) -> dict[str, Any]:
                        evidence=reason, signal=sig if sig != "timeout" else None, side=side,
                        stage=eng.stage)
             return out
+    assert pres is not None and dres is not None  # the loop returned for a missing result
     checks["starts"] = {"status": "pass"}
     checks["transfer"] = _transfer_check(dres, run.reference)
     checks["sleep_wake"] = {"status": "skip", "reason": "1P1D rows do not sleep (the reload "

@@ -18,11 +18,14 @@ no such GPU) are usage errors before any test runs.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from kvconnect.errors import KvconnectError
+
+if TYPE_CHECKING:
+    from _pytest._code.code import TerminalRepr
 
 __all__ = ["ConformanceItem", "EngineConformanceItem", "pytest_addoption", "pytest_collection_modifyitems",
            "pytest_configure"]
@@ -66,7 +69,7 @@ def _options(config: pytest.Config) -> dict[str, Any]:
     get = config.getoption
     try:
         text = get("--kvconnect-layouts")
-        out = {"layouts": parse_layouts(text) if text.strip() else list(VLLM_LAYOUTS),
+        out: dict[str, Any] = {"layouts": parse_layouts(text) if text.strip() else list(VLLM_LAYOUTS),
                "num_blocks": parse_positive(get("--kvconnect-num-blocks"),
                                             "--kvconnect-num-blocks"),
                "capacity_blocks": parse_positive(get("--kvconnect-capacity-blocks"),
@@ -96,7 +99,7 @@ class _KitItem(pytest.Item):
     """A test the kit adds: a failure shows the case's JSON result."""
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
-                     ) -> str:
+                     ) -> str | TerminalRepr:
         if isinstance(excinfo.value, ConformanceFailure):
             return json.dumps(excinfo.value.result, indent=1)
         return super().repr_failure(excinfo)

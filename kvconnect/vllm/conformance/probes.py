@@ -434,7 +434,7 @@ def _derives(connector_cls: type, load_base: Any) -> bool:
     return issubclass(connector_cls, base)
 
 
-def probe_for(connector_cls: type, device: object = "cpu") -> ConnectorProbe:
+def probe_for(connector_cls: type, device: str | torch.device = "cpu") -> ConnectorProbe:
     """The probe of ``connector_cls``'s kind (:class:`GenericProbe` if none fits), for a
     case whose KV cache lives on ``device``."""
     probe: ConnectorProbe = next(
