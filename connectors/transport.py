@@ -8,7 +8,9 @@ peer's KV cache into its own:
   :class:`Exporter` published (JSON-able), or reuse a cached connection when nothing
   changed; returns the seconds of set-up paid by this call (0.0 when cached);
 - :meth:`~Transport.fetch` ``(peer, remote_ids, local_ids)``: copy blocks, block until they
-  are in place, and say what carried them (:class:`FetchResult`);
+  are in place, and say what carried them (:class:`FetchResult`); the ids are a sequence of
+  ints or a 1-D integer numpy array (callers that time fetches pass arrays, converted once:
+  a Python list's conversion is host work on the timed path);
 - :meth:`~Transport.invalidate` ``(peer=None)``: forget cached state (mappings, plans) of
   one peer or all, after this worker's or the peer's sleep / wake;
 - :meth:`~Transport.close`: release everything (idempotent).

@@ -42,7 +42,7 @@ from .control import Control
 from .faults import restarted_workers
 from .report import Transfer
 from .steps import MAX_QUOTED, WorkerSteps, mib, round_wait
-from .transports import reference_copy_gbps
+from .transports import id_arrays, reference_copy_gbps
 
 log = logging.getLogger(__name__)
 
@@ -286,10 +286,11 @@ class DecodeWorker(WorkerSteps):
         ctl = self.ctl
         ctl.phase(f"transfer:{transport}:{offer.prefill}:round{offer.round_no}")
         self.poison(offer.local_ids)
+        remote, local = id_arrays(offer.remote_ids, offer.local_ids)
         t0 = time.perf_counter()
         try:
-            result = self.transport(transport).fetch(offer.prefill, offer.remote_ids,
-                                                     offer.local_ids, timeout=self.cfg.timeout)
+            result = self.transport(transport).fetch(offer.prefill, remote, local,
+                                                     timeout=self.cfg.timeout)
         except Exception as exc:  # noqa: BLE001 - one failed transport, keep the others
             failed[transport] = _Failed.after(
                 ctl.current_phase, f"transfer of {len(offer.local_ids)} blocks", t0, exc)

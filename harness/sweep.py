@@ -32,7 +32,7 @@ from .config import DECODE, PREFILL, RunConfig, pair_name, worker_name
 from .content import cache_rows, content_key, generate, paired_owners
 from .report import SweepPoint
 from .steps import mib
-from .transports import reference_copy_gbps
+from .transports import id_arrays, reference_copy_gbps
 
 #: blocks regenerated at once when a sweep point is verified (bounds the scratch memory)
 _VERIFY_BATCH = 64
@@ -80,8 +80,10 @@ def _one_size(worker: Any, p: int, info: dict[str, Any], transport: str, blocks:
     receiver = worker.transport(transport)
     budget = time.monotonic() + cfg.timeout / 2
 
+    remote, local = id_arrays(remote_ids, local_ids)
+
     def fetch() -> Any:
-        result = receiver.fetch(prefill, remote_ids, local_ids, timeout=cfg.timeout)
+        result = receiver.fetch(prefill, remote, local, timeout=cfg.timeout)
         ctl.progress()
         worker.count_notice(transport, prefill, int(info.get("incarnation", 1)))
         return result

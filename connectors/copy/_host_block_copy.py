@@ -63,10 +63,12 @@ ENGINES = ("auto", "torch-rows", "memmove")
 MIN_ROW_BYTES = 256
 #: a side whose regions spread over more virtual address space is not laid over one array
 MAX_SPAN_BYTES = 1 << 46
-#: average run length from which ``auto`` moves a batch by memmove (16-core host: torch rows
-#: 0.39-0.47 of a contiguous copy at 32 KiB runs, memmove 0.03-0.09; at 256 KiB runs memmove
-#: in 8 threads 0.30-0.77, torch rows 0.06-0.12)
-MEMMOVE_MIN_RUN_BYTES = 128 << 10
+#: average run length from which ``auto`` moves a batch by memmove (16-core H200 host, the
+#: library engines in one run, benchmarks/results/probe-host-copy-h200.json: torch rows
+#: (64 KiB sub-rows) 0.33-0.73 of torch's contiguous copy at 32 KiB runs against memmove
+#: 0.04-0.12, 0.35-0.66 against 0.14-0.35 at 128 KiB, 0.80 against 0.75 at 256 KiB / 256 MiB;
+#: memmove is kept for runs past what was measured)
+MEMMOVE_MIN_RUN_BYTES = 512 << 10
 #: batches of at most this many runs move by memmove on the calling thread whatever their
 #: run length (two torch ops cost more than a few memmove calls)
 SMALL_BATCH_RUNS = 8
@@ -79,7 +81,9 @@ PARALLEL_MIN_BYTES = 8 << 20
 #: most threads of the memmove engine (4-8 measured best on 16 cores; 16 convoy)
 MEMMOVE_MAX_THREADS = 8
 #: the torch-rows engine's staging bound: larger batches move in chunks of this many bytes
-STAGING_BYTES = 64 << 20
+#: (16-core H200 host: 4 or 16 MiB chunks 0.38-0.75 of a contiguous copy where one 64 MiB
+#: staging gave 0.35-0.61; the two alike overall)
+STAGING_BYTES = 16 << 20
 #: widest row the torch-rows engine gathers as one (its gather is serial from 32768 elements)
 TORCH_ROW_MAX_BYTES = 64 << 10
 
