@@ -17,6 +17,8 @@ cached tokens counted), and a control whose CPU copy was zeroed before the reloa
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,46 +46,69 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "seed1": write_tiny_llama(root / "seed1", seed=1)}
 
 
-def _nixl(connector: tuple[str, str | None], engine_id: str) -> dict[str, Any]:
+def _nixl(connector: tuple[str, str | None], engine_id: str,
+          ipc_dir: str | None = None) -> dict[str, Any]:
     # the prefill engines' model folders differ (other weights): vLLM's NIXL handshake
     # compares model paths unless told not to
+    extra: dict[str, Any] = {"enforce_handshake_compat": False}
+    if ipc_dir is not None:  # the fast path's sockets: short path, removed with the test
+        extra["kvconnect_ipc_dir"] = ipc_dir
     return {"connector": connector[0], "connector_module": connector[1],
-            "engine_id": engine_id, "extra_config": {"enforce_handshake_compat": False}}
+            "engine_id": engine_id, "extra_config": extra}
 
 
-def _nixl_env(capacity: int | None) -> dict[str, str]:
+def _nixl_env(capacity: int | None, plugin: bool = True) -> dict[str, str]:
     extra = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
              "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
     if capacity is not None:
         extra["KVCONNECT_KV_CAPACITY_BYTES"] = str(capacity)
-    return engine_env(plugin=True, extra=extra)
+    return engine_env(plugin=plugin, extra=extra)
 
 
 def _pd(batch: EngineBatch, work: Path, connector: tuple[str, str | None],
-        prefills: dict[str, Path], decode_model: Path, tag: str,
-        capacity: int | None = None) -> None:
+        prefills: dict[str, tuple[Path, bool]], decode_model: Path, tag: str,
+        capacity: int | None = None, ipc_dir: str | None = None) -> None:
+    """Prefill engines ``name -> (model, plugin on)`` and one decode engine (plugin on)
+    reading from each of them."""
     params = {}
     done = work / f"{tag}.done"
-    for name, model in prefills.items():
+    for name, (model, plugin) in prefills.items():
         params[name] = str(work / f"{tag}-{name}.params.json")
         batch.start(f"{tag}-{name}", "pd_prefill", {
-            **_nixl(connector, f"{tag}-{name}"), "model": str(model), "prompt": PROMPT,
-            "params_out": params[name], "done_file": str(done), "timeout": 400},
-            _nixl_env(capacity))
+            **_nixl(connector, f"{tag}-{name}", ipc_dir), "model": str(model),
+            "prompt": PROMPT, "params_out": params[name], "done_file": str(done),
+            "timeout": 400, "check_notified": True}, _nixl_env(capacity, plugin))
     batch.start(f"{tag}-decode", "pd_decode", {
-        **_nixl(connector, f"{tag}-decode"), "model": str(decode_model), "prompt": PROMPT,
-        "max_tokens": MAX_TOKENS, "prefills": params, "done_file": str(done), "timeout": 400},
-        _nixl_env(capacity))
+        **_nixl(connector, f"{tag}-decode", ipc_dir), "model": str(decode_model),
+        "prompt": PROMPT, "max_tokens": MAX_TOKENS, "prefills": params,
+        "done_file": str(done), "timeout": 400}, _nixl_env(capacity))
 
 
 @pytest.fixture(scope="module")
 def pd_patched(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                ) -> dict[str, Any]:
+    """One decode engine (plugin on) reading from four prefill engines: two with the plugin
+    (same host, both caches kvconnect's: the ipc fast path) and two without (the decode
+    must fall back to NIXL, told why by the prefill), each pair with the same and with
+    other weights."""
     work = tmp_path_factory.mktemp("pd-patched")
-    with EngineBatch(work, timeout=480) as batch:
-        _pd(batch, work, PATCHED, {"same": models["seed0"], "other": models["seed1"]},
-            models["seed0"], "patched")
-        return batch.results()
+    ipc_dir = tempfile.mkdtemp(prefix="kvc-")
+    try:
+        with EngineBatch(work, timeout=600) as batch:
+            _pd(batch, work, PATCHED, {
+                "same": (models["seed0"], True), "other": (models["seed1"], True),
+                "plain-same": (models["seed0"], False), "plain-other": (models["seed1"], False),
+            }, models["seed0"], "patched", ipc_dir=ipc_dir)
+            return batch.results()
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _peer(pd: dict[str, Any], prefill: str) -> dict[str, Any]:
+    """The decode's fast-path record of the prefill engine ``prefill``."""
+    (peer,) = [p for p in pd["patched-decode"]["fast_path"]["peers"]
+               if p["engine_id"] == f"patched-{prefill}"]
+    return peer
 
 
 @pytest.fixture(scope="module")
@@ -106,20 +131,54 @@ def pd_stock(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     return out
 
 
-def test_patched_nixl_1p1d_decode_equals_a_single_engine(pd_patched: dict[str, Any]) -> None:
+@pytest.mark.parametrize("same", ["same", "plain-same"])
+def test_patched_nixl_1p1d_decode_equals_a_single_engine(pd_patched: dict[str, Any],
+                                                         same: str) -> None:
+    """Both paths (ipc from a plugin prefill, NIXL from a plain one) give the tokens a
+    single engine gives, and the prefill learnt its blocks were read."""
     d = pd_patched["patched-decode"]
-    same = d["remote"]["same"]
-    assert same["finish_reason"] == "length" and len(same["tokens"]) == MAX_TOKENS
+    remote = d["remote"][same]
+    assert remote["finish_reason"] == "length" and len(remote["tokens"]) == MAX_TOKENS
     assert d["local"]["num_cached_tokens"] == 0
-    assert same["tokens"] == d["local"]["tokens"]
+    assert remote["tokens"] == d["local"]["tokens"]
+    prefill = pd_patched[f"patched-{same}"]
+    assert prefill["finished_sending"] == [
+        prefill["output"]["kv_transfer_params"]["remote_request_id"]]
 
 
+@pytest.mark.parametrize("other", ["other", "plain-other"])
 def test_patched_nixl_1p1d_control_other_prefill_weights_change_tokens(
-        pd_patched: dict[str, Any]) -> None:
+        pd_patched: dict[str, Any], other: str) -> None:
     d = pd_patched["patched-decode"]
-    other = d["remote"]["other"]
-    assert other["finish_reason"] == "length"
-    assert other["tokens"] != d["local"]["tokens"]
+    remote = d["remote"][other]
+    assert remote["finish_reason"] == "length"
+    assert remote["tokens"] != d["local"]["tokens"]
+
+
+@pytest.mark.parametrize("prefill", ["same", "other"])
+def test_patched_nixl_same_host_plugin_engines_take_the_ipc_fast_path(
+        pd_patched: dict[str, Any], prefill: str) -> None:
+    peer = _peer(pd_patched, prefill)
+    assert peer["route"] == "ipc" and peer["code"] is None
+    (remote_blocks,) = pd_patched[f"patched-{prefill}"]["output"]["kv_transfer_params"][
+        "remote_block_ids"]
+    assert peer["ipc_reads"] == 1 and peer["nixl_reads"] == 0
+    assert peer["ipc_blocks"] == len(remote_blocks) > 1  # the whole prompt, one copy
+    assert peer["ipc_bytes"] == peer["ipc_blocks"] * pd_patched["patched-decode"]["facts"][0][
+        "bytes_per_block"]
+    export = pd_patched[f"patched-{prefill}"]["fast_path"]["export"]
+    assert export["refusal"] is None and export["answered"] == 1 and export["served"] == 1
+
+
+@pytest.mark.parametrize("prefill", ["plain-same", "plain-other"])
+def test_patched_nixl_falls_back_to_nixl_from_a_prefill_without_the_plugin(
+        pd_patched: dict[str, Any], prefill: str) -> None:
+    peer = _peer(pd_patched, prefill)
+    assert peer["route"] == "nixl" and peer["code"] == "remote_plain_cache"
+    assert peer["ipc_reads"] == 0 and peer["nixl_reads"] == 1
+    export = pd_patched[f"patched-{prefill}"]["fast_path"]["export"]
+    assert export["refusal"] == "plain_cache" and export["served"] == 0
+    assert pd_patched[f"patched-{prefill}"]["facts"] is None  # no plugin there
 
 
 def test_patched_nixl_engines_use_single_shareable_handles(pd_patched: dict[str, Any]) -> None:
