@@ -77,7 +77,8 @@ def _pd(batch: EngineBatch, work: Path, connector: tuple[str, str | None],
         batch.start(f"{tag}-{name}", "pd_prefill", {
             **_nixl(connector, f"{tag}-{name}", ipc_dir), "model": str(model),
             "prompt": PROMPT, "params_out": params[name], "done_file": str(done),
-            "timeout": 400, "check_notified": True}, _nixl_env(capacity, plugin))
+            "timeout": 400, "check_notified": connector == PATCHED},
+            _nixl_env(capacity, plugin))
     batch.start(f"{tag}-decode", "pd_decode", {
         **_nixl(connector, f"{tag}-decode", ipc_dir), "model": str(decode_model),
         "prompt": PROMPT, "max_tokens": MAX_TOKENS, "prefills": params,
@@ -120,7 +121,7 @@ def pd_stock(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     a multiple), an engine whose registration asserts before it starts."""
     work = tmp_path_factory.mktemp("pd-stock")
     with EngineBatch(work, timeout=480) as batch:
-        _pd(batch, work, STOCK, {"same": models["seed0"]}, models["seed0"], "stock",
+        _pd(batch, work, STOCK, {"same": (models["seed0"], True)}, models["seed0"], "stock",
             capacity=STOCK_CAPACITY)
         batch.start("stock-default-capacity", "pd_prefill", {
             **_nixl(STOCK, "stock-default"), "model": str(models["seed0"]), "prompt": PROMPT,
