@@ -287,3 +287,77 @@ def test_decision_json_names_its_reason() -> None:
     j = d.to_json()
     assert j["route"] == "nixl" and j["code"] == "layout" and "128 here" in j["reason"]
     assert j["ipc_reads"] == 0 and j["nixl_reads"] == 0
+
+
+class _PullWorkerStandIn(SimpleNamespace):
+    """What :class:`NixlIpcFastPath` touches of vLLM's pull worker (vLLM is not installed in
+    this environment; the engine tests run the real one): its bookkeeping dicts, upstream's
+    topology (:func:`_upstream_worker_stand_in`) and a prefix trim that keeps everything
+    (no local prefix hit)."""
+
+    def _apply_prefix_caching(self, *, decode_block_ids: Any, prefill_block_ids: Any,
+                              **ratios: int) -> tuple[Any, Any]:
+        return decode_block_ids, prefill_block_ids
+
+
+def _read_kw(local: list[int], remote: list[int]) -> dict[str, Any]:
+    spec = SimpleNamespace(remote_rank=0, local_block_ids=[local], remote_block_ids=[remote],
+                           block_ids_by_region=False)
+    return {"read_spec": spec, "dst_engine_id": "prefill-0", "request_id": "req-1",
+            "remote_request_id": "p-req-1", "expected_consumers": 1}
+
+
+def test_a_read_becomes_one_copy_upstream_polls_and_notifies(
+        exporting: tuple[ExtensibleKVCache, IpcOfferServer], directory: str) -> None:
+    src, _ = exporting
+    from collections import defaultdict
+
+    base = _upstream_worker_stand_in()
+    worker = _PullWorkerStandIn(**vars(base), _remote_agents={"prefill-0": {(0, 0): AGENT}},
+                                _pending_recv_notifs={}, _recving_transfers=defaultdict(list))
+    with _cache(seed=9) as dst:
+        fast = NixlIpcFastPath(FastPathSettings(True, directory, 5.0), "decode-0", dst,
+                               can_send=False, can_receive=True)
+        try:
+            fast.transport = IpcTransport(dst, timeout=5.0)
+            assert fast.negotiate("prefill-0", 0, AGENT).route == "ipc"
+            assert fast._read_by_ipc(worker, _read_kw([6, 7], [1, 2]))
+            (handle,) = worker._recving_transfers["req-1"]
+            assert worker._pending_recv_notifs["req-1"] == [(AGENT, b"p-req-1:1")]
+            assert fast.handles.state(handle) == "DONE"
+            for local, remote in ((6, 1), (7, 2)):
+                assert all(torch.equal(a, b) for a, b in
+                           zip(_block(dst, local), _block(src, remote), strict=True))
+            peer = fast.facts()["peers"][0]
+            assert (peer["ipc_reads"], peer["ipc_blocks"]) == (1, 2)
+            assert peer["ipc_bytes"] == 2 * dst.bytes_per_block
+            # a read the copy cannot do (a block id past the cache) goes to NIXL, and so
+            # do the peer's later reads
+            assert not fast._read_by_ipc(worker, _read_kw([NUM_BLOCKS + 3], [1]))
+            peer = fast.facts()["peers"][0]
+            assert (peer["route"], peer["code"], peer["nixl_reads"]) == ("nixl", "copy_failed", 1)
+            assert not fast._read_by_ipc(worker, _read_kw([3], [1]))
+            assert len(worker._recving_transfers["req-1"]) == 1
+        finally:
+            fast.close()
+
+
+def test_a_topology_mismatch_sends_the_peer_to_nixl_at_its_first_read(
+        exporting: tuple[ExtensibleKVCache, IpcOfferServer], directory: str) -> None:
+    src, server = exporting
+    worker = _PullWorkerStandIn(**vars(_upstream_worker_stand_in(remote_block_size=16)),
+                                _remote_agents={"prefill-0": {(0, 0): AGENT}},
+                                _pending_recv_notifs={}, _recving_transfers={})
+    with _cache() as dst:
+        fast = NixlIpcFastPath(FastPathSettings(True, directory, 5.0), "decode-0", dst,
+                               can_send=False, can_receive=True)
+        try:
+            fast.transport = IpcTransport(dst, timeout=5.0)
+            fast.negotiate("prefill-0", 0, AGENT)
+            assert not fast._read_by_ipc(worker, _read_kw([1], [1]))
+            peer = fast.facts()["peers"][0]
+            assert (peer["route"], peer["code"]) == ("nixl", "layout")
+            assert "block size 16 there, 128 here" in peer["reason"]
+            assert server.export.served == 0  # never mapped
+        finally:
+            fast.close()

@@ -341,8 +341,14 @@ class NixlIpcFastPath:
 
     def _reading(self, worker: Any, original: Callable[..., bool]) -> Callable[..., bool]:
         def read_blocks(*args: Any, **kw: Any) -> bool:
-            if not args and self._read_by_ipc(worker, kw):
-                return True
+            try:
+                if not args and self._read_by_ipc(worker, kw):
+                    return True
+            except Exception as exc:  # upstream's step must go on: this read uses NIXL
+                key = (kw.get("dst_engine_id"), getattr(kw.get("read_spec"), "remote_rank", -1))
+                if key in self.peers:
+                    self._fall_back(key, "ipc_error", repr(exc)[:300])  # type: ignore[arg-type]
+                logger.exception("kvconnect fast path: an ipc read failed before it started")
             return original(*args, **kw)
         return read_blocks
 
