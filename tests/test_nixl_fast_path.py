@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _nixl_peer import fill_cache
+from _nixl_peer import block_view, fill_cache
 
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
 from kvconnect.framing import IpcError
@@ -61,12 +61,8 @@ def _cache(seed: int | None = None) -> ExtensibleKVCache:
 
 
 def _block(cache: ExtensibleKVCache, b: int) -> list[torch.Tensor]:
-    out = []
-    for r in cache.committed_regions():
-        t = cache.tensors[r.tensor_index]
-        out.append(t.committed_view(r.base_ptr - t.base_ptr + b * r.block_stride,
-                                    r.block_len).clone())
-    return out
+    """Block ``b`` of every committed region, copied."""
+    return [block_view(cache, r, b).clone() for r in cache.committed_regions()]
 
 
 @pytest.fixture
