@@ -1,10 +1,15 @@
 """KV connectors over the plugin's cache inside real engines (``make test-engine``).
 
-1P1D: engines in separate processes (NIXL over UCX on DRAM), producer and consumer, plugin
-on. One decode engine (kvconnect's patched NixlConnector) decodes the prompt from two prefill
-engines: one with its own weights (its tokens must equal the decode engine's own answer
-computed locally: a single engine's) and one with other weights (its tokens must differ: the
-KV really crossed, so the comparison can fail). A second pair runs stock NixlConnector over
+1P1D: engines in separate processes, producer and consumer. One decode engine (plugin on,
+kvconnect's patched NixlConnector) decodes the prompt from five prefill engines, after a
+prefix-cache reset each: through the same-host ipc fast path (``same``, ``other``: plugin
+on), through NIXL over UCX from an extensible cache (``nixl-*``: plugin on, fast path off
+there, as across hosts) and from a plain one (``plain-same``: plugin off). ``*same`` have
+the decode's weights: their tokens must equal the decode engine's own answer computed
+locally (a single engine's); ``*other`` have other weights: their tokens must differ (the
+KV really crossed, so the comparison can fail). The decode's fast-path facts say which path
+each prefill took and why, and each prefill sees the decode's notification through
+upstream's ``get_finished``. A second pair runs stock NixlConnector over
 the same plugin cache and must fail as docs/conformance.md describes (its transfer ends in
 ``NIXL_ERR_REMOTE_DISCONNECT``; vLLM's default ``kv_load_failure_policy=fail`` ends the
 request with ``finish_reason == "error"``).
@@ -47,12 +52,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _nixl(connector: tuple[str, str | None], engine_id: str,
-          ipc_dir: str | None = None) -> dict[str, Any]:
+          ipc_dir: str | None = None, ipc: bool = True) -> dict[str, Any]:
     # the prefill engines' model folders differ (other weights): vLLM's NIXL handshake
     # compares model paths unless told not to
     extra: dict[str, Any] = {"enforce_handshake_compat": False}
     if ipc_dir is not None:  # the fast path's sockets: short path, removed with the test
         extra["kvconnect_ipc_dir"] = ipc_dir
+    if not ipc:
+        extra["kvconnect_ipc"] = False
     return {"connector": connector[0], "connector_module": connector[1],
             "engine_id": engine_id, "extra_config": extra}
 
@@ -66,16 +73,16 @@ def _nixl_env(capacity: int | None, plugin: bool = True) -> dict[str, str]:
 
 
 def _pd(batch: EngineBatch, work: Path, connector: tuple[str, str | None],
-        prefills: dict[str, tuple[Path, bool]], decode_model: Path, tag: str,
+        prefills: dict[str, tuple[Path, bool, bool]], decode_model: Path, tag: str,
         capacity: int | None = None, ipc_dir: str | None = None) -> None:
-    """Prefill engines ``name -> (model, plugin on)`` and one decode engine (plugin on)
-    reading from each of them."""
+    """Prefill engines ``name -> (model, plugin on, fast path on)`` and one decode engine
+    (plugin and fast path on) reading from each of them."""
     params = {}
     done = work / f"{tag}.done"
-    for name, (model, plugin) in prefills.items():
+    for name, (model, plugin, ipc) in prefills.items():
         params[name] = str(work / f"{tag}-{name}.params.json")
         batch.start(f"{tag}-{name}", "pd_prefill", {
-            **_nixl(connector, f"{tag}-{name}", ipc_dir), "model": str(model),
+            **_nixl(connector, f"{tag}-{name}", ipc_dir, ipc), "model": str(model),
             "prompt": PROMPT, "params_out": params[name], "done_file": str(done),
             "timeout": 400, "check_notified": connector == PATCHED},
             _nixl_env(capacity, plugin))
@@ -88,17 +95,19 @@ def _pd(batch: EngineBatch, work: Path, connector: tuple[str, str | None],
 @pytest.fixture(scope="module")
 def pd_patched(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                ) -> dict[str, Any]:
-    """One decode engine (plugin on) reading from four prefill engines: two with the plugin
-    (same host, both caches kvconnect's: the ipc fast path) and two without (the decode
-    must fall back to NIXL, told why by the prefill), each pair with the same and with
-    other weights."""
+    """One decode engine (plugin on) reading from five prefill engines: ``same`` / ``other``
+    (plugin on: the ipc fast path, same and other weights), ``nixl-same`` / ``nixl-other``
+    (plugin on, fast path off there: NIXL READs from an extensible cache, as across hosts)
+    and ``plain-same`` (plugin off: NIXL, the prefill says why)."""
     work = tmp_path_factory.mktemp("pd-patched")
     ipc_dir = tempfile.mkdtemp(prefix="kvc-")
     try:
         with EngineBatch(work, timeout=600) as batch:
             _pd(batch, work, PATCHED, {
-                "same": (models["seed0"], True), "other": (models["seed1"], True),
-                "plain-same": (models["seed0"], False), "plain-other": (models["seed1"], False),
+                "same": (models["seed0"], True, True), "other": (models["seed1"], True, True),
+                "nixl-same": (models["seed0"], True, False),
+                "nixl-other": (models["seed1"], True, False),
+                "plain-same": (models["seed0"], False, True),
             }, models["seed0"], "patched", ipc_dir=ipc_dir)
             return batch.results()
     finally:
@@ -121,7 +130,7 @@ def pd_stock(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     a multiple), an engine whose registration asserts before it starts."""
     work = tmp_path_factory.mktemp("pd-stock")
     with EngineBatch(work, timeout=480) as batch:
-        _pd(batch, work, STOCK, {"same": (models["seed0"], True)}, models["seed0"], "stock",
+        _pd(batch, work, STOCK, {"same": (models["seed0"], True, True)}, models["seed0"], "stock",
             capacity=STOCK_CAPACITY)
         batch.start("stock-default-capacity", "pd_prefill", {
             **_nixl(STOCK, "stock-default"), "model": str(models["seed0"]), "prompt": PROMPT,
@@ -132,11 +141,11 @@ def pd_stock(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     return out
 
 
-@pytest.mark.parametrize("same", ["same", "plain-same"])
+@pytest.mark.parametrize("same", ["same", "nixl-same", "plain-same"])
 def test_patched_nixl_1p1d_decode_equals_a_single_engine(pd_patched: dict[str, Any],
                                                          same: str) -> None:
-    """Both paths (ipc from a plugin prefill, NIXL from a plain one) give the tokens a
-    single engine gives, and the prefill learnt its blocks were read."""
+    """Every path (ipc, NIXL from an extensible cache, NIXL from a plain one) gives the
+    tokens a single engine gives, and the prefill learnt its blocks were read."""
     d = pd_patched["patched-decode"]
     remote = d["remote"][same]
     assert remote["finish_reason"] == "length" and len(remote["tokens"]) == MAX_TOKENS
@@ -147,7 +156,7 @@ def test_patched_nixl_1p1d_decode_equals_a_single_engine(pd_patched: dict[str, A
         prefill["output"]["kv_transfer_params"]["remote_request_id"]]
 
 
-@pytest.mark.parametrize("other", ["other", "plain-other"])
+@pytest.mark.parametrize("other", ["other", "nixl-other"])
 def test_patched_nixl_1p1d_control_other_prefill_weights_change_tokens(
         pd_patched: dict[str, Any], other: str) -> None:
     d = pd_patched["patched-decode"]
@@ -171,19 +180,28 @@ def test_patched_nixl_same_host_plugin_engines_take_the_ipc_fast_path(
     assert export["refusal"] is None and export["answered"] == 1 and export["served"] == 1
 
 
-@pytest.mark.parametrize("prefill", ["plain-same", "plain-other"])
-def test_patched_nixl_falls_back_to_nixl_from_a_prefill_without_the_plugin(
-        pd_patched: dict[str, Any], prefill: str) -> None:
+@pytest.mark.parametrize(("prefill", "code"), [
+    ("nixl-same", "no_endpoint"), ("nixl-other", "no_endpoint"),
+    ("plain-same", "remote_plain_cache")])
+def test_patched_nixl_falls_back_to_nixl_saying_why(pd_patched: dict[str, Any], prefill: str,
+                                                    code: str) -> None:
+    """A prefill with the fast path off serves no offer; one without the plugin says its
+    cache is vLLM's own. Either way the decode reads through NIXL."""
     peer = _peer(pd_patched, prefill)
-    assert peer["route"] == "nixl" and peer["code"] == "remote_plain_cache"
+    assert peer["route"] == "nixl" and peer["code"] == code
     assert peer["ipc_reads"] == 0 and peer["nixl_reads"] == 1
-    export = pd_patched[f"patched-{prefill}"]["fast_path"]["export"]
-    assert export["refusal"] == "plain_cache" and export["served"] == 0
-    assert pd_patched[f"patched-{prefill}"]["facts"] is None  # no plugin there
+    fast = pd_patched[f"patched-{prefill}"]["fast_path"]
+    if code == "no_endpoint":
+        assert fast["enabled"] is False and fast["export"] is None
+        (f,) = pd_patched[f"patched-{prefill}"]["facts"]  # an extensible cache all the same
+        assert f["capacity_blocks"] > f["num_blocks"] and f["handle_type"] == "posix_fd"
+    else:
+        assert fast["export"]["refusal"] == "plain_cache" and fast["export"]["served"] == 0
+        assert pd_patched[f"patched-{prefill}"]["facts"] is None  # no plugin there
 
 
 def test_patched_nixl_engines_use_single_shareable_handles(pd_patched: dict[str, Any]) -> None:
-    for name in ("patched-same", "patched-other", "patched-decode"):
+    for name in ("patched-same", "patched-other", "patched-nixl-same", "patched-decode"):
         (f,) = pd_patched[name]["facts"]
         assert f["kv_connector"] == "KvconnectNixlConnector"
         assert f["single_handle"] and f["handles_per_segment"] == [1] * f["segments"]
