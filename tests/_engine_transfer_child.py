@@ -7,8 +7,9 @@
   notification marked read. Both report kvconnect's fast-path facts where the connector
   has them (``fast_path``).
 - ``pd_decode``: a consumer engine reads the parameters of every prefill engine in
-  ``prefills``, decodes each request from the remote KV, then the prompt locally (after a
-  prefix-cache reset): the single-engine reference, same weights, same engine.
+  ``prefills``, decodes each request from the remote KV (after a prefix-cache reset each:
+  every read moves the whole prompt), then the prompt locally (after a reset too): the
+  single-engine reference, same weights, same engine.
 - ``offload``: kvconnect's SimpleCPUOffload in an in-process engine (CPU stand-ins for CUDA
   streams: :mod:`kvconnect.vllm.host_stand_ins`): store, reload, and a control whose CPU copy
   was zeroed before the reload.
