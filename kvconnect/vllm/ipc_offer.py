@@ -181,8 +181,9 @@ class IpcOfferServer:
                 try:
                     conn.settimeout(self.timeout)
                     pid = check_peer(conn).pid
-                    send_message(conn, self._reply(recv_json(conn, self.timeout), pid))
-                    self.answered += 1
+                    reply = self._reply(recv_json(conn, self.timeout), pid)
+                    self.answered += 1  # before sending: a peer that has the reply sees it
+                    send_message(conn, reply)
                 except (IpcError, OSError, ValueError) as exc:
                     logger.warning("kvconnect ipc offer %s: %s", self.path, exc)
 
