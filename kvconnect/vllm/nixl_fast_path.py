@@ -369,9 +369,11 @@ class NixlIpcFastPath:
     def _read_by_ipc(self, worker: Any, kw: dict[str, Any]) -> bool:
         """Start upstream's READ ``kw`` as an ipc copy; False leaves it to NIXL."""
         spec, engine_id = kw.get("read_spec"), kw.get("dst_engine_id")
-        key = (engine_id, getattr(spec, "remote_rank", -1))
-        entry = self.peers.get(key)  # type: ignore[arg-type]
-        if entry is None or spec is None:
+        if spec is None or not isinstance(engine_id, str):
+            return False
+        key: tuple[str, int] = (engine_id, int(getattr(spec, "remote_rank", -1)))
+        entry = self.peers.get(key)
+        if entry is None:
             return False
         decision = entry[1]
         if decision.route != "ipc" or not any(spec.local_block_ids):
@@ -385,7 +387,8 @@ class NixlIpcFastPath:
         agent = worker._remote_agents[engine_id][(0, key[1])]
         notif = f"{kw['remote_request_id']}:{kw['expected_consumers']}".encode()
         try:
-            pending = self.transport.start(_peer_name(key), [(remote, local)])  # type: ignore[union-attr]
+            assert self.transport is not None  # _open attached it
+            pending = self.transport.start(_peer_name(key), [(remote, local)])
         except (KVConnectorError, IpcError, OSError, ValueError, RuntimeError) as exc:
             self._fall_back(key, "copy_failed", repr(exc)[:300])
             decision.counts["nixl_reads"] += 1
