@@ -38,6 +38,7 @@ from kvconnect.vllm.nixl_fast_path import (
     layout_mismatch,
     logical_ids,
 )
+from kvconnect.vmm import AllocationOptions
 
 AGENT = "0f9c2a8e-5d1b-4c3e-9a7f-1b2c3d4e5f60"
 NUM_BLOCKS = 8
@@ -52,7 +53,8 @@ def directory() -> Iterator[str]:
 
 def _cache(seed: int | None = None) -> ExtensibleKVCache:
     cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=NUM_BLOCKS, num_layers=2),
-                              "cpu", capacity_blocks=NUM_BLOCKS * 4, shareable=True)
+                              "cpu", capacity_blocks=NUM_BLOCKS * 4,
+                              options=AllocationOptions(shareable=True))
     cache.allocate()
     cache.extend_kv_cache(NUM_BLOCKS)
     if seed is not None:
