@@ -463,9 +463,22 @@ def _local_device(cfg: RunConfig, m: Membership) -> str:
 
 
 def _agree_on_config(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> bool:
+    """The reporter publishes its config; every other member compares its own with it and
+    says ``config_ok``. Nobody starts before every member agreed: the reporter waits for
+    each ``config_ok``, so its footprint baseline (taken as its steps begin) already holds
+    the store connections every member opened on joining (the store may live in the
+    reporter's process: a member joining late once showed up there as leaked sockets)."""
     mine = {k: v for k, v in cfg.to_json().items() if k not in _LOCAL_FIELDS}
     if m.is_reporter:
         ctl.publish("config", mine)
+        for name in cfg.worker_names():
+            if name == m.name:
+                continue
+            try:
+                ctl.wait(name, "config_ok")
+            except PeerFailure as exc:
+                report.usage_error = f"{name} did not agree on the configuration: {exc}"
+                return False
         return True
     theirs = ctl.wait(worker_name(PREFILL, 0), "config")
     diffs = [f"{k}: here {mine.get(k)!r}, prefill0 {theirs.get(k)!r}"
@@ -474,6 +487,7 @@ def _agree_on_config(ctl: StoreControl, cfg: RunConfig, m: Membership, report: R
         report.usage_error = (f"{m.name}'s arguments differ from prefill0's: "
                               + "; ".join(diffs))
         return False
+    ctl.publish("config_ok", True)
     return True
 
 
