@@ -15,7 +15,8 @@ else, so their signatures say what they take:
   (``CommittedRegion.tensor_index``): their bases give a layout's offsets, their
   ``committed_view`` bounded views, their ``physical_chunks`` what NIXL registers, their
   ``export_handles`` what the ipc transport sends, and their committed bytes and chunk counts
-  tell a connector that the commit state changed (a sleep / wake cycle brings the same back).
+  tell a connector that the commit state changed (a sleep / wake cycle brings the same back);
+  their ``state_version`` moves on every such call, a check cheap enough for every transfer.
 
 :class:`~kvconnect.kv_cache.ExtensibleKVCache` and :class:`kvconnect.vllm.VllmKVCache` satisfy
 it. It is ``runtime_checkable``: ``isinstance(x, KVCacheSource)`` checks that the members

@@ -102,6 +102,8 @@ class _State:
     chunks: list[list[_Mapped]] = field(default_factory=list)
     views: weakref.WeakSet[ViewAnchor] = field(default_factory=weakref.WeakSet)
     closed: bool = False
+    #: grows on every call that may change the mapped state (ExtensibleTensor.state_version)
+    version: int = 0
     #: serializes the tensor's calls (see the module docstring); re-entrant
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -136,6 +138,20 @@ def _serialized(method: _F) -> _F:
     def locked(self: ExtensibleTensor, *args: Any, **kwargs: Any) -> Any:
         with self._state.lock:
             return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
+
+
+def _changes_mapping(method: _F) -> _F:
+    """:func:`_serialized`, and :attr:`ExtensibleTensor.state_version` grows when ``method``
+    returns or raises (it may have mapped or unmapped memory either way)."""
+    @functools.wraps(method)
+    def locked(self: ExtensibleTensor, *args: Any, **kwargs: Any) -> Any:
+        with self._state.lock:
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._state.version += 1
 
     return locked  # type: ignore[return-value]
 
@@ -246,6 +262,15 @@ class ExtensibleTensor(Closeable):
         return sum(len(seg) for seg in self._state.chunks)
 
     @property
+    def state_version(self) -> int:
+        """A counter that grows on every call that may change the mapped state (commit,
+        shrink_to, release_physical, recommit, recommit_single_handle, close): an unchanged
+        value means :attr:`committed_bytes` and the chunks are as they were. Read without the
+        lock (one int), so a connector can check it per transfer; a changed value says only
+        *may* have changed (a sleep / wake brings the same sizes back)."""
+        return self._state.version
+
+    @property
     def granted(self) -> GrantedFlags:
         """Flags held by every mapped chunk (requested flags when nothing is mapped yet)."""
         handles = [m.handle for seg in self._state.chunks for m in seg]
@@ -292,7 +317,7 @@ class ExtensibleTensor(Closeable):
         return out
 
     # -- growth ----------------------------------------------------------------
-    @_serialized
+    @_changes_mapping
     def commit(self, bytes_per_segment: int, *, single_handle: bool = False) -> None:
         """Grow every segment's committed prefix to at least ``bytes_per_segment`` bytes.
 
@@ -366,7 +391,7 @@ class ExtensibleTensor(Closeable):
         self._state.chunks[segment].remove(m)
         self._unmap_one(m)
 
-    @_serialized
+    @_changes_mapping
     def shrink_to(self, bytes_per_segment: Sequence[int]) -> None:
         """Undo later commits: unmap and release each segment's chunks that start at or past
         ``bytes_per_segment[s]`` (a size this tensor had earlier, in ``[0, segment_capacity]``;
@@ -393,7 +418,7 @@ class ExtensibleTensor(Closeable):
             self._committed[s] = chunks[-1].va + chunks[-1].size - seg_base if chunks else 0
 
     # -- sleep / wake / single handle -----------------------------------------
-    @_serialized
+    @_changes_mapping
     def release_physical(self) -> None:
         """Synchronize, unmap and release every chunk; keep the VA reservation.
 
@@ -407,7 +432,7 @@ class ExtensibleTensor(Closeable):
         self._committed = [0] * self._num_segments
         self._released_sizes = sizes
 
-    @_serialized
+    @_changes_mapping
     def recommit(self) -> None:
         """Commit the sizes held before :meth:`release_physical`, zero-filled, at the same
         addresses, as one physical allocation per segment."""
@@ -417,7 +442,7 @@ class ExtensibleTensor(Closeable):
         sizes, self._released_sizes = self._released_sizes, None
         self._commit_single(sizes, zero=True)
 
-    @_serialized
+    @_changes_mapping
     def recommit_single_handle(self, *, zero: bool = False) -> None:
         """Release the chunks of each segment and recommit its prefix as ONE physical
         allocation (UCX exports only the first handle of a multi-handle region, ucx #11283).
@@ -517,7 +542,7 @@ class ExtensibleTensor(Closeable):
         return out
 
     # -- lifetime --------------------------------------------------------------
-    @_serialized
+    @_changes_mapping
     def close(self, *, force: bool = False) -> None:
         """Unmap and release every chunk and free the reservation. Idempotent.
 

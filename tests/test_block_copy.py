@@ -135,6 +135,14 @@ def test_as_block_ids_takes_1d_integers_only() -> None:
                 torch.tensor([True]), torch.tensor([1.5]), torch.zeros(2, 2, dtype=torch.int64)):
         with pytest.raises(TypeError, match="remote_ids"):
             as_block_ids(bad, "remote_ids")
+    # a bool anywhere in a short list (checked in Python) or a long one (through numpy) is
+    # refused; the ints 0 and 1 are ids
+    for n in (3, 100):
+        for flag in (True, False):
+            with pytest.raises(TypeError, match="bool"):
+                as_block_ids([*range(2, n + 1), flag], "ids")
+        ids = [0, *range(2, n), 1]
+        assert as_block_ids(ids, "ids").tolist() == ids
 
 
 @pytest.mark.parametrize("ids", ["runs", "scattered", "single"])

@@ -179,6 +179,28 @@ def test_failed_commit_leaves_nothing_mapped() -> None:
     assert set(os.listdir("/proc/self/fd")) == fds_before
 
 
+def test_state_version_moves_with_every_mapping_change_and_only_then() -> None:
+    drv = FaultInjectingHostDriver(fail_at=2)  # the second commit's allocation
+    t = ExtensibleTensor(8 * G, drv)
+    seen = [t.state_version]
+
+    def moved() -> bool:
+        seen.append(t.state_version)
+        return seen[-1] != seen[-2]
+
+    t.commit(G)
+    assert moved()
+    with pytest.raises(MemoryError, match="injected"):
+        t.commit(2 * G)
+    assert moved()  # a failed call may have mapped and unmapped: it counts as a change
+    _ = (t.segment_view(0), t.committed_view(0, 64), t.committed_bytes, t.physical_chunks())
+    assert not moved()  # reads and views change nothing
+    for change in (lambda: t.commit(3 * G), lambda: t.shrink_to([G]), t.release_physical,
+                   t.recommit, t.recommit_single_handle, lambda: t.close(force=True)):
+        change()
+        assert moved()
+
+
 def _maps_overlapping(lo: int, hi: int) -> list[str]:
     out = []
     with open("/proc/self/maps") as f:

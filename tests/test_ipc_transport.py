@@ -144,6 +144,23 @@ def test_fetch_caches_the_mapping_and_remaps_after_the_peers_sleep(child: JsonLi
     ipc.close()  # idempotent
 
 
+def test_a_fetch_refuses_this_cache_changed_and_takes_it_back_unchanged(
+        child: JsonLinePeer) -> None:
+    """Each fetch checks this cache's state cheaply (tensor versions) and, when a version
+    moved, compares what the plan depends on (block count, committed bytes, chunks)."""
+    with _cache() as dst, _cache() as want, IpcTransport(dst, timeout=30) as ipc:
+        fill_cache(want, seed=1)
+        ipc.open_peer("child", child.hello["offer"])
+        dst.release_physical()  # this worker sleeps: nothing committed any more
+        for _ in range(2):
+            with pytest.raises(KVConnectorError, match="changed since"):
+                ipc.fetch("child", [1], [1])
+        dst.recommit()  # the same sizes at the same addresses: the plan fits again
+        ipc.fetch("child", [20], [2])
+        assert _same(_block(dst, 2), _block(want, 20))
+        assert ipc.open_peer("child", child.hello["offer"]) == 0.0
+
+
 def test_requests_merge_into_one_copy_and_start_returns_a_pending_fetch(
         child: JsonLinePeer, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvconnect.connectors.copy.block_copy import BlockCopyPlan

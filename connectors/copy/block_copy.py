@@ -180,6 +180,24 @@ def kernel_available(device: torch.device | str | None = None) -> str | None:
     return None
 
 
+#: id lists up to this long are checked for bools in Python (numpy's per-call cost is more)
+_SMALL_ID_LIST = 32
+
+
+def _refuse_bools(values: list[int] | tuple[int, ...], packed: np.ndarray, what: str) -> None:
+    """``TypeError`` if ``values`` (just packed into ``packed``) holds a bool: struct takes
+    True as 1, so only the 0s and 1s can be bools; look at those alone."""
+    if len(values) <= _SMALL_ID_LIST:  # a decode fetch: a C-level scan, no numpy call
+        if 0 not in values and 1 not in values:
+            return
+        suspects = range(len(values))
+    else:
+        suspects = np.flatnonzero(packed <= 1).tolist()
+    for i in suspects:
+        if isinstance(values[i], bool):
+            raise TypeError(f"{what} must hold ints, got a bool ({values[i]})")
+
+
 def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -> np.ndarray:
     """Block ids as a 1-D int64 array: the one check every transfer's ids pass (copy plans,
     NIXL descriptors, the ipc and offload connectors). ``TypeError`` naming ``what`` for
@@ -199,10 +217,7 @@ def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -
         except (struct.error, TypeError, OverflowError):
             pass  # a float, a huge value, ...: the checks below name it
         else:
-            # struct takes True as 1: only the 0s and 1s can be bools, look at those alone
-            for i in np.flatnonzero(fast <= 1).tolist():
-                if isinstance(values[i], bool):
-                    raise TypeError(f"{what} must hold ints, got a bool ({values[i]})")
+            _refuse_bools(values, fast, what)
             return fast
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iu":

@@ -66,6 +66,7 @@ from ..copy._kernel_launch import wait_events
 from ..copy.block_copy import LAUNCH_MODES, BlockCopyPlan, as_block_ids, layout_block_region
 from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from ..transport import FetchResult, TransportContext, TransportSpec
+from ._cache_state import CacheState
 from .reply import checked_layout, peer_block_region
 
 log = logging.getLogger(__name__)
@@ -266,8 +267,11 @@ class IpcExportServer:
 
 @dataclass
 class _Peer:
+    """One open peer: its mappings and plan, what they were built against (``key``: the
+    offer; ``local``: this cache's state) and the per-fetch facts fixed at that time."""
+
     key: tuple[str, int, int]
-    local_token: object
+    local: CacheState
     mappings: list[PeerMapping]
     plan: BlockCopyPlan
     launch: torch.device
@@ -275,6 +279,24 @@ class _Peer:
     unreported_setup: float
     extra_devices: list[int] = field(default_factory=list)
     inflight: list[PendingFetch] = field(default_factory=list)
+    # fixed per plan, derived once here instead of per fetch:
+    #: FetchResult.backend and .note of every fetch
+    backend: str = field(init=False, default="")
+    note: str = field(init=False, default="")
+    #: CUDA device indices a fetch synchronizes first (launch and local, once each)
+    sync_devices: tuple[int | None, ...] = field(init=False, default=())
+    #: this cache's device, and whether the copy runs on another GPU (push)
+    local_device: torch.device = field(init=False, default=torch.device("cpu"))
+    cross: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.local_device = local = torch.device(self.local.cache.device)
+        self.backend = f"{self.plan.method}:{self.launch}"
+        self.note = (f"{self.chunks} chunks of {len(self.mappings)} tensors mapped, "
+                     f"{self.plan.num_columns} columns per block")
+        cuda = dict.fromkeys(d for d in (self.launch, local) if d.type == "cuda")
+        self.sync_devices = tuple(d.index for d in cuda)
+        self.cross = self.launch != local and local.type == "cuda"
 
     def close(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) for copies still reading the mappings, then
@@ -324,10 +346,8 @@ class PendingFetch:
             self.finished = time.perf_counter()
         entry = self.entry
         setup, entry.unreported_setup = entry.unreported_setup, 0.0
-        return FetchResult(self.nbytes, self.finished - self.started,
-                           f"{entry.plan.method}:{entry.launch}", setup, len(self.local_ids),
-                           f"{entry.chunks} chunks of {len(entry.mappings)} tensors mapped, "
-                           f"{entry.plan.num_columns} columns per block")
+        return FetchResult(self.nbytes, self.finished - self.started, entry.backend, setup,
+                           len(self.local_ids), entry.note)
 
 
 class IpcTransport:
@@ -353,10 +373,6 @@ class IpcTransport:
         self._closed = False
 
     # -- peers ---------------------------------------------------------------------------
-    def _local_token(self) -> object:
-        return (int(self.cache.num_blocks),
-                tuple((t.committed_bytes, t.num_physical_chunks) for t in self.cache.tensors))
-
     def open_peer(self, peer: str, offer: Mapping[str, JSON]) -> float:
         """Map ``peer``'s chunks from its :meth:`IpcExportServer.describe` ``offer`` and
         build the copy plan, unless the cached ones are still valid. Returns the seconds
@@ -369,17 +385,16 @@ class IpcTransport:
         except (KeyError, TypeError, ValueError) as exc:
             raise IpcError(f"peer {peer!r}: malformed ipc offer {dict(offer)!r}") from exc
         entry = self._peers.get(peer)
-        token = self._local_token()
-        if entry is not None and entry.key == key and entry.local_token == token:
+        if entry is not None and entry.key == key and entry.local.unchanged():
             return 0.0
         self.invalidate(peer)
         t0 = time.perf_counter()
-        entry = self._connect(peer, key, token)
+        entry = self._connect(peer, key, CacheState(self.cache))
         entry.unreported_setup = time.perf_counter() - t0
         self._peers[peer] = entry
         return entry.unreported_setup
 
-    def _connect(self, peer: str, key: tuple[str, int, int], token: object) -> _Peer:
+    def _connect(self, peer: str, key: tuple[str, int, int], local: CacheState) -> _Peer:
         path, pid, _ = key
         cache = self.cache
         driver = cache.tensors[0].driver
@@ -409,7 +424,7 @@ class IpcTransport:
             if launch != cache.device:
                 self._grant_local_access(launch)
             plan.warm_up()  # JIT and table upload belong to set-up, not to the first fetch
-            return _Peer(key, token, mappings, plan, launch, len(reply["chunks"]), 0.0, extra)
+            return _Peer(key, local, mappings, plan, launch, len(reply["chunks"]), 0.0, extra)
         except BaseException:
             for m in mappings:
                 m.close()
@@ -467,9 +482,8 @@ class IpcTransport:
         ids distinct across all of them), waited for like :meth:`fetch`. Work already queued
         on the devices finishes first and is not part of the result's ``seconds``."""
         entry = self._entry(peer)
-        for d in {entry.launch, torch.device(self.cache.device)}:
-            if d.type == "cuda":
-                synchronize(d.index)
+        for index in entry.sync_devices:
+            synchronize(index)
         return self._launch(peer, entry, requests).wait(timeout)
 
     def start(self, peer: str, requests: Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -486,8 +500,7 @@ class IpcTransport:
         src, dst = _merged_ids(requests)
         if src.size:
             entry.plan.check_ids(src, dst)
-        local = torch.device(self.cache.device)
-        cross = entry.launch != local and local.type == "cuda"
+        cross, local = entry.cross, entry.local_device
         events: list[torch.cuda.Event] = []
         try:
             if cross:
@@ -511,7 +524,7 @@ class IpcTransport:
         entry = self._peers.get(peer)
         if entry is None:
             raise KVConnectorError(f"ipc: no open peer {peer!r}; call open_peer() first")
-        if entry.local_token != self._local_token():
+        if not entry.local.unchanged():
             raise KVConnectorError(f"ipc: this KV cache changed since {peer!r} was opened; "
                                    "call open_peer() again")
         return entry
