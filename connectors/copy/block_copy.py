@@ -214,7 +214,7 @@ def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -
             return np.zeros(0, dtype=np.int64)
         try:  # ints: the fastest conversion (no per-element Python code; ~2x array.array)
             fast = np.empty(len(values), dtype=np.int64)  # writable (torch.from_numpy)
-            struct.pack_into(f"{len(values)}q", memoryview(fast), 0, *values)
+            struct.pack_into(f"{len(values)}q", fast.data, 0, *values)
         except (struct.error, TypeError, OverflowError):
             pass  # a float, a huge value, ...: the checks below name it
         else:
