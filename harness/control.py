@@ -61,7 +61,6 @@ class Control(abc.ABC):
         self.config = config
         self.incarnation = incarnation
         self.current_phase = "start"
-        self._phase_started = time.monotonic()
         #: what fired ``--inject`` faults changed in this worker (read by its steps)
         self.effects = FaultEffects()
         self._faults = FaultPlan(specs_from_config(config.faults), name, incarnation)
@@ -71,7 +70,6 @@ class Control(abc.ABC):
         """Enter ``phase`` (reported to the coordinator; named in every failure message).
         The phase boundary is where ``--inject`` faults aimed at this worker fire."""
         self.current_phase = phase
-        self._phase_started = time.monotonic()
         self._send_phase(phase)
         self._faults.at_phase(phase, self)
 

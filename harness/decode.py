@@ -125,10 +125,7 @@ class DecodeWorker(WorkerSteps):
 
     def steps(self) -> None:
         ctl, cfg = self.ctl, self.cfg
-        self.hello()
-        self.build_cache()
-        self.register()
-        ctl.phase("fill")
+        self.prepare()
         self.fill_all(self.name)
         for round_no in (1, 2):
             if round_no == 2:

@@ -12,10 +12,8 @@ and uid), and then runs one event loop:
   error fails the run at once: the report names the worker, its role and rank, its phase,
   and the tail of its log; every other worker is told to abort;
 - ``--inject`` faults: workers say when one fires (:mod:`.faultwatch` times the report); a
-  worker killed by a ``restart-*`` fault is replaced by a standby started with the others
-  (no torch import then), under the same name: its keys are dropped from the table, the
-  standby gets the config as incarnation 2, and decodes asking after the dead worker
-  (``peer`` requests) learn it was replaced and fetch again.
+  worker killed by a ``restart-*`` fault is replaced by its standby under the same name
+  (:mod:`.restarts`): its keys are dropped from the table.
 
 On every exit path all workers are killed if still running and reaped, sockets closed, and
 the private directory removed; then :mod:`.cleanup` checks nothing was left behind. Why this

@@ -64,10 +64,7 @@ class PrefillWorker(WorkerSteps):
 
     def steps(self) -> None:
         ctl, cfg = self.ctl, self.cfg
-        self.hello()
-        self.build_cache()
-        self.register()
-        ctl.phase("fill")
+        self.prepare()
         t0 = time.perf_counter()
         nbytes = self.fill_all(self.name)
         ctl.passed("content/fill", f"{cfg.num_blocks} blocks x {len(owners(self.layout))} "

@@ -114,6 +114,14 @@ class WorkerSteps:
     def steps(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def prepare(self) -> None:
+        """The steps every worker starts with: say hello, build the final cache and register
+        it with the run's transports; then enter the ``fill`` phase."""
+        self.hello()
+        self.build_cache()
+        self.register()
+        self.ctl.phase("fill")
+
     def close_all(self, owned: dict[str, Any], what: str) -> None:
         """Close and forget every object in ``owned`` (transports, exporters), logging a
         failure and going on with the rest."""

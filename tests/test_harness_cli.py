@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvconnect.harness import cli
+from kvconnect.harness import arguments, cli
 from kvconnect.harness.config import RunConfig
 from kvconnect.harness.rendezvous import membership_from_env, parse_hostport
 
@@ -197,14 +197,14 @@ def test_sizes_parse_as_nccl_tests_ranges_or_lists() -> None:
     import argparse
 
     M = 1 << 20
-    assert cli._sizes("1M:8M") == [M, 2 * M, 4 * M, 8 * M]
-    assert cli._sizes("1M:1G:4") == [M, 4 * M, 16 * M, 64 * M, 256 * M, 1024 * M]
-    assert cli._sizes("4K,1M,64M,1M") == [4096, M, 64 * M]
-    assert cli._sizes("1MiB:3MB") == [M, 2 * M]
-    assert cli._sizes("4096") == [4096]
+    assert arguments._sizes("1M:8M") == [M, 2 * M, 4 * M, 8 * M]
+    assert arguments._sizes("1M:1G:4") == [M, 4 * M, 16 * M, 64 * M, 256 * M, 1024 * M]
+    assert arguments._sizes("4K,1M,64M,1M") == [4096, M, 64 * M]
+    assert arguments._sizes("1MiB:3MB") == [M, 2 * M]
+    assert arguments._sizes("4096") == [4096]
     for bad in ("", "0", "1X", "8M:1M", "1M:2M:1", "1M:2M:3:4", "2T", ",,"):
         with pytest.raises(argparse.ArgumentTypeError):
-            cli._sizes(bad)
+            arguments._sizes(bad)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -227,7 +227,7 @@ def test_version_and_the_layout_list_come_from_one_place(run_validate_cli: Any) 
     code, text = run_validate_cli(["--version"])
     assert code == 0 and text.strip() == f"kvconnect-validate {version('kvconnect')}"
     names = sorted(PRESETS)
-    assert cli.layout_names() == names
+    assert arguments.layout_names() == names
     code, text = run_validate_cli(["--help"])
     flat = " ".join(text.split()).replace("- ", "-")  # argparse wraps at hyphens
     assert code == 0 and ", ".join(names) in flat

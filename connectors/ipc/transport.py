@@ -277,7 +277,6 @@ class _Peer:
     launch: torch.device
     chunks: int
     unreported_setup: float
-    extra_devices: list[int] = field(default_factory=list)
     inflight: list[PendingFetch] = field(default_factory=list)
     # fixed per plan, derived once here instead of per fetch:
     #: FetchResult.backend and .note of every fetch
@@ -424,7 +423,7 @@ class IpcTransport:
             if launch != cache.device:
                 self._grant_local_access(launch)
             plan.warm_up()  # JIT and table upload belong to set-up, not to the first fetch
-            return _Peer(key, local, mappings, plan, launch, len(reply["chunks"]), 0.0, extra)
+            return _Peer(key, local, mappings, plan, launch, len(reply["chunks"]), 0.0)
         except BaseException:
             for m in mappings:
                 m.close()

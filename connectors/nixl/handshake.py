@@ -83,6 +83,53 @@ def _dict(value: Any, what: str) -> dict:
     return value
 
 
+def _document(data: object, max_bytes: int) -> dict:
+    """The metadata's top-level JSON object: ``data`` bytes or text of at most ``max_bytes``
+    bytes, parsed with bounded nesting depth and integer digits."""
+    if not isinstance(data, (bytes, bytearray, str)):
+        raise MetadataError(f"peer metadata must be JSON bytes or text, got "
+                            f"{type(data).__name__}")
+    size = len(data.encode("utf-8")) if isinstance(data, str) else len(data)
+    if size > max_bytes:
+        raise MetadataError(f"peer metadata is {size} bytes, above the {max_bytes}-byte limit")
+    try:  # nesting depth and integer digits bounded: no RecursionError, no 4300-digit ints
+        doc = bounded_loads(data)
+    except BoundedJSONError as exc:
+        raise MetadataError(f"peer metadata is not valid JSON: {exc}") from None
+    return _dict(doc, "metadata")
+
+
+def _agent_metadata(doc: dict, max_bytes: int) -> bytes:
+    """The NIXL agent metadata: ``agent_metadata_b64``, non-empty valid base64."""
+    b64 = _str(_req(doc, "agent_metadata_b64", "metadata"), "agent_metadata_b64",
+               max_len=max_bytes)
+    try:
+        agent_md = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MetadataError(f"agent_metadata_b64 is not valid base64: {exc}") from None
+    if not agent_md:
+        raise MetadataError("agent_metadata_b64 is empty")
+    return agent_md
+
+
+#: the integer fields ``(name, minimum, maximum)`` of one ``regions`` / ``registrations`` row
+_REGION = (("base_ptr", 0, _U64), ("device_id", 0, 1 << 16))
+_EXTENT = (("addr", 0, _U64), ("length", 1, _U64), ("device_id", 0, 1 << 16))
+
+
+def _int_rows(doc: dict, key: str, fields: tuple[tuple[str, int, int], ...]
+              ) -> list[tuple[int, ...]]:
+    """``doc[key]``: a list of rows, each a list of one integer per field, within its bounds."""
+    rows = []
+    for i, item in enumerate(_list(_req(doc, key, "metadata"), key)):
+        item = _list(item, f"{key}[{i}]", len(fields))
+        if len(item) != len(fields):
+            raise MetadataError(f"{key}[{i}] must be [{', '.join(f[0] for f in fields)}]")
+        rows.append(tuple(_int(value, f"{key}[{i}].{name}", lo, hi)
+                          for value, (name, lo, hi) in zip(item, fields, strict=True)))
+    return rows
+
+
 # -- full metadata document ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -138,28 +185,11 @@ class HandshakeMetadata:
                   max_bytes: int = MAX_METADATA_BYTES) -> HandshakeMetadata:
         """Parse and validate a peer's metadata; raises :class:`MetadataError` on anything off
         (including ``data`` that is not bytes or text at all)."""
-        if not isinstance(data, (bytes, bytearray, str)):
-            raise MetadataError(f"peer metadata must be JSON bytes or text, got "
-                                f"{type(data).__name__}")
-        size = len(data.encode("utf-8")) if isinstance(data, str) else len(data)
-        if size > max_bytes:
-            raise MetadataError(f"peer metadata is {size} bytes, above the {max_bytes}-byte limit")
-        try:  # nesting depth and integer digits bounded: no RecursionError, no 4300-digit ints
-            doc = bounded_loads(data)
-        except BoundedJSONError as exc:
-            raise MetadataError(f"peer metadata is not valid JSON: {exc}") from None
-        doc = _dict(doc, "metadata")
+        doc = _document(data, max_bytes)
         schema = _str(_req(doc, "schema", "metadata"), "schema")
         if schema != HANDSHAKE_SCHEMA:
             raise MetadataError(f"unknown metadata schema {schema!r} (expected {HANDSHAKE_SCHEMA!r})")
-        b64 = _str(_req(doc, "agent_metadata_b64", "metadata"), "agent_metadata_b64",
-                   max_len=max_bytes)
-        try:
-            agent_md = base64.b64decode(b64, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise MetadataError(f"agent_metadata_b64 is not valid base64: {exc}") from None
-        if not agent_md:
-            raise MetadataError("agent_metadata_b64 is empty")
+        agent_md = _agent_metadata(doc, max_bytes)
         memory_type = _str(_req(doc, "memory_type", "metadata"), "memory_type")
         if memory_type not in ("DRAM", "VRAM"):
             raise MetadataError(f"memory_type must be 'DRAM' or 'VRAM', got {memory_type!r}")
@@ -167,24 +197,11 @@ class HandshakeMetadata:
             layout = PeerLayout.from_json(_req(doc, "layout", "metadata"))
         except PeerLayoutError as exc:
             raise MetadataError(str(exc)) from None
-        regions = []
-        for i, item in enumerate(_list(_req(doc, "regions", "metadata"), "regions")):
-            item = _list(item, f"regions[{i}]", 2)
-            if len(item) != 2:
-                raise MetadataError(f"regions[{i}] must be [base_ptr, device_id]")
-            regions.append(RegionAddress(_int(item[0], f"regions[{i}].base_ptr"),
-                                         _int(item[1], f"regions[{i}].device_id", 0, 1 << 16)))
+        regions = [RegionAddress(ptr, dev) for ptr, dev in _int_rows(doc, "regions", _REGION)]
         if len(regions) != len(layout.regions):
             raise MetadataError(f"{len(regions)} region addresses for "
                                 f"{len(layout.regions)} layout regions")
-        regs = []
-        for i, item in enumerate(_list(_req(doc, "registrations", "metadata"), "registrations")):
-            item = _list(item, f"registrations[{i}]", 3)
-            if len(item) != 3:
-                raise MetadataError(f"registrations[{i}] must be [addr, length, device_id]")
-            regs.append((_int(item[0], f"registrations[{i}].addr"),
-                         _int(item[1], f"registrations[{i}].length", 1),
-                         _int(item[2], f"registrations[{i}].device_id", 0, 1 << 16)))
+        regs = [(addr, n, dev) for addr, n, dev in _int_rows(doc, "registrations", _EXTENT)]
         return cls(
             engine_id=_str(_req(doc, "engine_id", "metadata"), "engine_id"),
             agent_name=_str(_req(doc, "agent_name", "metadata"), "agent_name"),

@@ -21,9 +21,7 @@ Typical use (decode pulls blocks from prefill)::
 After sleep / wake (``cache.release_physical(); cache.recommit()``) call :meth:`reregister` and
 send the new metadata to every peer, which loads it with :meth:`update_peer` (nixl #1126).
 
-A side that is read from must make NIXL progress: by default NIXL's progress thread does it
-(one busy CPU core per agent in NIXL 1.5's Python API); with ``progress_thread=False`` call
-:meth:`NixlRegionWorker.progress` in the serving loop.
+A side that is read from must make NIXL progress (``progress_thread``, :class:`NixlRegionWorker`).
 
 Units: bytes for lengths and addresses, blocks for block ids and counts, seconds for time.
 The worker is not thread-safe: use it from one thread.

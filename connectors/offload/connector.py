@@ -5,13 +5,10 @@
 :meth:`~CPUOffloadConnector.from_kv_caches`) and a CPU pool (pinned on CUDA), keyed by a
 hashable key per block (default: the block id), with LRU slots (:mod:`.slots`).
 
-Geometry (:mod:`.layout`). One pool slot ("row") holds every committed region's page
-of one logical block side by side: ``bytes_per_block = sum(sub_blocks * block_len)`` over the
-regions of the cache's :class:`~kvconnect.peer_layout.PeerLayout` that hold their own pages
-(shared pages stored once). Every region is read through a **bounded** flat view
-(:mod:`.sources`), so no copy can reach uncommitted memory. Nothing here looks at
-``untyped_storage().nbytes()``: upstream's ``storage.nbytes() // num_blocks`` row geometry is
-exactly what faults on an over-reserved cache.
+Geometry. One pool slot ("row") holds one logical block, its regions' pages side by side
+(:mod:`.layout`). Every region is read through a **bounded** flat view (:mod:`.sources`), so
+no copy can reach uncommitted memory; nothing here looks at ``untyped_storage().nbytes()``
+(upstream's ``storage.nbytes() // num_blocks`` faults on an over-reserved cache).
 
 Copies (:mod:`..copy.block_copy`). The pool is slot-major: slot ``s`` is bytes ``[s *
 bytes_per_block, (s + 1) * bytes_per_block)``, so consecutive slots are one contiguous range.
@@ -24,9 +21,6 @@ batch is one launch over every region and block:
   scatters them from it (load), and the copy engines move one contiguous copy per run of
   consecutive slots; a batch moves in chunks of at most ``staging_chunk_bytes`` through two
   alternating staging buffers, so one chunk's copy overlaps the next chunk's kernel.
-
-Every kernel is a replay of a CUDA graph captured per id-count bucket (:mod:`..copy.block_copy`):
-a batch's host work is the slot bookkeeping, the id staging and a few stream operations.
 
 ``path="auto"`` takes ``staged`` when the batch's slots form at most ``max_copy_runs`` runs
 and ``direct`` otherwise (and always when the pool is not pinned: ``staged``). Kernels run
@@ -46,11 +40,7 @@ plans were built from and calls :meth:`CPUOffloadConnector.rebind` when it diffe
 back at the same addresses, so the plans stay valid. While the cache is asleep, ``save`` /
 ``load`` raise :class:`KVConnectorError`; the pool and its keys survive sleep. Call
 :meth:`CPUOffloadConnector.wait` before ``release_physical()``. The layout is fixed for a
-connector's life: ``rebind`` raises when ``PeerLayout.differences`` finds any (more blocks are
-not one).
-
-``close()`` waits, then drops the pool: a pinned pool returns to torch's pinned-memory
-cache, which belongs to the process; the connector never empties it.
+connector's life (:meth:`CPUOffloadConnector.rebind`).
 """
 
 from __future__ import annotations

@@ -292,8 +292,6 @@ HIP = Backend(
     required=_COMMON_REQUIRED | {"set_device", "ctx_get_device", "device_synchronize"},
 )
 
-BACKENDS: dict[str, Backend] = {"cuda": CUDA, "hip": HIP}
-
 
 class DriverLibraryError(KvconnectError, OSError):
     """The backend's shared library is missing or lacks a required symbol."""
