@@ -38,7 +38,7 @@ DEFAULT_JSON = ROOT / "benchmarks" / "results" / "reliability-host.json"
 TEST_FILES = {
     "trust": ["tests/test_trust_boundaries.py"],
     "fuzz": ["tests/test_fuzz_frames.py", "tests/test_fuzz_peer_input.py",
-             "tests/test_fuzz_config_cli.py"],
+             "tests/test_fuzz_config_cli.py", "tests/test_peer_layout.py"],
     "soak": ["tests/test_soak.py"],
     "recovery": ["tests/test_nixl_recovery.py"],
     "hostile": ["tests/test_ipc_hostile.py", "tests/test_harness_output.py"],

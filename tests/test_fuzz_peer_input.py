@@ -208,7 +208,7 @@ def registered_pair(nixl_worker):
 @needs_nixl
 @pytest.mark.nixl
 def test_handshake_documents_through_add_peer(registered_pair) -> None:
-    """Mutated real metadata (any field, another layout's fingerprint, the agent name inside
+    """Mutated real metadata (any field, another layout's PeerLayout, the agent name inside
     NIXL's blob) through a registered worker's add_peer: a loaded peer, or a
     KVConnectorError (MetadataError for malformed documents, IncompatiblePeerError for
     another layout); no peer stays loaded."""
