@@ -17,11 +17,13 @@ without restarting. Each recovery is a ``recovery/<pair>/roundN`` check.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvconnect.peer_layout import PeerLayout, PeerLayoutError
@@ -86,6 +88,18 @@ class _Offer:
 
     def check_name(self, transport: str) -> str:
         return f"transfer/{self.pair}/{transport}/round{self.round_no}"
+
+    @functools.cached_property
+    def id_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(remote_ids, local_ids)`` as int64 arrays, converted once for every transport's
+        timed fetch (:func:`~.transports.id_arrays`)."""
+        return id_arrays(self.remote_ids, self.local_ids)
+
+    @functools.cached_property
+    def layout(self) -> PeerLayout:
+        """The prefill's published layout, parsed once (checked by each transport's
+        ``open_peer`` before any fetch)."""
+        return PeerLayout.from_json(self.info["layout"])
 
 
 class DecodeWorker(WorkerSteps):
@@ -283,7 +297,7 @@ class DecodeWorker(WorkerSteps):
         ctl = self.ctl
         ctl.phase(f"transfer:{transport}:{offer.prefill}:round{offer.round_no}")
         self.poison(offer.local_ids)
-        remote, local = id_arrays(offer.remote_ids, offer.local_ids)
+        remote, local = offer.id_arrays
         t0 = time.perf_counter()
         try:
             result = self.transport(transport).fetch(offer.prefill, remote, local,
@@ -293,8 +307,7 @@ class DecodeWorker(WorkerSteps):
                 ctl.current_phase, f"transfer of {len(offer.local_ids)} blocks", t0, exc)
             return
         self.count_notice(transport, offer.prefill, offer.incarnation)
-        remote_layout = PeerLayout.from_json(offer.info["layout"])  # checked in fetch_from
-        mismatches = self.verify(offer.prefill, remote_layout, offer.remote_ids,
+        mismatches = self.verify(offer.prefill, offer.layout, offer.remote_ids,
                                  offer.local_ids, offer.info["digests"][self.name])
         src = self.reference_source(offer.rank, offer.info)
         if result.bytes not in reference:
