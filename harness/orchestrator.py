@@ -463,6 +463,8 @@ class Coordinator(Restarts):
         for w in self.workers:
             w.last_seen += gap
             w.last_progress += gap
+            if w.exited_at is not None:
+                w.exited_at += gap
         for wt in self.waiters:
             wt.deadline += gap
         for q in self.peer_queries:
@@ -515,9 +517,8 @@ class Coordinator(Restarts):
                        f"{self.cfg.timeout:g} s); killed it", state="dead", kill=True,
                     cause="no_progress")
             elif w.proc.poll() is not None:
-                # a worker that exits right after its last message ("done") is judged by its
-                # reader's EOF, queued behind those messages; only a process whose connection
-                # stays open past the drain time (a child holding it) is judged here
+                # judged by its reader's EOF (queued behind its last messages, "done"); here
+                # only if its connection outlives EXIT_DRAIN_S (a child holding it)
                 if w.exited_at is None:
                     w.exited_at = now
                 elif now - w.exited_at > EXIT_DRAIN_S:
