@@ -43,8 +43,8 @@ from .errors import KvconnectError
 
 __all__ = [
     "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "IpcError", "PeerCredentials", "PeerError", "PeerRefusedError", "check_peer",
-    "check_peer_uid", "connect_unix", "peer_credentials", "private_socket_dir", "recv_json",
-    "recv_message", "send_error", "send_message",
+    "check_peer_uid", "connect_unix", "listen_unix", "peer_credentials", "private_socket_dir",
+    "recv_json", "recv_message", "send_error", "send_message",
 ]
 
 MAGIC = b"KVC2"
@@ -97,6 +97,23 @@ def private_socket_dir(prefix: str = "kvconnect-") -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def listen_unix(path: str, backlog: int = socket.SOMAXCONN,
+                accept_timeout: float | None = None) -> socket.socket:
+    """A stream socket listening on the Unix socket ``path`` (created here, mode 0600: this
+    uid only), with ``accept_timeout`` seconds set on it (None: blocking). The socket is
+    closed again if any step fails."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(backlog)
+        sock.settimeout(accept_timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def connect_unix(path: str, timeout: float) -> socket.socket:

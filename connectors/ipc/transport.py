@@ -52,6 +52,7 @@ from kvconnect.cache_source import KVCacheSource
 from kvconnect.framing import (
     IpcError,
     connect_unix,
+    listen_unix,
     peer_credentials,
     recv_json,
     recv_message,
@@ -134,15 +135,7 @@ class IpcExportServer:
         self._slots = threading.BoundedSemaphore(self.MAX_CLIENTS)
         self._clients: dict[threading.Thread, socket.socket] = {}
         self._open = True
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.bind(self.path)
-            os.chmod(self.path, 0o600)
-            self._sock.listen(socket.SOMAXCONN)
-            self._sock.settimeout(0.2)
-        except BaseException:
-            self._sock.close()
-            raise
+        self._sock = listen_unix(self.path, socket.SOMAXCONN, accept_timeout=0.2)
         self._thread = threading.Thread(target=self._serve, name="kvc-ipc-export", daemon=True)
         self._thread.start()
 

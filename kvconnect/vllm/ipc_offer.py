@@ -31,7 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvconnect.framing import IpcError, check_peer, connect_unix, recv_json, send_message
+from kvconnect.framing import (
+    IpcError,
+    check_peer,
+    connect_unix,
+    listen_unix,
+    recv_json,
+    send_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -153,15 +160,7 @@ class IpcOfferServer:
         self.allowed_pids: set[int] = set()
         self.answered = 0
         self._open = True
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.bind(self.path)
-            os.chmod(self.path, 0o600)
-            self._sock.listen(16)
-            self._sock.settimeout(0.2)
-        except BaseException:
-            self._sock.close()
-            raise
+        self._sock = listen_unix(self.path, 16, accept_timeout=0.2)
         self._thread = threading.Thread(target=self._serve, name="kvc-ipc-offer", daemon=True)
         self._thread.start()
 
