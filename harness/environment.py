@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvconnect.errors import KvconnectError
+from kvconnect.framing import kernel_boot_id
 
 #: test hook: pretend to run on another host. ``"<boot id>"`` for this process, or
 #: ``"<worker>=<boot id>"`` for one worker of a local run (e.g. ``decode0=other-host``)
@@ -39,11 +40,7 @@ def boot_id(worker: str = "") -> str:
         return fake
     if sep and who == worker:
         return value
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return f"unknown-{socket.gethostname()}"
+    return kernel_boot_id() or f"unknown-{socket.gethostname()}"
 
 
 def hostname() -> str:

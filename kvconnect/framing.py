@@ -43,7 +43,7 @@ from .errors import KvconnectError
 
 __all__ = [
     "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "IpcError", "PeerCredentials", "PeerError", "PeerRefusedError", "check_peer",
-    "check_peer_uid", "connect_unix", "listen_unix", "peer_credentials", "private_socket_dir",
+    "check_peer_uid", "connect_unix", "kernel_boot_id", "listen_unix", "peer_credentials", "private_socket_dir",
     "recv_json", "recv_message", "send_error", "send_message",
 ]
 
@@ -97,6 +97,17 @@ def private_socket_dir(prefix: str = "kvconnect-") -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def kernel_boot_id() -> str:
+    """This kernel's boot id (``/proc/sys/kernel/random/boot_id``; one per host and boot,
+    containers share their host's): processes with equal ids can pass fds and share memfds.
+    ``""`` when it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def listen_unix(path: str, backlog: int = socket.SOMAXCONN,

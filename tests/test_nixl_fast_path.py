@@ -17,7 +17,7 @@ import torch
 from _nixl_peer import block_view, fill_cache
 
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
-from kvconnect.framing import IpcError
+from kvconnect.framing import IpcError, kernel_boot_id
 from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.layout import preset
 from kvconnect.vllm.ipc_offer import (
@@ -25,7 +25,6 @@ from kvconnect.vllm.ipc_offer import (
     FastPathDecision,
     IpcOfferServer,
     _decide,
-    boot_id,
     ensure_offer_dir,
     export_socket_name,
     offer_socket_path,
@@ -137,10 +136,10 @@ def test_another_agent_or_engine_is_refused(
 
 
 def test_a_reply_from_another_boot_is_other_host() -> None:
-    reply = {"version": 1, "agent": AGENT, "engine_id": "e", "boot_id": "not-" + boot_id(),
+    reply = {"version": 1, "agent": AGENT, "engine_id": "e", "boot_id": "not-" + kernel_boot_id(),
              "ok": True, "offer": {"path": "/x", "pid": 7, "generation": 1}}
     assert _decide(reply, AGENT, "e", 7).code == "other_host"
-    reply["boot_id"] = boot_id()
+    reply["boot_id"] = kernel_boot_id()
     assert _decide(reply, AGENT, "e", 7).route == "ipc"
     assert _decide(reply, AGENT, "e", 8).code == "refused"  # offer pid is not the server's
     reply["offer"] = {"path": "/x", "pid": 7, "generation": "1"}

@@ -35,6 +35,7 @@ from kvconnect.framing import (
     IpcError,
     check_peer,
     connect_unix,
+    kernel_boot_id,
     listen_unix,
     recv_json,
     send_message,
@@ -42,7 +43,7 @@ from kvconnect.framing import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OFFER_VERSION", "REASONS", "FastPathDecision", "IpcOfferServer", "boot_id",
+__all__ = ["OFFER_VERSION", "REASONS", "FastPathDecision", "IpcOfferServer",
            "default_offer_dir", "ensure_offer_dir", "export_socket_name", "offer_socket_path",
            "request_offer"]
 
@@ -67,15 +68,6 @@ REASONS = {
 _MAX_SOCKET_PATH = 107
 #: the hashed agent name in socket names (hex characters)
 _NAME_CHARS = 20
-
-
-def boot_id() -> str:
-    """This kernel's boot id (one per host and boot; containers share their host's)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def default_offer_dir() -> str:
@@ -188,7 +180,7 @@ class IpcOfferServer:
 
     def _reply(self, request: dict[str, Any], pid: int) -> dict[str, Any]:
         head = {"version": OFFER_VERSION, "agent": self.agent, "engine_id": self.engine_id,
-                "boot_id": boot_id()}
+                "boot_id": kernel_boot_id()}
         if request.get("op") != "ipc_offer" or request.get("version") != OFFER_VERSION:
             return {**head, "ok": False, "code": "declined",
                     "reason": f"unsupported request {request.get('op')!r} version "
@@ -245,7 +237,7 @@ def request_offer(directory: str, agent: str, engine_id: str, timeout: float,
             creds = check_peer(sock)
             send_message(sock, {"op": "ipc_offer", "version": OFFER_VERSION, "agent": agent,
                                 "engine_id": engine_id, "pid": os.getpid(),
-                                "boot_id": boot_id()})
+                                "boot_id": kernel_boot_id()})
             reply = recv_json(sock, timeout)
         except (OSError, IpcError, ValueError) as exc:
             return FastPathDecision.nixl("refused", f"{path}: {exc}")
@@ -261,9 +253,9 @@ def _decide(reply: dict[str, Any], agent: str, engine_id: str, server_pid: int
         return FastPathDecision.nixl(
             "refused", f"the socket answers for agent {reply.get('agent')!r} of engine "
                        f"{reply.get('engine_id')!r}, not {agent} of {engine_id!r}")
-    if reply.get("boot_id") != boot_id():
+    if reply.get("boot_id") != kernel_boot_id():
         return FastPathDecision.nixl("other_host", f"boot id {reply.get('boot_id')!r} "
-                                                   f"!= ours {boot_id()!r}")
+                                                   f"!= ours {kernel_boot_id()!r}")
     if reply.get("ok") is not True:
         return _declined(reply)
     offer = reply.get("offer")
