@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,14 +76,44 @@ def _peer_chunk(index: int, rec: object, capacity_bytes: int, segment_capacity: 
     return seg * segment_capacity + off, size
 
 
+@dataclass
+class _PeerState:
+    """What a :class:`PeerMapping` must release, owned by its finalizer. Created after the
+    reservation, the finalizer runs *before* the reservation's own at interpreter exit
+    (``weakref.finalize`` runs pending finalizers newest first), so the chunks are unmapped
+    before the VA is freed on every path (issue 27: CUDA refuses the other order)."""
+
+    driver: VmmDriver
+    reservation: Reservation | None
+    chunks: list[_ImportedChunk] = field(default_factory=list)
+    views: weakref.WeakSet[ViewAnchor] = field(default_factory=weakref.WeakSet)
+    closed: bool = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.chunks:
+            self.driver.synchronize()
+        try:
+            while self.chunks:
+                c = self.chunks.pop()
+                self.driver.unmap_and_release(c.va, c.size, c.handle)
+        finally:
+            reservation, self.reservation = self.reservation, None
+            if reservation is not None and not self.views:
+                reservation.release()
+
+
 class PeerMapping:
     """A peer's exported chunks mapped into a local reservation with the peer's layout.
 
     Byte ``x`` of the peer's reservation appears at ``base_ptr + x``, so a peer address
     ``a`` translates to ``base_ptr + (a - peer_base_ptr)``. Owns its reservation and
-    imported handles; :meth:`close` releases them (idempotent). Views from :meth:`view` hold
-    the reservation: after :meth:`close` the addresses stay reserved until the last view is
-    gone, so a stale view faults instead of reaching a later mapping.
+    imported handles; :meth:`close` releases them (idempotent), as does garbage collection
+    and interpreter exit (a finalizer, ordered before the reservation's). Views from
+    :meth:`view` hold the reservation: after :meth:`close` the addresses stay reserved until
+    the last view is gone, so a stale view faults instead of reaching a later mapping.
     """
 
     def __init__(self, driver: VmmDriver, capacity_bytes: int, segment_capacity: int,
@@ -94,11 +124,10 @@ class PeerMapping:
         self.capacity_bytes = checked_int("capacity_bytes", capacity_bytes)
         self.segment_capacity = checked_int("segment_capacity", segment_capacity,
                                             maximum=capacity_bytes)
-        self._reservation: Reservation | None = Reservation(driver, capacity_bytes)
-        self.base_ptr = self._reservation.va
-        self._chunks: list[_ImportedChunk] = []
-        self._views: weakref.WeakSet[ViewAnchor] = weakref.WeakSet()
-        self._closed = False
+        reservation = Reservation(driver, capacity_bytes)
+        self.base_ptr = reservation.va
+        self._state = _PeerState(driver, reservation)
+        self._finalizer = weakref.finalize(self, _PeerState.close, self._state)
 
     @classmethod
     def import_chunks(
@@ -162,54 +191,37 @@ class PeerMapping:
             self.driver.map(va, size, handle)
             undo.push(self.driver.unmap, va, size)
             self.driver.set_access(va, size, self.access_devices)
-        self._chunks.append(_ImportedChunk(va, size, handle))
+        self._state.chunks.append(_ImportedChunk(va, size, handle))
 
     @property
     def live_views(self) -> int:
         """Views from :meth:`view` (and tensors derived from them) still referenced."""
-        return len(self._views)
+        return len(self._state.views)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """uint8 tensor of ``nbytes`` at reservation offset ``offset``; must lie in one chunk."""
-        if self._closed:
+        state = self._state
+        if state.closed:
             raise RuntimeError("PeerMapping used after close()")
         checked_int("view offset in bytes", offset, minimum=0, maximum=self.capacity_bytes)
         checked_int("view size in bytes", nbytes, maximum=self.capacity_bytes)
         addr = self.base_ptr + offset
-        for c in self._chunks:
+        for c in state.chunks:
             if c.va <= addr and addr + nbytes <= c.va + c.size:
-                return pointer_view(addr, nbytes, self.driver, (self, self._reservation),
-                                    self._views)
+                return pointer_view(addr, nbytes, self.driver, (self, state.reservation),
+                                    state.views)
         raise ValueError(f"range [{offset}, {offset + nbytes}) is not inside one imported chunk")
 
     def close(self) -> None:
         """Unmap and release the imported chunks and free the reservation (idempotent); the
         reservation outlives this call while views are referenced (they then fault)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._chunks:
-            self.driver.synchronize()
-        try:
-            while self._chunks:
-                c = self._chunks.pop()
-                self.driver.unmap_and_release(c.va, c.size, c.handle)
-        finally:
-            reservation, self._reservation = self._reservation, None
-            if reservation is not None and not self._views:
-                reservation.release()
+        self._finalizer()
 
     def __enter__(self) -> PeerMapping:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 # -- the export message ----------------------------------------------------------------------

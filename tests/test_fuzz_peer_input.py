@@ -59,8 +59,8 @@ def exported():
 
 def _check_mapping(m: PeerMapping, chunks: list[dict]) -> None:
     """An accepted import maps exactly the records, inside its reservation."""
-    assert len(m._chunks) == len(chunks)
-    for c in m._chunks:
+    assert len(m._state.chunks) == len(chunks)
+    for c in m._state.chunks:
         assert m.base_ptr <= c.va and c.va + c.size <= m.base_ptr + m.capacity_bytes
 
 

@@ -9,6 +9,9 @@
 - export:   ``dup`` of the memfd (send it with SCM_RIGHTS)
 
 Touching reserved-but-uncommitted memory raises SIGSEGV, exactly like unmapped VA on a GPU.
+Like ``cuMemAddressFree``, freeing a reservation that still has chunks mapped in it is refused
+(:class:`~kvconnect.vmm.base.VmmError`): ``munmap`` alone would drop them silently and hide an
+unmap order the GPU refuses.
 
 Sealing: an importer maps the exporter's memfd; if the other side could truncate it, the next
 read of the mapping would die with SIGBUS. Every chunk is therefore sealed with
@@ -25,6 +28,7 @@ import fcntl
 import mmap
 import os
 import sys
+import threading
 from collections.abc import Sequence
 
 from ..checks import MAX_BYTES, checked_int, round_up
@@ -86,6 +90,9 @@ class HostVmmDriver(VmmDriver):
         if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
             raise OSError("the host VMM backend needs Linux with memfd_create")
         super().__init__(device_index)
+        #: chunks mapped through this driver and not unmapped yet: va -> bytes
+        self._mapped: dict[int, int] = {}
+        self._mapped_lock = threading.Lock()
 
     def granularity(self, options: AllocationOptions = DEFAULT_OPTIONS) -> int:
         return HOST_GRANULARITY
@@ -117,7 +124,16 @@ class HostVmmDriver(VmmDriver):
         return base
 
     def free_reserved(self, va: int, size: int) -> None:
+        """Free a reservation; refused (VmmError, nothing freed) while chunks are mapped in
+        it, as ``cuMemAddressFree`` refuses."""
         _check_range(va, size)
+        with self._mapped_lock:
+            inside = [(a, n) for a, n in self._mapped.items() if a < va + size and va < a + n]
+        if inside:
+            raise VmmError("munmap (free_reserved)", "mappings remain",
+                           f"{len(inside)} chunk(s) still mapped in [{va:#x}, {va + size:#x}), "
+                           f"the first at {inside[0][0]:#x}: unmap every chunk before freeing "
+                           "its reservation (cuMemAddressFree refuses as well)")
         if _libc.munmap(va, size) != 0:
             raise _errno_error("munmap")
 
@@ -147,6 +163,8 @@ class HostVmmDriver(VmmDriver):
         got = _libc.mmap(va, size, _PROT_NONE, mmap.MAP_SHARED | _MAP_FIXED, handle.handle, offset)
         if got != va:
             raise _errno_error("mmap(MAP_FIXED|MAP_SHARED)")
+        with self._mapped_lock:
+            self._mapped[va] = size
 
     def set_access(self, va: int, size: int, devices: Sequence[int] | None = None) -> None:
         _check_range(va, size)
@@ -158,6 +176,9 @@ class HostVmmDriver(VmmDriver):
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
         if _libc.mmap(va, size, _PROT_NONE, flags, -1, 0) != va:
             raise _errno_error("mmap(PROT_NONE) over unmapped range")
+        with self._mapped_lock:
+            for a in [a for a, n in self._mapped.items() if va <= a and a + n <= va + size]:
+                del self._mapped[a]
 
     def release(self, handle: PhysicalHandle) -> None:
         if handle.released:

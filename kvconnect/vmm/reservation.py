@@ -13,16 +13,28 @@ import logging
 import weakref
 
 from ..checks import checked_int
-from .base import VmmDriver
+from .base import VmmDriver, VmmError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Reservation"]
 
+#: driver statuses saying the context (or the driver) is gone, as at the very end of a
+#: process: the VA went with it, there is nothing left to free or to report
+CONTEXT_GONE = frozenset({"CUDA_ERROR_DEINITIALIZED", "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+                          "hipErrorDeinitialized", "hipErrorContextIsDestroyed"})
+
 
 def _free_at_collection(driver: VmmDriver, va: int, size: int) -> None:
     try:
         driver.free_reserved(va, size)
+    except VmmError as exc:
+        if exc.code in CONTEXT_GONE:
+            logger.debug("reservation of %d bytes at %#x on %s: the driver context is gone "
+                         "(%s); the process returns the VA", size, va, driver, exc.code)
+            return
+        logger.exception("could not free the reservation of %d bytes at %#x on %s", size, va,
+                         driver)
     except Exception:  # a finalizer must not raise; say what leaked
         logger.exception("could not free the reservation of %d bytes at %#x on %s", size, va,
                          driver)
