@@ -308,8 +308,11 @@ class _Peer:
 @dataclass
 class PendingFetch:
     """A copy started by :meth:`IpcTransport.start`; :meth:`wait` returns its
-    :class:`FetchResult`. ``seconds`` there runs from the start of :meth:`IpcTransport.start`
-    to the moment :meth:`wait` (or :meth:`done`) saw the copy complete."""
+    :class:`FetchResult`. ``seconds`` there is the transfer's own time: from the start of
+    :meth:`IpcTransport.start` until the copy's stream reached it (host work: ids, checks),
+    plus the device time from there to the copy's end (CUDA events), so neither work queued
+    before the copy nor a caller that looks late (an engine polling once per step) counts;
+    on the host, where the copy is synchronous, the wall time of the copy."""
 
     peer: str
     entry: _Peer
@@ -319,6 +322,8 @@ class PendingFetch:
     events: list[torch.cuda.Event]
     timeout: float
     finished: float | None = None
+    #: (host time when ``timing[0]`` was recorded, start event, end event) on CUDA
+    timing: tuple[float, torch.cuda.Event, torch.cuda.Event] | None = None
 
     def done(self) -> bool:
         """True once the copy has completed (never blocks)."""
@@ -338,8 +343,16 @@ class PendingFetch:
             self.finished = time.perf_counter()
         entry = self.entry
         setup, entry.unreported_setup = entry.unreported_setup, 0.0
-        return FetchResult(self.nbytes, self.finished - self.started, entry.backend, setup,
+        return FetchResult(self.nbytes, self.seconds(), entry.backend, setup,
                            len(self.local_ids), entry.note)
+
+    def seconds(self) -> float:
+        """The transfer's time (see the class docstring); call once it is done."""
+        assert self.finished is not None
+        if self.timing is None:
+            return self.finished - self.started
+        recorded, start, end = self.timing
+        return (recorded - self.started) + start.elapsed_time(end) / 1e3
 
 
 class IpcTransport:
@@ -494,19 +507,28 @@ class IpcTransport:
             entry.plan.check_ids(src, dst)
         cross, local = entry.cross, entry.local_device
         events: list[torch.cuda.Event] = []
+        timing = None
         try:
             if cross:
                 current_stream(entry.launch.index).wait_stream(current_stream(local.index))
-            nbytes = entry.plan.copy(src, dst, validate=False)
-            if entry.launch.type == "cuda":
-                ev = torch.cuda.Event()
-                ev.record(current_stream(entry.launch.index))
+            if entry.launch.type != "cuda":
+                nbytes = entry.plan.copy(src, dst, validate=False)
+            else:
+                stream = current_stream(entry.launch.index)
+                first = torch.cuda.Event(enable_timing=True)
+                first.record(stream)
+                recorded = time.perf_counter()
+                nbytes = entry.plan.copy(src, dst, validate=False)
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(stream)
                 events.append(ev)
+                timing = (recorded, first, ev)
                 if cross:
                     current_stream(local.index).wait_event(ev)
         except Exception as exc:
             raise KVTransferError(peer, dst.tolist(), exc) from exc
-        pending = PendingFetch(peer, entry, dst, nbytes, started, events, self.timeout)
+        pending = PendingFetch(peer, entry, dst, nbytes, started, events, self.timeout,
+                               timing=timing)
         entry.inflight = [p for p in entry.inflight if not p.done()]
         if events:
             entry.inflight.append(pending)
