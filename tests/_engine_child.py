@@ -18,9 +18,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kvconnect.vllm.runtime import prepare_cpu_runtime
+from kvconnect.vllm.runtime import prepare_runtime
 
-prepare_cpu_runtime()
+prepare_runtime(os.environ.get("VLLM_TARGET_DEVICE", "cpu"))
 
 
 # -- files and memory ----------------------------------------------------------------------
@@ -66,17 +66,15 @@ def kvconnect_chunk_mappings(pid: int) -> int:
 
 
 # -- engine helpers --------------------------------------------------------------------------
-#: on a GPU, engines share the device: a 1 GiB KV cache each, as VLLM_CPU_KVCACHE_SPACE=1 on CPU
-CUDA_ENGINE = {"kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.15}
-
-
 def make_llm(spec: dict[str, Any]) -> Any:
+    """An engine for ``spec["model"]`` (tiny_model.engine_kwargs, on the device the parent
+    chose: its CUDA settings there) with ``spec["engine"]`` on top."""
     from vllm import LLM
 
     from kvconnect.vllm.tiny_model import engine_kwargs
 
-    device = CUDA_ENGINE if os.environ.get("VLLM_TARGET_DEVICE") == "cuda" else {}
-    return LLM(**engine_kwargs(spec["model"], **device, **spec.get("engine", {})))
+    device = os.environ.get("VLLM_TARGET_DEVICE", "cpu")
+    return LLM(**engine_kwargs(spec["model"], device=device, **spec.get("engine", {})))
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int,
@@ -187,6 +185,52 @@ def scenario_generate(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def gpu_memory() -> dict[str, int | None]:
+    """This process's device memory: ``used_bytes`` as NVML accounts it to this pid (None
+    where NVML cannot say), and the device's ``free_bytes`` (cudaMemGetInfo: every process
+    on the device counts there)."""
+    import torch
+
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    used = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                    used = int(proc.usedGpuMemory)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML here, or no per-process accounting (a VM may hide it)
+        used = None
+    return {"used_bytes": used, "free_bytes": int(free)}
+
+
+def scenario_sleep_vllm(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's own ``LLM.sleep(level=1)`` / ``wake_up()`` (0.33, CUDA) with the plugin's wrap:
+    the prompt before, the memory and facts awake / asleep / woken, the prompt after. The
+    engine is in-process, so this process is the worker whose memory NVML reports."""
+    llm = make_llm({**spec, "engine": {"enable_sleep_mode": True}})
+    prompt, n = spec["prompts"][0], spec["max_tokens"]
+    before = generate(llm, [prompt], n)[0]
+    again = generate(llm, [prompt], n)[0]  # the prefix cache serves it: it is not reset yet
+    out: dict[str, Any] = {"before": before, "cached_before_sleep": again,
+                           "facts_before": llm.collective_rpc("kvconnect_kv_cache_facts"),
+                           "memory_before": gpu_memory()}
+    llm.sleep(level=1)
+    out.update(memory_asleep=gpu_memory(),
+               facts_asleep=llm.collective_rpc("kvconnect_kv_cache_facts"))
+    llm.wake_up()
+    out.update(memory_woken=gpu_memory(),
+               facts_woken=llm.collective_rpc("kvconnect_kv_cache_facts"),
+               after=generate(llm, [prompt], n)[0])
+    return out
+
+
 def scenario_bad_input(spec: dict[str, Any]) -> dict[str, Any]:
     """An engine that must refuse to start: the error's type and message, and what is left."""
     import vllm
@@ -211,7 +255,8 @@ def scenario_bad_input(spec: dict[str, Any]) -> dict[str, Any]:
             "kvconnect_chunk_mappings": kvconnect_chunk_mappings(os.getpid())}
 
 
-SCENARIOS = {"generate": scenario_generate, "bad_input": scenario_bad_input}
+SCENARIOS = {"generate": scenario_generate, "bad_input": scenario_bad_input,
+             "sleep_vllm": scenario_sleep_vllm}
 
 
 def main() -> int:

@@ -80,6 +80,7 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # a connector refusing the cache at registration
         if not spec.get("may_fail_to_start"):
             raise
+        write_json(spec["params_out"], {"start_error": error_chain(exc)})
         return {"start_error": error_chain(exc)}
     out = generate(llm, [spec["prompt"]], 1, [{"do_remote_decode": True}])[0]
     write_json(spec["params_out"], {"kv_transfer_params": out["kv_transfer_params"]})
@@ -92,12 +93,22 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
 
 def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + spec["timeout"]
-    llm = make_llm(_with_connector(spec, "kv_consumer"))
+    try:
+        llm = make_llm(_with_connector(spec, "kv_consumer"))
+    except Exception as exc:  # a connector refusing the cache at registration
+        write_json(spec["done_file"], {"done": True, "ok": False})
+        if not spec.get("may_fail_to_start"):
+            raise
+        return {"start_error": error_chain(exc)}
     remote: dict[str, Any] = {}
     ok = False
     try:
         for name, params_file in spec["prefills"].items():
-            params = wait_json(params_file, deadline)["kv_transfer_params"]
+            got = wait_json(params_file, deadline)
+            if "start_error" in got:  # that prefill refused to start: nothing to read
+                remote[name] = {"prefill_start_error": got["start_error"]}
+                continue
+            params = got["kv_transfer_params"]
             llm.reset_prefix_cache()  # every remote read moves the whole prompt
             remote[name] = generate(llm, [spec["prompt"]], spec["max_tokens"], [params])[0]
         llm.reset_prefix_cache()

