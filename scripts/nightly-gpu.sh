@@ -154,7 +154,8 @@ vllm_engine() {  # the real-engine tests on cuda:0, one test module per xdist wo
   vllm_ready || return 0
   KVCONNECT_ENGINE_DEVICE=cuda $PY -m pytest -m engine -q -rs -p no:cacheprovider \
     -n 3 --dist loadfile tests/test_engine_plugin.py tests/test_engine_connectors.py \
-    tests/test_engine_conformance.py --junitxml="$ART/vllm-engine.xml"
+    tests/test_engine_conformance.py --junitxml="$ART/vllm-engine.xml" \
+    --basetemp="$ART/vllm-engine-tmp"  # each engine's log stays with the artifacts
 }
 vllm_pd() {  # 1P1D engines: TTFT and KV transfer time, ipc / NIXL / stock
   vllm_ready || return 0
