@@ -55,8 +55,12 @@ export PYTHONPATH=$DEST/site:$DEST/src\${PYTHONPATH:+:\$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # no model hub here: models are local folders (kvconnect.vllm.tiny_model)
 export HF_HUB_OFFLINE=1
-# the engines run on CUDA; the carried vLLM's attention is Triton (no flash attention)
-export KVCONNECT_ENGINE_DEVICE=cuda VLLM_TARGET_DEVICE=cuda KVCONNECT_ENGINE_ATTENTION=TRITON_ATTN
+# the engines run on CUDA. Without the flash-attention package vLLM still picks FLASH_ATTN
+# and asserts in its first forward ("FlashAttention version not detected"): ask for Triton's.
+# Torch-native norms / rotary / activations: the recipe that first ran (gpu-facts.md);
+# scripts/gpu_vllm_settings_probe.py says whether each setting is needed
+export KVCONNECT_ENGINE_DEVICE=cuda VLLM_TARGET_DEVICE=cuda
+export KVCONNECT_ENGINE_KWARGS='{"attention_backend": "TRITON_ATTN", "compilation_config": {"custom_ops": ["none"]}}'
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 EOF
 
