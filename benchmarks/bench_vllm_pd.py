@@ -287,7 +287,8 @@ def _request(engines: dict[str, Engine], prefill: str, decode: str, prompt: list
         return {"error": f"prefill: {p['error']}"}
     d = engines[decode].call({"op": "decode", "prompt": prompt, "max_tokens": max_tokens,
                               "params": p["kv_transfer_params"]}, deadline)
-    d["prefill_wall_s"] = p["wall_s"]
+    if "error" not in d:
+        d["prefill_wall_s"] = p["wall_s"]
     return d
 
 
@@ -318,8 +319,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                 handles_per_segment=f["handles_per_segment"],
                                                 kv_connector=f["kv_connector"])
                 print(f"engine {name}: {out['engines'][name]}", flush=True)
+            dead: dict[str, str] = {}
             for n in args.prompt_tokens:
-                out["sizes"][str(n)] = _one_size(args, engines, n, deadline, out["failures"])
+                out["sizes"][str(n)] = _one_size(args, engines, n, deadline, out["failures"],
+                                                 dead)
                 if args.json:  # what is done so far survives a later stop
                     _write(Path(args.json), out)
         finally:
@@ -340,26 +343,40 @@ def _keep_logs(engines: dict[str, Engine], dest: Path) -> None:
 
 
 def _one_size(args: argparse.Namespace, engines: dict[str, Engine], n: int, deadline: float,
-              failures: list[str]) -> dict[str, Any]:
+              failures: list[str], dead: dict[str, str]) -> dict[str, Any]:
+    """Every route at one prompt length. A route whose request failed (an engine died, or
+    did not answer within ``--request-timeout``) is not asked again (``dead``: route ->
+    why), so one broken route cannot use up the others' time."""
     prompt = random.Random(n).choices(range(3, 1000), k=n)
     size: dict[str, Any] = {"routes": {}}
     refs: dict[str, list[int]] = {}
+
+    def until() -> float:
+        return min(deadline, time.monotonic() + args.request_timeout)
+
     for route in args.routes:
         prefill, decode = _route_engines(route)
+        if route in dead:
+            size["routes"][route] = {"error": f"not run: {dead[route]}"}
+            continue
         if not (engines[prefill].ready or {}).get("ok") or not (
                 engines[decode].ready or {}).get("ok"):
             size["routes"][route] = {"error": "an engine did not start: " + str(
                 (engines[prefill].ready or {}).get("error") or
                 (engines[decode].ready or {}).get("error"))}
             continue
-        runs = [_request(engines, prefill, decode, prompt, args.max_tokens, deadline)
-                for _ in range(args.repeats)]
-        if decode not in refs:
+        runs = []
+        for _ in range(args.repeats):
+            runs.append(_request(engines, prefill, decode, prompt, args.max_tokens, until()))
+            if "error" in runs[-1]:
+                dead[route] = f"an earlier request failed ({runs[-1]['error'][:160]})"
+                break
+        if decode not in refs and route not in dead:
             local = engines[decode].call({"op": "decode", "prompt": prompt,
-                                          "max_tokens": args.max_tokens}, deadline)
+                                          "max_tokens": args.max_tokens}, until())
             refs[decode] = local.get("tokens", [])
             size.setdefault("local", {})[decode] = local
-        equal = [r.get("tokens") == refs[decode] and r.get("finish_reason") == "length"
+        equal = [r.get("tokens") == refs.get(decode) and r.get("finish_reason") == "length"
                  for r in runs]
         size["routes"][route] = {"runs": runs, "tokens_equal_local": equal}
         print(f"{n} tokens, {route}: equal {equal}, " + ", ".join(
@@ -370,7 +387,7 @@ def _one_size(args: argparse.Namespace, engines: dict[str, Engine], n: int, dead
             failures.append(f"{n} tokens, {route}: decode tokens differ from the local answer")
     if "ipc" in args.routes and (engines["prefill-control"].ready or {}).get("ok"):
         ctl = _request(engines, "prefill-control", "decode-kvconnect", prompt, args.max_tokens,
-                       deadline)
+                       until())
         differs = ctl.get("tokens") != refs.get("decode-kvconnect")
         size["control"] = {"run": ctl, "differs": differs}
         if not differs:
@@ -379,7 +396,7 @@ def _one_size(args: argparse.Namespace, engines: dict[str, Engine], n: int, dead
     nbytes = _kv_bytes(size)
     if nbytes and "decode-kvconnect" in engines and args.device.startswith("cuda"):
         size["copy_reference"] = engines["decode-kvconnect"].call(
-            {"op": "copy_reference", "bytes": nbytes}, deadline)
+            {"op": "copy_reference", "bytes": nbytes}, until())
     return size
 
 
@@ -442,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity-bytes", type=int, default=64 << 30,
                     help="KVCONNECT_KV_CAPACITY_BYTES of the kvconnect engines")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds for everything")
+    ap.add_argument("--request-timeout", type=float, default=90.0,
+                    help="seconds one engine call may take (a route that fails is not asked "
+                         "again)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     ap.add_argument("--logs", help="copy every engine's log into this folder")

