@@ -121,14 +121,22 @@ def _median(xs: list[float]) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
+def _steady(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A route's requests after its first, where there are several: the first pays one-time
+    set-up (the fast path maps the prefill's cache: a 1k prompt's TTFT 1.37 s, then 0.13 s on
+    the H200; NIXL handshakes)."""
+    done = [x for x in runs if "ttft" in x]
+    return done[1:] if len(done) > 1 else done
+
+
 def _pd_cases(report: dict[str, Any], path: str, case: Any) -> None:
     """bench_vllm_pd: per prompt length, NIXL's TTFT over ipc's (floor) and a plain copy's
-    time over ipc's KV transfer time (the goal); wrong tokens fail either."""
+    time over ipc's KV transfer time (the goal), each over the steady requests; wrong tokens
+    fail either."""
     for n, size in report.get("sizes", {}).items():
         routes = size.get("routes", {})
         ipc, nixl = routes.get("ipc", {}), routes.get("nixl", {})
-        runs = {r: [x for x in routes.get(r, {}).get("runs", []) if "ttft" in x]
-                for r in ("ipc", "nixl")}
+        runs = {r: _steady(routes.get(r, {}).get("runs", [])) for r in ("ipc", "nixl")}
         ok = all(ipc.get("tokens_equal_local") or [False]) and all(
             nixl.get("tokens_equal_local") or [True])
         nbytes = int(max((x["xfer_bytes"]["sum"] for x in runs["ipc"]), default=0))
