@@ -117,3 +117,40 @@ def test_sleep_after_a_shrink_wakes_at_the_shrunk_size() -> None:
         cache.recommit()
         assert cache.num_blocks == 128 and cache.committed_bytes == committed
         assert cache.num_physical_chunks == 4  # one allocation per segment again
+
+
+def test_a_peer_maps_a_grown_segment_as_one_contiguous_run() -> None:
+    """After a grow a segment holds two physical allocations; a peer mapping them (kvconnect's
+    ipc path) views blocks across the boundary, and nothing past the committed run."""
+    import os
+
+    from kvconnect.ipc import PeerMapping
+    from kvconnect.vmm import AllocationOptions
+    from kvconnect.vmm.host import HostVmmDriver
+
+    drv = HostVmmDriver()
+    cfg = preset("llama3-8b-like", num_blocks=16, num_layers=1)
+    with ExtensibleKVCache(cfg, drv, capacity_blocks=1024,
+                           options=AllocationOptions(shareable=True)) as cache:
+        cache.allocate()
+        cache.extend_kv_cache(64)
+        cache.resize(192)  # 2 MiB + 4 MiB per segment
+        (t,) = cache.tensors
+        t.committed_view(0, 6 * MIB).view(torch.uint8).copy_(
+            (torch.arange(6 * MIB) % 251).to(torch.uint8))
+        chunks = t.export_handles()
+        fds = [c.fd for c in chunks]
+        try:
+            recs = [{"segment": c.segment, "offset": c.offset, "size": c.size} for c in chunks]
+            assert len(recs) == 4  # two segments (K, V) of two allocations each
+            with PeerMapping.import_chunks(drv, t.capacity_bytes, t.segment_capacity, recs,
+                                           fds) as m:
+                across = m.view(2 * MIB - 4096, 8192)  # the boundary of the two allocations
+                want = (torch.arange(2 * MIB - 4096, 2 * MIB + 4096) % 251).to(torch.uint8)
+                assert torch.equal(across, want)
+                with pytest.raises(ValueError, match="not inside one imported chunk"):
+                    m.view(6 * MIB - 4096, 8192)  # past the committed run
+                del across
+        finally:
+            for fd in fds:
+                os.close(fd)

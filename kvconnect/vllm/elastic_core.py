@@ -146,21 +146,27 @@ class CoreElastic:
         return self._changed(base, t0)
 
     def _workers(self, num_blocks: int, rollback_to: int | None) -> dict[str, Any] | None:
-        """Resize every worker; on a failure, put the ones done back (``rollback_to``) and
-        return the refusal."""
+        """Check, then resize, every worker; the first refusal (nothing changed), or, when a
+        worker fails part-way, the others put back (``rollback_to``) and the failure."""
+        rpc = self.core.model_executor.collective_rpc
         try:
-            self.core.model_executor.collective_rpc("kvconnect_resize_kv_cache",
-                                                    args=(num_blocks,))
+            for answers in (rpc("kvconnect_resize_kv_cache", args=(num_blocks, True)),
+                            rpc("kvconnect_resize_kv_cache", args=(num_blocks, False))):
+                refused = next((a for a in answers if not a.get("ok")), None)
+                if refused is not None:
+                    break
         except Exception as exc:
-            if rollback_to is not None:
-                try:  # workers that did resize go back; those that refused are unchanged
-                    self.core.model_executor.collective_rpc("kvconnect_resize_kv_cache",
-                                                            args=(rollback_to,))
-                except Exception:
-                    logger.exception("kvconnect: rolling the workers back to %d blocks "
-                                     "failed", rollback_to)
-            return _error(getattr(exc, "code", "failed"), str(exc))
-        return None
+            refused = {"code": getattr(exc, "code", "failed"), "message": str(exc)}
+            answers = []
+        if refused is None:
+            return None
+        if rollback_to is not None and any(a.get("ok") and a.get("facts") for a in answers):
+            try:  # workers that did resize go back; those that refused are unchanged
+                rpc("kvconnect_resize_kv_cache", args=(rollback_to, False))
+            except Exception:
+                logger.exception("kvconnect: rolling the workers back to %d blocks failed",
+                                 rollback_to)
+        return _error(str(refused.get("code") or "failed"), str(refused.get("message")))
 
     def _changed(self, base: dict[str, Any], t0: float) -> dict[str, Any]:
         """After the workers and the pool changed: peers learn it, the result."""
@@ -332,8 +338,13 @@ class CoreElastic:
         self._timer.start()
 
     def facts(self) -> dict[str, Any]:
-        pool = self._pool
-        return {"version": self.version, "num_blocks": pool.num_blocks if pool else None,
+        """JSON-able: KV version, the pool's size and use (``max_block_in_use``: the highest
+        block id a request holds now, -1 for none), the pending shrink, the policy."""
+        pool = self.pool
+        used = [b.block_id for b in pool.pool.blocks[1:] if b.ref_cnt > 0]
+        return {"version": self.version, "num_blocks": pool.num_blocks,
+                "free_blocks": pool.num_free(), "used_blocks": len(used),
+                "max_block_in_use": max(used, default=-1),
                 "pending": dict(self.pending) if self.pending else None,
                 "policy": self.policy.to_json(), "policy_blocks": dict(self.policy_blocks),
                 "policy_grows": self.policy_grows, "policy_shrinks": self.policy_shrinks}

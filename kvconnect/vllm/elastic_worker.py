@@ -5,7 +5,7 @@ The engine core asks every worker to resize through ``collective_rpc(
 ``Worker``) *before* it adds blocks to the scheduler's pool (grow) and *after* the pool gave
 up the tail (shrink). :func:`resize_worker_kv_cache`:
 
-- checks first, changing nothing on refusal (:class:`ElasticResizeError` with a ``code``):
+- checks first, changing nothing on refusal (a ``code``, as :class:`ElasticResizeError`):
   the cache is the plugin's and awake (``released``), ``num_blocks`` lies in
   ``[1, capacity_blocks]`` (``beyond_capacity``), the device can commit the growth
   (``beyond_device``: free device memory, ``MemAvailable`` on the host backend), and a
@@ -131,9 +131,22 @@ def check_resize(worker: Any, num_blocks: int) -> tuple[EngineKVCache, Any]:
     return record, connector
 
 
-def resize_worker_kv_cache(worker: Any, num_blocks: int) -> dict[str, Any]:
-    """Resize this worker's KV cache to ``num_blocks`` blocks (see the module docstring);
-    returns the worker's facts. Raises :class:`ElasticResizeError`."""
+def resize_worker_kv_cache(worker: Any, num_blocks: int, check_only: bool = False
+                           ) -> dict[str, Any]:
+    """Resize this worker's KV cache to ``num_blocks`` blocks (see the module docstring), or
+    only check that it could (``check_only``). Returns JSON: ``{"ok": True, "facts": ...}``
+    or a refusal ``{"ok": False, "code", "message"}`` (an RPC result keeps its reason across
+    processes, where an exception would not keep its class)."""
+    try:
+        if check_only:
+            check_resize(worker, num_blocks)
+            return {"ok": True, "facts": None}
+        return {"ok": True, "facts": _resize(worker, num_blocks)}
+    except ElasticResizeError as exc:
+        return {"ok": False, "code": exc.code, "message": str(exc)}
+
+
+def _resize(worker: Any, num_blocks: int) -> dict[str, Any]:
     record, connector = check_resize(worker, num_blocks)
     cache = record.cache
     old = cache.num_blocks

@@ -140,7 +140,12 @@ class NixlResizeState:
         self.peer_versions: dict[str, int] = {}
         #: requests waiting for their engine's reads to drain before it is refreshed
         self.deferred: dict[str, Any] = {}
+        #: engine id -> how often its metadata was dropped to load it again
         self.refreshed: dict[str, int] = {}
+        #: engine id -> the KV version of its last refresh (one refresh per version)
+        self.refreshed_at: dict[str, int | None] = {}
+        #: engine id -> reads refused: blocks past the size it advertised
+        self.refused_reads: dict[str, int] = {}
 
     @property
     def worker(self) -> Any:
@@ -285,9 +290,46 @@ class NixlResizeState:
                 "region_bytes": sorted(size for _, size in self.registered),
                 "resizes": list(self.history), "retired_dlists": len(self.retired),
                 "peer_versions": dict(self.peer_versions), "refreshed": dict(self.refreshed),
-                "deferred": len(self.deferred)}
+                "refused_reads": dict(self.refused_reads), "deferred": len(self.deferred)}
 
     # -- the decode side ----------------------------------------------------------------
+    def attach(self) -> None:
+        """Guard upstream's ``_read_blocks_for_req`` (decode side): a read naming blocks past
+        what the prefill advertised fails the request instead of reading other memory."""
+        w = self.worker
+        original = getattr(w, "_read_blocks_for_req", None)
+        if original is None:
+            return
+
+        def read_blocks_for_req(req_id: str, meta: Any) -> Any:
+            if self._beyond_known_size(meta):
+                return self._fail(req_id, meta)
+            return original(req_id, meta)
+
+        w._read_blocks_for_req = read_blocks_for_req
+
+    def _beyond_known_size(self, meta: Any) -> bool:
+        """Whether ``meta`` reads blocks past its (handshaken) prefill's advertised size."""
+        w = self.worker
+        remote = getattr(meta, "remote", None)
+        if remote is None or remote.engine_id not in w._remote_agents:
+            return False
+        size = w.dst_num_blocks.get(remote.engine_id)
+        if size is None:
+            return False
+        top = max((max(g) for g in remote.block_ids if len(g)), default=-1)
+        return (top + 1) * int(w._physical_blocks_per_logical_kv_block) > size
+
+    def _fail(self, req_id: str, meta: Any) -> None:
+        w = self.worker
+        engine = meta.remote.engine_id
+        self.refused_reads[engine] = self.refused_reads.get(engine, 0) + 1
+        logger.error("kvconnect: prefill engine %s named KV blocks past the %s blocks it "
+                     "registered (request %s): the read is refused (did its connector follow "
+                     "a resize?)", engine, w.dst_num_blocks.get(engine), req_id)
+        w._recving_metadata[req_id] = meta
+        w._failed_recv_reqs.put(req_id)
+
     def refresh_peers(self, metadata: Any) -> None:
         """Before upstream's ``start_load_kv(metadata)``: drop the metadata of every engine
         whose KV version moved (or that now names blocks past its known size), so upstream
@@ -308,15 +350,11 @@ class NixlResizeState:
             engine = remote.engine_id
             version = getattr(meta, "kvconnect_peer_version", None)
             known = self.peer_versions.get(engine)
-            stale = version is not None and known is not None and version > known
-            size = w.dst_num_blocks.get(engine)
-            if size is not None and engine in w._remote_agents:
-                ratio = int(w._physical_blocks_per_logical_kv_block)
-                top = max((max(g) for g in remote.block_ids if len(g)), default=-1)
-                stale = stale or (top + 1) * ratio > size
-            if not stale:
-                if version is not None and known is None:
-                    self.peer_versions[engine] = version
+            if version is not None and known is None:
+                self.peer_versions[engine] = known = version
+            moved = version is not None and version > known  # type: ignore[operator]
+            if not (moved or self._beyond_known_size(meta)) \
+                    or self.refreshed_at.get(engine, -1) == version and not moved:
                 continue
             if engine in w._remote_agents:
                 if busy is None:
@@ -326,6 +364,7 @@ class NixlResizeState:
                     continue
                 w._cleanup_remote_engine(engine, log_eviction=False)
                 self.refreshed[engine] = self.refreshed.get(engine, 0) + 1
+                self.refreshed_at[engine] = version
                 logger.info("kvconnect: prefill engine %s changed its KV cache (version %s, "
                             "known %s): loading its metadata again", engine, version, known)
             if version is not None:

@@ -62,6 +62,7 @@ class KvconnectNixlConnector(CommittedOnly, NixlConnector):
                     nixl_head_planes(worker, bounded):
                 super().register_kv_caches(bounded.kv_caches)
             flatten_registered(worker)
+            state.attach()
             self.kvconnect_resize = state
         if self.kvconnect_fast_path is None:
             self.kvconnect_fast_path = self._fast_path(kv_caches)
