@@ -1,10 +1,11 @@
 """1P1D scenarios with elastic KV caches (started through tests/_engine_elastic_child.py).
 
-Phases ``a`` then ``b``. A prefill engine (``pd_prefill``) prefills its phase's prompts
-(``do_remote_decode``), writes their ``kv_transfer_params`` and waits for the decode's
-``<tag>-<phase>.done``; before phase ``b`` it grows from ``N`` to ``4N`` blocks (between
+Phases ``a``, ``b``, ``c``. A prefill engine (``pd_prefill``) prefills its phase's
+prompts (``do_remote_decode``), writes their ``kv_transfer_params`` and waits for the
+decode's ``<phase>.done``; before phase ``b`` it grows from ``N`` to ``4N`` blocks (between
 its requests), and phase ``b`` has more prompts than ``N`` blocks hold, so the decode
-reads blocks past the old size. The decode (``pd_decode``) receives phase ``a`` from every
+reads blocks past the old size; before phase ``c`` it shrinks back to ``N`` (stepping
+itself until the decode's reads of phase ``b`` freed the tail). The decode (``pd_decode``) receives phase ``a`` from every
 prefill, then adds all of phase ``b`` at once (more than ``N`` blocks), steps, grows to
 ``4N`` while they are in flight, and steps to the end; then it decodes every prompt
 locally (the single-engine reference). Both report the plugin's facts, the NIXL
@@ -50,7 +51,7 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     n = int(spec["blocks"])
     llm = make_llm(_with_connector(spec, "kv_producer"), num_gpu_blocks_override=n)
     out: dict[str, Any] = {"phases": {}}
-    for phase in ("a", "b"):
+    for phase in ("a", "b", "c"):
         if phase == "b" and spec.get("double"):
             import _engine_elastic_child as child  # the module vLLM loaded the double from
 
@@ -65,7 +66,9 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
         if phase == "b":
             out["resize"] = resize_kv_cache(llm, 4 * n)
             out["facts_after_resize"] = worker_facts(llm)
-            out["connector_after_resize"] = _connector_facts()
+        if phase == "c" and not spec.get("double"):  # the double's unread tail stays held
+            out["shrink"] = _shrink(llm, n, deadline)
+            out["facts_after_shrink"] = worker_facts(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"][phase]],
                             params(1, {"do_remote_decode": True}), use_tqdm=False)
         tp = [o.kv_transfer_params for o in outs]
@@ -78,6 +81,19 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _shrink(llm: Any, num_blocks: int, deadline: float) -> dict[str, Any]:
+    """Shrink this in-process engine, stepping it (its held blocks are freed in a step,
+    once the decode's notification arrived) until the shrink is done."""
+    from kvconnect.vllm import kv_cache_resize_status, resize_kv_cache
+
+    result = resize_kv_cache(llm, num_blocks, timeout=deadline - time.monotonic(), wait=False)
+    while result["state"] == "pending" and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.01)
+        result = kv_cache_resize_status(llm, result["op"])
+    return result
+
+
 def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     from kvconnect.vllm import resize_kv_cache
 
@@ -88,7 +104,7 @@ def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     prompts: dict[str, list[int]] = {}
     steps = Stepper(llm, deadline)
     try:
-        for phase in ("a", "b"):
+        for phase in ("a", "b", "c"):
             for prefill, files in spec["prefills"].items():
                 tp = wait_json(files[phase], deadline)["kv_transfer_params"]
                 for i, (prompt, p) in enumerate(zip(spec["prompts"][prefill][phase], tp,

@@ -275,11 +275,12 @@ N_PD = 16
 
 
 def _pd_prompts() -> dict[str, dict[str, list[list[int]]]]:
-    """Distinct prompts per prefill and phase: 2 in phase a, 6 in phase b (18 blocks > N)."""
+    """Distinct prompts per prefill and phase: 2 in phase a, 6 in phase b (18 blocks > N),
+    2 in phase c (after the prefill shrank back)."""
     out, k = {}, 0
     for name in PREFILLS:
         out[name] = {}
-        for phase, count in (("a", 2), ("b", 6)):
+        for phase, count in (("a", 2), ("b", 6), ("c", 2)):
             out[name][phase] = [_prompt(100 + k + j) for j in range(count)]
             k += count
     out["ipc"]["a"][0], out["ipc"]["a"][1] = _prompt(0), _prompt(1)  # the control pair
@@ -291,8 +292,8 @@ def pd(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("pd")
     ipc_dir = tempfile.mkdtemp(prefix="kvc-")
     prompts = _pd_prompts()
-    done = {p: str(work / f"{p}.done") for p in ("a", "b")}
-    files = {name: {p: str(work / f"{name}-{p}.params.json") for p in ("a", "b")}
+    done = {p: str(work / f"{p}.done") for p in ("a", "b", "c")}
+    files = {name: {p: str(work / f"{name}-{p}.params.json") for p in ("a", "b", "c")}
              for name in PREFILLS}
 
     def env() -> dict[str, str]:
@@ -334,14 +335,15 @@ def test_pd_decode_tokens_equal_a_single_engine_across_both_grows(
         pd: dict[str, Any], prefill: str) -> None:
     d = pd["decode"]
     remote = _remote(pd, prefill)
-    assert len(remote) == 8
+    assert len(remote) == 10
     assert {k for k, v in remote.items() if v["finish_reason"] != "length"} == set()
     assert {k for k, v in remote.items() if v["tokens"] != d["local"][k]} == set()
     # phase b read blocks past the prefill's old size
     ids = [b for tp in pd[prefill]["phases"]["b"] for g in tp["remote_block_ids"] for b in g]
     assert max(ids) >= N_PD
-    assert all(tp["kvconnect_kv_version"] == 1 for tp in pd[prefill]["phases"]["b"])
-    assert all(tp["kvconnect_kv_version"] == 0 for tp in pd[prefill]["phases"]["a"])
+    versions = {ph: {tp["kvconnect_kv_version"] for tp in pd[prefill]["phases"][ph]}
+                for ph in ("a", "b", "c")}
+    assert versions == {"a": {0}, "b": {1}, "c": {2}}
 
 
 def test_pd_negative_control_tokens_depend_on_the_transferred_kv(pd: dict[str, Any]) -> None:
@@ -381,26 +383,44 @@ def test_pd_prefill_registers_one_region_per_physical_handle_and_serves_the_new_
         pd: dict[str, Any]) -> None:
     for name in ("ipc", "nixl"):
         p = pd[name]
-        f, nixl = p["facts"], p["connector"]["nixl"]
-        assert f["num_blocks"] == 4 * N_PD and p["core"]["version"] == 1
-        assert nixl["regions"] == f["physical_handles"] > f["segments"]
-        (resize,) = nixl["resizes"]
-        assert resize["registered_regions"] == f["segments"] and resize["num_blocks"] == 4 * N_PD
+        grown, nixl = p["facts_after_resize"], p["connector"]["nixl"]
+        assert grown["num_blocks"] == 4 * N_PD and p["resize"]["version"] == 1
+        grow, shrink = nixl["resizes"]
+        assert grow["num_blocks"] == 4 * N_PD
+        assert grow["registered_regions"] == grown["segments"]  # one per new allocation
+        assert grow["regions"] == grown["physical_handles"] > grown["segments"]
         assert p["resize"]["handshake_entries"] == 1  # the side channel serves the new payload
-        assert f["resizes"][-1]["registration_seconds"] > 0
+        assert grown["resizes"][-1]["registration_seconds"] > 0
 
 
-def test_pd_decode_refreshes_grown_prefills_and_remaps_the_fast_path(
+def test_pd_prefill_shrinks_back_once_read_and_deregisters_what_it_releases(
         pd: dict[str, Any]) -> None:
+    for name in ("ipc", "nixl"):
+        p = pd[name]
+        assert p["shrink"]["state"] == "done" and p["shrink"]["to"] == N_PD
+        grown, shrunk = p["facts_after_resize"], p["facts_after_shrink"]
+        assert shrunk["num_blocks"] == N_PD and shrunk["committed_bytes"] < grown[
+            "committed_bytes"]
+        _, shrink = p["connector"]["nixl"]["resizes"]
+        assert shrink["deregistered_regions"] == grown["segments"]
+        assert shrink["regions"] == shrunk["physical_handles"] == shrunk["segments"]
+        assert p["core"]["version"] == 2
+
+
+def test_pd_decode_refreshes_resized_prefills_and_remaps_the_fast_path(
+        pd: dict[str, Any]) -> None:
+    """A peer learns each new size through the KV version: its NIXL metadata is loaded
+    again, and the fast path maps the prefill again (after the shrink the old mapping, and
+    the released memory it held, is dropped)."""
     d = pd["decode"]
     nixl = d["connector"]["nixl"]
-    assert nixl["refreshed"].get("elastic-ipc", 0) >= 1
-    assert nixl["refreshed"].get("elastic-nixl", 0) >= 1
+    assert nixl["refreshed"]["elastic-ipc"] == nixl["refreshed"]["elastic-nixl"] == 2
+    assert nixl["peer_versions"] == {"elastic-ipc": 2, "elastic-nixl": 2, "elastic-ignore": 1}
     (peer,) = [p for p in d["connector"]["fast_path"]["peers"]
                if p["engine_id"] == "elastic-ipc"]
-    assert peer["route"] == "ipc" and peer["maps"] >= 2 and peer["ipc_reads"] == 8
-    export = pd["ipc"]["connector"]["fast_path"]["export"]
-    assert export["served"] >= 2  # mapped before and after the grow
+    assert peer["route"] == "ipc" and peer["ipc_reads"] == 10 and peer["nixl_reads"] == 0
+    assert peer["maps"] >= 3  # phase a, after the grow, after the shrink
+    assert pd["ipc"]["connector"]["fast_path"]["export"]["served"] >= 3
 
 
 def test_pd_decode_grew_while_receiving(pd: dict[str, Any]) -> None:
