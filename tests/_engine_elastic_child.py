@@ -267,7 +267,50 @@ def scenario_policy(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"elastic": scenario_elastic, "policy": scenario_policy}
+def scenario_offload(spec: dict[str, Any]) -> dict[str, Any]:
+    """kvconnect's SimpleCPUOffload (CPU stand-ins for CUDA streams) across a grow and a
+    shrink: prompts whose blocks lie past the old size are stored and reloaded; a control
+    whose CPU copy was zeroed before the reload."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvconnect.vllm import resize_kv_cache
+    from kvconnect.vllm.host_stand_ins import install_simple_cpu_offload_host_stand_ins
+
+    install_simple_cpu_offload_host_stand_ins()
+    n = int(spec["blocks"])
+    ktc = KVTransferConfig(kv_connector="KvconnectSimpleCPUOffloadConnector",
+                           kv_connector_module_path="kvconnect.vllm", kv_role="kv_both",
+                           kv_connector_extra_config={"cpu_bytes_to_use": 256 << 20})
+    llm = make_llm(spec, num_gpu_blocks_override=n, kv_transfer_config=ktc)
+    handler = get_kv_transfer_group().worker_handler
+    mt, prompts = spec["max_tokens"], spec["prompts"]
+    out: dict[str, Any] = {"grow": resize_kv_cache(llm, 4 * n)}
+    out["regions_after_grow"] = {k: list(v.shape) for k, v in handler.gpu_kv_caches.items()}
+
+    def run() -> list[dict[str, Any]]:
+        llm.reset_prefix_cache()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(mt),
+                            use_tqdm=False)
+        return [{"tokens": list(o.outputs[0].token_ids),
+                 "num_cached_tokens": o.num_cached_tokens} for o in outs]
+
+    out["first"] = run()
+    out["stored"] = dict(handler._backend.copied_blocks)
+    out["reloaded"] = run()
+    out["loaded"] = dict(handler._backend.copied_blocks)
+    out["shrink"] = resize_kv_cache(llm, n, timeout=60)
+    out["regions_after_shrink"] = {k: list(v.shape) for k, v in handler.gpu_kv_caches.items()}
+    out["after_shrink"] = run()
+    for t in handler.cpu_kv_caches.values():  # the control: what a reload reads is zero now
+        t.zero_()
+    out["from_zeroed_copy"] = run()
+    out["facts"] = worker_facts(llm)
+    return out
+
+
+SCENARIOS = {"elastic": scenario_elastic, "policy": scenario_policy,
+             "offload": scenario_offload}
 
 
 def main() -> int:

@@ -268,6 +268,42 @@ def test_policy_shrinks_to_its_floor_after_an_idle_period(policy: dict[str, Any]
     assert facts["committed_bytes"] < policy["policy"]["facts"]["committed_bytes"]
 
 
+# -- offload ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def offload(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """kvconnect's SimpleCPUOffload in an in-process engine of N_PD blocks grown to 4x:
+    6 prompts (18 blocks) stored and reloaded through blocks past the old size."""
+    work = tmp_path_factory.mktemp("offload")
+    spec = {"model": str(model), "blocks": N_PD, "max_tokens": MAX_TOKENS,
+            "prompts": [_prompt(0), _prompt(1)] + [_prompt(200 + i) for i in range(4)]}
+    with ElasticBatch(work, timeout=400) as batch:
+        batch.start("offload", "offload", spec, engine_env(plugin=True))
+        return batch.results()["offload"]
+
+
+def test_simple_cpu_offload_follows_a_grow_and_a_shrink(offload: dict[str, Any]) -> None:
+    r = offload
+    assert {tuple(v)[0] for v in r["regions_after_grow"].values()} == {4 * N_PD}
+    assert {tuple(v)[0] for v in r["regions_after_shrink"].values()} == {N_PD}
+    first = [o["tokens"] for o in r["first"]]
+    assert r["stored"]["store"] > 0
+    assert all(o["num_cached_tokens"] > 0 for o in r["reloaded"])
+    assert r["loaded"]["load"] > 0
+    assert [o["tokens"] for o in r["reloaded"]] == first
+    # after the shrink: reloaded into blocks below N, the same answers
+    assert all(o["num_cached_tokens"] > 0 for o in r["after_shrink"])
+    assert [o["tokens"] for o in r["after_shrink"]] == first
+    assert [h["connector"]["regions"] for h in r["facts"]["resizes"]] == [2, 2]
+
+
+def test_simple_cpu_offload_controls_differ(offload: dict[str, Any]) -> None:
+    first = [o["tokens"] for o in offload["first"]]
+    assert first[0] != first[1]  # the first-token control
+    zeroed = offload["from_zeroed_copy"]
+    assert all(o["num_cached_tokens"] > 0 for o in zeroed)
+    assert [o["tokens"] for o in zeroed] != first
+
+
 # -- 1P1D -----------------------------------------------------------------------------------------
 PREFILLS = {"ipc": True, "nixl": False, "ignore": False}
 #: the 1P1D engines' starting size: a prefill's 6 phase-b prompts need 18 blocks
