@@ -74,7 +74,7 @@ def _chunks_after_shrink(record: EngineKVCache, num_blocks: int) -> list[tuple[i
     """The physical allocations a shrink to ``num_blocks`` keeps (those starting before the
     granule-rounded new tail of their segment)."""
     cache = record.cache
-    out = []
+    out: list[tuple[int, int]] = []
     for t, tp in zip(cache.tensors, cache.plan.tensors, strict=True):
         keep = round_up(num_blocks * tp.segment_bytes_per_block, cache.granule)
         out.extend((ch.va, ch.size) for ch in t.physical_chunks() if ch.offset < keep)
@@ -187,8 +187,9 @@ def _resize(worker: Any, num_blocks: int) -> dict[str, Any]:
     runner_cfg = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
     if runner_cfg is not None:
         runner_cfg.num_blocks = num_blocks
+    seconds = time.perf_counter() - t0
     entry = {"time": time.time(), "from": old, "to": num_blocks,
-             "seconds": time.perf_counter() - t0, "commit_seconds": commit_s,
+             "seconds": seconds, "commit_seconds": commit_s,
              "registration_seconds": registration_s, "committed_bytes_delta": delta,
              "committed_bytes": cache.committed_bytes,
              "physical_handles": cache.num_physical_chunks,
@@ -196,6 +197,6 @@ def _resize(worker: Any, num_blocks: int) -> dict[str, Any]:
     record.resizes.append(entry)
     engine_log.info("kvconnect KV cache resized: %d -> %d blocks in %.3f ms (committed %+d "
                     "bytes, now %d in %d physical handles)", old, num_blocks,
-                    entry["seconds"] * 1e3, delta, cache.committed_bytes,
+                    seconds * 1e3, delta, cache.committed_bytes,
                     cache.num_physical_chunks)
     return record.facts()
