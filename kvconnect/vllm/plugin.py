@@ -129,6 +129,9 @@ def register() -> None:
 
     check_vllm_version(vllm.__version__)
     capacity_bytes_from_env()  # a bad value fails here, in the front end, before any engine
+    from .elastic_policy import ElasticPolicy
+
+    ElasticPolicy.from_env()  # the elastic policy's knobs too
     install()
 
 
