@@ -223,6 +223,7 @@ class NixlResizeState:
                 w.src_blocks_data = data
             else:
                 w.src_blocks_data_by_block_size[block_size] = data
+        self.release_retired()  # before deregistering what the old lists describe
         for key in removed:
             self._forget(key, self.registered[key])
         self._refresh_payload()
@@ -232,7 +233,6 @@ class NixlResizeState:
                   "registration_seconds": registration_s,
                   "seconds": time.perf_counter() - t0}
         self.history.append(record)
-        self.release_retired()
         return record
 
     def _forget(self, key: tuple[int, int], descs: Any) -> None:
