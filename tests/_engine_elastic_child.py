@@ -173,14 +173,14 @@ def scenario_elastic(spec: dict[str, Any]) -> dict[str, Any]:
     if elastic:
         out["unfinished_at_grow"] = steps.engine.has_unfinished_requests()
         out["resizes"]["during"] = resize_kv_cache(llm, 4 * n)
-    wave("w2", steps)
+    wave("w2", steps, spec["long_tokens"])  # still running at the snapshot below
     for _ in range(4):
         steps.step()
     snap("during_w2")
     steps.run()
     llm.reset_prefix_cache()
     # shrink back to N while requests hold the tail
-    wave("w3", steps, spec["long_tokens"])
+    wave("w3", steps, spec["longest_tokens"])  # holds its tail well past the shrink's start
     for _ in range(3):
         steps.step()
     if elastic:

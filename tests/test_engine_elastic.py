@@ -47,7 +47,8 @@ N = 32
 N_POLICY = 16
 MAX_TOKENS = 12
 LONG_TOKENS = 60
-#: w4 answers this long (4 blocks a request): its tail stays busy past a shrink's timeout
+#: w3 and w4 answer this long (4 blocks a request): their tail stays busy past the start of
+#: a shrink (w3) and past a shrink's timeout (w4)
 LONGEST_TOKENS = 200
 BASE = [random.Random(7).randrange(3, 1000) for _ in range(300)]
 
@@ -99,7 +100,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # -- grow, shrink, refusals --------------------------------------------------------------------
 #: b0 fits N blocks; b1 needs more than N, fits 2N; w1 fits 2N, w1 + w2 need more than 2N;
-#: w3 and w4 hold blocks past N
+#: w3 and w4 (4 blocks a request) hold blocks past N
 WAVES = {"b0": [0, 1, 2, 3], "b1": list(range(4, 18)), "w1": list(range(18, 32)),
          "w2": list(range(32, 46)), "w3": list(range(46, 62)), "w4": list(range(62, 78))}
 NUM_PROMPTS = 78
