@@ -86,7 +86,8 @@ engine-venv: $(ENGINE_STAMP)
 
 test-engine: $(ENGINE_STAMP)
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest -m engine -p no:cacheprovider \
-		tests/test_engine_plugin.py tests/test_engine_connectors.py tests/test_engine_conformance.py
+		tests/test_engine_plugin.py tests/test_engine_connectors.py tests/test_engine_conformance.py \
+		tests/test_engine_elastic.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) build *.egg-info

@@ -199,18 +199,24 @@ class PeerMapping:
         return len(self._state.views)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """uint8 tensor of ``nbytes`` at reservation offset ``offset``; must lie in one chunk."""
+        """uint8 tensor of ``nbytes`` at reservation offset ``offset``; must lie in imported
+        chunks that follow each other without a gap (one chunk, or a segment grown by
+        several: the addresses are contiguous, copies read through them)."""
         state = self._state
         if state.closed:
             raise RuntimeError("PeerMapping used after close()")
         checked_int("view offset in bytes", offset, minimum=0, maximum=self.capacity_bytes)
         checked_int("view size in bytes", nbytes, maximum=self.capacity_bytes)
         addr = self.base_ptr + offset
-        for c in state.chunks:
-            if c.va <= addr and addr + nbytes <= c.va + c.size:
-                return pointer_view(addr, nbytes, self.driver, (self, state.reservation),
-                                    state.views)
-        raise ValueError(f"range [{offset}, {offset + nbytes}) is not inside one imported chunk")
+        reach = addr
+        for c in sorted(state.chunks, key=lambda c: c.va):
+            if c.va <= reach < c.va + c.size:
+                reach = c.va + c.size
+                if addr + nbytes <= reach:
+                    return pointer_view(addr, nbytes, self.driver, (self, state.reservation),
+                                        state.views)
+        raise ValueError(f"range [{offset}, {offset + nbytes}) is not inside one imported chunk "
+                         f"or a run of adjacent ones")
 
     def close(self) -> None:
         """Unmap and release the imported chunks and free the reservation (idempotent); the

@@ -11,6 +11,8 @@ block prefix; block-major, MLA, Mamba, packed: 1). The commit protocol::
     cache.extend_kv_cache(final)        # the final size; one physical allocation per segment
     regions = cache.committed_regions() # register these (and only these) with a connector
     cache.release_physical(); cache.recommit()   # sleep / wake: zeroed, same addresses
+    cache.resize(4 * final)             # elastic: grow (one more allocation per segment) or
+                                        # shrink (whole allocations past the new size go)
     cache.close()                       # refused while views are referenced: close(force=True)
 
 Units: blocks are logical blocks of the config; bytes unless a name says blocks.
@@ -267,6 +269,40 @@ class ExtensibleKVCache(Closeable):
             logger.exception("could not restore the KV cache after a failed extend_kv_cache: "
                              "it is left released at %d blocks; call recommit() to retry",
                              self._num_blocks)
+
+    def resize(self, num_blocks: int) -> int:
+        """Grow or shrink a final cache to ``num_blocks`` blocks at the same addresses (the
+        elastic step, after connectors registered it); returns the change of committed bytes
+        (negative when memory was released).
+
+        Grow commits each segment's new tail as one more physical allocation (the blocks
+        already committed keep their contents); all-or-nothing: on failure nothing new stays
+        mapped. Shrink releases every physical allocation lying wholly at or past the new
+        tail (granule-rounded); an allocation that straddles it cannot be split (a CUDA
+        mapping is unmapped whole) and stays, committed but unused (if a release fails
+        part-way the cache is still at ``num_blocks``, holding more memory). The caller makes sure
+        nothing reads or writes blocks ``>= num_blocks`` and that connectors dropped them
+        before a shrink. Raises past ``capacity_blocks``, below 1 block, before
+        :meth:`extend_kv_cache`, and while released.
+        """
+        self._check_ready()
+        num_blocks = checked_int("num_blocks", num_blocks)
+        if not self._final:
+            raise KVCacheStateError(
+                f"resize({num_blocks}) before extend_kv_cache(): commit the final size first "
+                f"(ensure_kv_cache_blocks grows a cache that is not final yet)")
+        self._check_capacity(num_blocks)
+        before = self.committed_bytes
+        if num_blocks > self._num_blocks:
+            self._grow(num_blocks)
+        elif num_blocks < self._num_blocks:
+            # the block count first: if a release fails part-way, the cache is still
+            # consistent at num_blocks (every tensor keeps at least that much committed)
+            self._num_blocks = num_blocks
+            for t, tp in zip(self._tensors, self._plan.tensors, strict=True):
+                keep = round_up(num_blocks * tp.segment_bytes_per_block, self._granule)
+                t.shrink_to([min(keep, c) for c in t.committed_bytes])
+        return self.committed_bytes - before
 
     def release_physical(self) -> None:
         """Sleep: unmap and release every physical allocation, keep the addresses. Touching

@@ -48,7 +48,8 @@ def peer_block_region(peer: str, layout: PeerLayout, index: int, mappings: Seque
                       name: str) -> BlockRegion:
     """The copy's source region ``index`` of the peer's ``layout`` (from
     :func:`checked_layout`) over its mapping of the region's tensor: :class:`IpcError` when
-    its blocks do not lie inside one chunk the peer mapped, or do not form a valid region."""
+    its blocks do not lie inside one chunk the peer mapped (or a run of adjacent ones: a
+    grown segment), or do not form a valid region."""
     r = layout.regions[index]
     span = r.span(layout.num_blocks)
     try:

@@ -10,6 +10,9 @@ below load on first use, and those marked (vLLM) need vLLM 0.33 installed
 - :class:`VllmKVCache` (vLLM): an extensible cache whose views are exactly what vLLM's
   ``create_kv_cache_views`` builds over the reservation.
 - :func:`bound_for_connector` (vLLM): views and config bounded to the committed blocks.
+- :func:`resize_kv_cache` (vLLM, plugin on): grow or shrink a running engine's KV cache at
+  the same addresses (:func:`kv_cache_resize_status`, :func:`elastic_facts`,
+  :class:`KVCacheResizeError`; the optional policy's knobs: :class:`ElasticPolicy`).
 - :class:`KvconnectNixlConnector`, :class:`KvconnectSimpleCPUOffloadConnector`,
   :class:`KvconnectOffloadingConnector` (vLLM): upstream's connectors whose workers see only
   committed memory. Load them with ``--kv-transfer-config '{"kv_connector":
@@ -37,6 +40,11 @@ _EXPORTS: dict[str, str] = {
     "PluginConfigError": "kvconnect.vllm.plugin_settings",
     "UnsupportedVllmError": "kvconnect.vllm.plugin_settings",
     "kv_cache_facts": "kvconnect.vllm.engine_cache",
+    "resize_kv_cache": "kvconnect.vllm.elastic",
+    "kv_cache_resize_status": "kvconnect.vllm.elastic",
+    "elastic_facts": "kvconnect.vllm.elastic",
+    "KVCacheResizeError": "kvconnect.vllm.elastic",
+    "ElasticPolicy": "kvconnect.vllm.elastic_policy",
     "write_tiny_llama": "kvconnect.vllm.tiny_model",
     "install_simple_cpu_offload_host_stand_ins": "kvconnect.vllm.host_stand_ins",
 }

@@ -35,7 +35,7 @@ class VllmKVCache:
     attention kernel's block size when it splits vLLM's blocks; ``options`` is what the
     physical memory is requested with. Lifecycle as
     :class:`~kvconnect.kv_cache.ExtensibleKVCache` (``allocate``, ``ensure_kv_cache_blocks``,
-    ``extend_kv_cache``, ``release_physical`` / ``recommit``, ``close``), which it wraps;
+    ``extend_kv_cache``, ``resize``, ``release_physical`` / ``recommit``, ``close``), which it wraps;
     like it, a :class:`~kvconnect.cache_source.KVCacheSource` (connectors read it the same).
     """
 
@@ -137,6 +137,11 @@ class VllmKVCache:
 
     def extend_kv_cache(self, num_blocks: int, single_handle: bool = True) -> None:
         self.cache.extend_kv_cache(num_blocks, single_handle=single_handle)
+
+    def resize(self, num_blocks: int) -> int:
+        """:meth:`ExtensibleKVCache.resize <kvconnect.kv_cache.ExtensibleKVCache.resize>`:
+        grow or shrink at the same addresses; returns the change of committed bytes."""
+        return self.cache.resize(num_blocks)
 
     def release_physical(self) -> None:
         self.cache.release_physical()

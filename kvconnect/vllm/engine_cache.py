@@ -11,7 +11,8 @@ per-layer views over the whole reservation; vLLM's views own the memory, as they
 
 The engine's record of it (:class:`EngineKVCache`) lives as long as the model runner's
 ``kv_cache_config``; the worker methods the plugin adds find it there:
-:func:`worker_facts`, :func:`release_kv_cache`, :func:`recommit_kv_cache`.
+:func:`worker_facts`, :func:`release_kv_cache`, :func:`recommit_kv_cache` (and
+:mod:`kvconnect.vllm.elastic_worker`'s resize, which appends to :attr:`EngineKVCache.resizes`).
 Units: bytes; blocks are vLLM's logical blocks.
 """
 
@@ -39,10 +40,11 @@ logger = logging.getLogger(__name__)
 engine_log = logging.getLogger("vllm.kvconnect")
 
 __all__ = ["FACTS_SCHEMA", "EngineKVCache", "allocate_extensible_kv_cache", "kv_cache_facts",
-           "record_for_views", "recommit_kv_cache", "release_kv_cache", "worker_facts"]
+           "record_for_views", "record_for_worker", "recommit_kv_cache", "release_kv_cache",
+           "worker_facts"]
 
-#: version of the facts dict's fields (docs/vllm-plugin.md lists them)
-FACTS_SCHEMA = 1
+#: version of the facts dict's fields (docs/vllm-plugin.md lists them; 2 added ``resizes``)
+FACTS_SCHEMA = 2
 #: id(the model runner's kv_cache_config) -> (a weak reference to it, its cache): a record
 #: goes when the runner's config does (vLLM's configs are unhashable dataclasses)
 _BY_CONFIG: dict[int, tuple[weakref.ref[Any], EngineKVCache]] = {}
@@ -60,6 +62,13 @@ class EngineKVCache:
     commits: list[int]
     vllm_version: str = ""
     events: list[str] = field(default_factory=list)
+    #: one record per resize (kvconnect.vllm.elastic_worker): time, from -> to, seconds
+    resizes: list[dict[str, Any]] = field(default_factory=list)
+
+    def physical_chunks(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of every physical allocation mapped now, address order."""
+        return sorted((ch.va, ch.size) for t in self.cache.tensors
+                      for ch in ([] if t.is_released else t.physical_chunks()))
 
     def facts(self) -> JSONObject:
         """JSON-able facts (fields in docs/vllm-plugin.md); read them again after a change."""
@@ -93,6 +102,7 @@ class EngineKVCache:
             "granted": {"shareable": shareable,
                         "rdma_capable": all(g.rdma_capable for g in granted)},
             "released": released, "events": list(self.events),
+            "resizes": [dict(r) for r in self.resizes],
         }
 
     def summary(self) -> str:
@@ -244,6 +254,11 @@ def record_for_views(kv_caches: dict[str, torch.Tensor]) -> EngineKVCache | None
         if ptrs and all(any(lo <= p < hi for lo, hi in spans) for p in ptrs):
             return record
     return None
+
+
+def record_for_worker(worker: Any) -> EngineKVCache:
+    """The plugin's record of ``worker``'s KV cache; PluginConfigError when it has none."""
+    return _record_for(worker)
 
 
 def _record_for(worker: Any) -> EngineKVCache:

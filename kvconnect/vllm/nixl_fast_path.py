@@ -229,6 +229,9 @@ class NixlIpcFastPath:
         self.export_server: IpcExportServer | None = None
         self.transport: IpcTransport | None = None
         self._opened: set[tuple[str, int]] = set()
+        #: counts of peers forgotten (upstream evicted them, e.g. to load a resized
+        #: cache's metadata): added to the counts of the same peer's next decision
+        self._kept_counts: dict[tuple[str, int], dict[str, int]] = {}
         self._logged: set[tuple[str, int, str]] = set()
         #: why this (producer) worker serves no offers, when setting them up failed
         self.serve_error: str | None = None
@@ -299,6 +302,10 @@ class NixlIpcFastPath:
             return known[1]
         decision = self.local_refusal or request_offer(
             self.settings.directory, agent, engine_id, self.settings.timeout)
+        kept = self._kept_counts.pop(key, None)
+        if kept is not None:  # the same engine again (its KV cache changed): counts go on
+            decision.counts = {k: kept.get(k, 0) + decision.counts.get(k, 0)
+                               for k in {*kept, *decision.counts}}
         self.peers[key] = (agent, decision)
         self._log(key, decision)
         return decision
@@ -359,9 +366,11 @@ class NixlIpcFastPath:
         return cleanup_remote_engine
 
     def forget(self, engine_id: str) -> None:
-        """Drop the decisions and mappings of ``engine_id`` (upstream evicted its agents)."""
+        """Drop the decisions and mappings of ``engine_id`` (upstream evicted its agents;
+        after a resize of its cache it handshakes again and is mapped anew). Its counts are
+        kept for its next decision."""
         for key in [k for k in self.peers if k[0] == engine_id]:
-            del self.peers[key]
+            self._kept_counts[key] = self.peers.pop(key)[1].counts
             self._opened.discard(key)
             if self.transport is not None:
                 self.transport.invalidate(_peer_name(key))
@@ -418,15 +427,18 @@ class NixlIpcFastPath:
             if mismatch is not None:
                 self._fall_back(key, "layout", mismatch)
                 return False
-        offer = self.peers[key][1].offer
+        decision = self.peers[key][1]
         try:
-            self.transport.open_peer(_peer_name(key), offer or {})  # type: ignore[union-attr]
+            mapped = self.transport.open_peer(  # type: ignore[union-attr]
+                _peer_name(key), decision.offer or {})
         except IncompatiblePeerError as exc:
             self._fall_back(key, "layout", str(exc)[:500])
             return False
         except (IpcError, KVConnectorError, OSError, ValueError, RuntimeError) as exc:
             self._fall_back(key, "ipc_error", str(exc)[:500])
             return False
+        if mapped > 0:  # (re)mapped: first read, the peer's generation or this cache moved
+            decision.counts["maps"] = decision.counts.get("maps", 0) + 1
         self._opened.add(key)
         return True
 

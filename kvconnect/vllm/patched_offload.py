@@ -7,7 +7,9 @@ Each class subclasses upstream's and changes one thing: before upstream's
 the committed blocks (:func:`kvconnect.vllm.bounding.bound_for_connector`), and, for
 ``LHBNC``, each head plane is placed where the view puts it, not where upstream derives it
 from the block count (:mod:`kvconnect.vllm.head_planes`; for OffloadingConnector this also
-fixes upstream's LHBNC bug on plain allocations: it moved only the first head). Everything else,
+fixes upstream's LHBNC bug on plain allocations: it moved only the first head). ``KvconnectSimpleCPUOffloadConnector`` also follows an elastic resize
+(``kvconnect_resize_kv_caches``); ``KvconnectOffloadingConnector`` does not yet (a resize
+is refused while it is configured). Everything else,
 including sleep / wake (``unregister_kv_caches`` / ``restore_kv_caches``, which re-register
 exactly what was registered: the committed extents), is upstream's. On a plain allocation
 the bounded views and config equal the originals, so registrations are byte-identical.
@@ -66,6 +68,39 @@ class KvconnectSimpleCPUOffloadConnector(CommittedOnly, SimpleCPUOffloadConnecto
         self.worker_handler.kv_cache_config = bounded.kv_cache_config
         with simple_offload_head_planes(self.worker_handler, bounded):
             super().register_kv_caches(bounded.kv_caches)
+
+    def kvconnect_resize_kv_caches(self, num_blocks: int, chunks: list[tuple[int, int]]
+                                   ) -> dict[str, Any]:
+        """Worker role: follow the plugin's cache to ``num_blocks`` blocks. Each region
+        upstream copies through (``[num_blocks, block_bytes]`` rows, by name) becomes the
+        same rows at the same address for the new count, in the dict its copy backend
+        holds; the pinned CPU pool and its contents stay (CUDA's batched copy reads only
+        each region's base and row stride). ``chunks`` is not needed: nothing is
+        registered with a transport."""
+        import time
+
+        from .engine_cache import record_for_views
+
+        t0 = time.perf_counter()
+        handler = self.worker_handler
+        regions = getattr(handler, "gpu_kv_caches", None) if handler is not None else None
+        if not regions:
+            return {"registration_seconds": 0.0, "regions": 0}
+        record = record_for_views(regions)
+        if record is None:
+            raise RuntimeError("SimpleCPUOffload's regions are not in the plugin's KV cache")
+        (tensor,) = record.cache.tensors
+        resized = {}
+        for name, rows in regions.items():
+            row = rows.stride(0) * rows.element_size()
+            view = tensor.committed_view(rows.data_ptr() - tensor.base_ptr, num_blocks * row)
+            resized[name] = view.view(rows.dtype).view(num_blocks, *rows.shape[1:])
+        regions.update(resized)  # the backend holds this dict
+        for cfg in (getattr(handler, "kv_cache_config", None), self._kv_cache_config):
+            if cfg is not None:
+                cfg.num_blocks = num_blocks
+        seconds = time.perf_counter() - t0
+        return {"registration_seconds": seconds, "regions": len(resized)}
 
 
 class KvconnectOffloadingConnector(CommittedOnly, OffloadingConnector):

@@ -20,6 +20,11 @@ callables, cross the process boundary)::
     llm.collective_rpc("kvconnect_release_kv_cache")  # sleep the KV cache (addresses kept)
     llm.collective_rpc("kvconnect_recommit_kv_cache") # wake it: zeroed, same addresses
 
+and elastic capacity: ``Worker.kvconnect_resize_kv_cache`` (the engine core calls it) and
+``EngineCore.kvconnect_resize_kv_cache`` / ``kvconnect_resize_status`` /
+``kvconnect_elastic_facts`` (engine-core utilities; :func:`kvconnect.vllm.resize_kv_cache`
+calls them), with a tick after each engine step (:mod:`kvconnect.vllm.elastic_core`).
+
 and, where vLLM has sleep mode with connector ``unregister_kv_caches`` /
 ``restore_kv_caches`` (0.33), wraps the worker's ``sleep`` / ``wake_up`` so the KV memory is
 released after the connectors deregistered and recommitted before they re-register.
@@ -60,6 +65,7 @@ _ALLOCATION_SITES = ("vllm.v1.worker.utils", "vllm.v1.worker.gpu_model_runner",
                      "vllm.v1.worker.gpu.attn_utils")
 _WORKER_BASE = "vllm.v1.worker.worker_base"
 _GPU_WORKER = "vllm.v1.worker.gpu_worker"
+_ENGINE_CORE = "vllm.v1.engine.core"
 #: what was replaced: (module or class, attribute, original), so uninstall() can undo it
 _patched: list[tuple[Any, str, Any]] = []
 #: the import hook while installed
@@ -123,6 +129,9 @@ def register() -> None:
 
     check_vllm_version(vllm.__version__)
     capacity_bytes_from_env()  # a bad value fails here, in the front end, before any engine
+    from .elastic_policy import ElasticPolicy
+
+    ElasticPolicy.from_env()  # the elastic policy's knobs too
     install()
 
 
@@ -135,7 +144,8 @@ def install() -> None:
         return
     targets: dict[str, Callable[[ModuleType], None]] = {
         **{name: _patch_allocation for name in _ALLOCATION_SITES},
-        _WORKER_BASE: _patch_worker_base, _GPU_WORKER: _wrap_sleep}
+        _WORKER_BASE: _patch_worker_base, _GPU_WORKER: _patch_gpu_worker,
+        _ENGINE_CORE: _patch_engine_core}
     hook = _PatchAfterImport(targets)
     try:
         for name, patch in targets.items():
@@ -189,6 +199,57 @@ def _set(owner: Any, attr: str, value: Any, original: Any = None) -> None:
         pass
     _patched.append((owner, attr, original))
     setattr(owner, attr, value)
+
+
+def _patch_gpu_worker(module: ModuleType) -> None:
+    """vLLM's ``Worker`` (CPU and GPU workers derive from it): the resize RPC, and the
+    sleep / wake wrap."""
+    from . import elastic_worker
+
+    _set(module.Worker, "kvconnect_resize_kv_cache", elastic_worker.resize_worker_kv_cache)
+    _wrap_sleep(module)
+
+
+def _patch_engine_core(module: ModuleType) -> None:
+    """vLLM's ``EngineCore``: the elastic resize utilities, a tick after every step (a
+    pending shrink completes there; the policy runs there), and, in the busy-loop process,
+    a tick on the wake-ups the idle policy sends."""
+    from . import elastic_core
+
+    core_cls = module.EngineCore
+
+    def kvconnect_resize_kv_cache(self: Any, num_blocks: int, timeout: float) -> dict[str, Any]:
+        return elastic_core.core_elastic(self).resize(num_blocks, timeout)
+
+    def kvconnect_resize_status(self: Any, op: int) -> dict[str, Any]:
+        return elastic_core.core_elastic(self).status(op)
+
+    def kvconnect_elastic_facts(self: Any) -> dict[str, Any]:
+        return elastic_core.core_elastic(self).facts()
+
+    for name, fn in (("kvconnect_resize_kv_cache", kvconnect_resize_kv_cache),
+                     ("kvconnect_resize_status", kvconnect_resize_status),
+                     ("kvconnect_elastic_facts", kvconnect_elastic_facts)):
+        _set(core_cls, name, fn)
+    post_step = core_cls.post_step
+
+    def kvconnect_post_step(self: Any, model_executed: bool) -> None:
+        post_step(self, model_executed)
+        elastic_core.core_elastic(self).tick()
+
+    _set(core_cls, "post_step", functools.wraps(post_step)(kvconnect_post_step))
+    proc_cls = getattr(module, "EngineCoreProc", None)
+    handle = getattr(proc_cls, "_handle_client_request", None)
+    if proc_cls is None or handle is None:
+        return
+    wakeup = module.EngineCoreRequestType.WAKEUP
+
+    def kvconnect_handle(self: Any, request_type: Any, request: Any) -> Any:
+        if request_type == wakeup:
+            elastic_core.core_elastic(self).tick()
+        return handle(self, request_type, request)
+
+    _set(proc_cls, "_handle_client_request", functools.wraps(handle)(kvconnect_handle))
 
 
 def _wrap_sleep(module: ModuleType) -> None:
