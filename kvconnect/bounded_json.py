@@ -3,9 +3,10 @@
 ``json.loads`` recurses once per nesting level (about 1000 levels raise ``RecursionError``)
 and refuses integers over 4300 digits with ``ValueError`` (after quadratic work). Peers get
 neither: :func:`loads` measures the bracket depth on the raw text before parsing (in time
-linear in the text, whatever it holds), rejects long digit runs while parsing, and raises
-only :class:`BoundedJSONError` (a ``ValueError``) for anything malformed, which callers turn
-into their own error type.
+linear in the text, whatever it holds), rejects long digit runs while parsing, refuses
+strings that are not valid Unicode (a lone surrogate such as ``"\\ud800"``, which no UTF-8
+text can hold), and raises only :class:`BoundedJSONError` (a ``ValueError``) for anything
+malformed, which callers turn into their own error type.
 """
 
 from __future__ import annotations
@@ -33,10 +34,15 @@ DEFAULT_MAX_INT_DIGITS = 40
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 #: up to this many brackets the depth scan is a Python loop; above, numpy
 _PYTHON_SCAN_LIMIT = 1 << 16
+#: a \uD800-\uDFFF escape (or an escaped backslash followed by such text: the decoded
+#: strings decide) or a surrogate in the text itself: then the decoded strings are checked
+_SURROGATE_HINT = re.compile(r"\\u[dD][89abcdefABCDEF]|[\ud800-\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class BoundedJSONError(KvconnectError, ValueError):
-    """Not JSON, nested too deeply, or an integer with too many digits."""
+    """Not JSON (or not valid Unicode), nested too deeply, or an integer with too many
+    digits."""
 
 
 def nesting_depth(text: str, max_depth: int = DEFAULT_MAX_DEPTH) -> int:
@@ -109,8 +115,32 @@ def loads(data: str | bytes | bytearray, *, max_depth: int = DEFAULT_MAX_DEPTH,
         return int(digits)
 
     try:
-        return json.loads(text, parse_int=parse_int)
+        value = json.loads(text, parse_int=parse_int)
     except BoundedJSONError:
         raise
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise BoundedJSONError(f"invalid JSON: {exc}") from None
+    if _SURROGATE_HINT.search(text):
+        _refuse_lone_surrogates(value)
+    return value
+
+
+def _refuse_lone_surrogates(value: JSON) -> None:
+    """Raise :class:`BoundedJSONError` when a string (or key) of the decoded ``value`` holds
+    a surrogate code point: an escape json.loads could not pair (``"\\ud800"``), which
+    would later fail to encode as UTF-8 (``UnicodeEncodeError``) wherever it went."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            found = _SURROGATE.search(v)
+            if found:
+                raise BoundedJSONError(
+                    f"JSON string holds the lone surrogate \\u{ord(found.group()):04x} (not "
+                    "valid Unicode: a \\ud800-\\udbff escape must be followed by a "
+                    "\\udc00-\\udfff one)")
+        elif isinstance(v, dict):
+            todo.extend(v)
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)

@@ -1,6 +1,6 @@
 """Hostile JSON for kvconnect.bounded_json (issue 23): the depth pre-scan's time against the
 input's size for the shapes that make regular expressions backtrack or rescan, those shapes
-fuzzed.
+fuzzed, and strings that are not valid Unicode (lone surrogates).
 
 The scan runs on every message a peer sends (framing, the NIXL handshake, the peer layout,
 the fast path's offers) and holds the GIL while it runs: a quadratic scan let one 32 KB
@@ -21,6 +21,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvconnect.bounded_json import BoundedJSONError, loads, nesting_depth
+from kvconnect.connectors.ipc.reply import checked_layout
+from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
+from kvconnect.framing import IpcError
+from kvconnect.peer_layout import PeerLayout, PeerLayoutError
 
 KiB = 1024
 
@@ -163,7 +167,8 @@ _hostile_text = st.builds(lambda parts, reps: "".join(parts) * reps,
 def test_catastrophic_shapes_fuzzed() -> None:
     """Runs of the characters that trouble regular expressions (quotes, backslashes, escapes,
     brackets, surrogate escapes), repeated: the depth scan agrees with a plain character
-    loop, and loads gives what json.loads gives or BoundedJSONError, nothing else."""
+    loop, and loads gives what json.loads gives (valid Unicode, within the bounds) or
+    BoundedJSONError, nothing else."""
     n = fuzz.examples(600)
     tally = fuzz.Tally("hostile JSON text: bounded_json.loads", "BoundedJSONError", n)
 
@@ -179,6 +184,44 @@ def test_catastrophic_shapes_fuzzed() -> None:
         value = tally.run(lambda: loads(text), (BoundedJSONError,))
         if not isinstance(value, BoundedJSONError):
             assert json.dumps(value) == json.dumps(json.loads(text))
+            json.dumps(value, ensure_ascii=False).encode("utf-8")  # valid Unicode
 
     run()
     tally.record()
+
+
+# -- strings that are not valid Unicode --------------------------------------------------------
+@pytest.mark.parametrize("doc", [
+    '{"layout":"\\ud800"}', '["\\udfff"]', '{"\\ud800":1}', '["\\udc00\\ud800"]',
+    '["a\\ud83d"]', '"\ud800"',
+])
+def test_a_lone_surrogate_is_a_bounded_json_error(doc: str) -> None:
+    """Before: json.loads decoded a lone surrogate escape into a str that later failed to
+    encode (UnicodeEncodeError) wherever it went."""
+    with pytest.raises(BoundedJSONError, match="surrogate"):
+        loads(doc)
+    if doc.isascii():
+        with pytest.raises(BoundedJSONError, match="surrogate"):
+            loads(doc.encode())
+
+
+def test_a_surrogate_pair_and_an_escaped_backslash_are_text() -> None:
+    assert loads('["\\ud83d\\ude00"]') == ["\U0001f600"]
+    assert loads('["\\\\ud800"]') == ["\\ud800"]  # a backslash, then the letters
+
+
+def test_a_lone_surrogate_in_a_layout_gives_each_module_its_own_error() -> None:
+    """Issue 23: ``"layout":"\\ud800"`` in otherwise valid ASCII JSON escaped from these
+    three as UnicodeEncodeError."""
+    with pytest.raises(PeerLayoutError):
+        PeerLayout.from_json('{"layout":"\\ud800"}')
+    with pytest.raises(PeerLayoutError):
+        PeerLayout.from_json("\ud800")
+    with pytest.raises(IpcError):
+        checked_layout("peer", {"layout": "\ud800"}, 1)
+    with pytest.raises(MetadataError):
+        HandshakeMetadata.from_json('{"schema":"kvconnect.nixl.handshake/2",'
+                                    '"agent_metadata_b64":"AA==","memory_type":"DRAM",'
+                                    '"layout":"\\ud800"}')
+    with pytest.raises(MetadataError):
+        HandshakeMetadata.from_json("\ud800")
