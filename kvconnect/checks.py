@@ -7,7 +7,8 @@ Every size, offset and count that reaches a driver call or comes from a peer pas
 (``True``, ``1.5``, ``"8"``) is taken as a number.
 
 Numbers a user types (command lines, environment variables, JSON settings) pass
-:func:`parse_whole_number` or :func:`checked_seconds`: ASCII digits only (Python's ``int``
+:func:`parse_whole_number`, :func:`checked_positive` or :func:`checked_seconds`: ASCII
+digits only (Python's ``int``
 and ``float`` also take Arabic-Indic and full-width digits, ``+``, surrounding Unicode
 spaces, ``inf`` and ``nan``), and an upper bound, so that a value no later call can hold
 (``settimeout(inf)``, a deadline of 1e300 s) is refused where it is parsed, naming the
@@ -23,7 +24,7 @@ import sys
 import tempfile
 
 __all__ = ["MAX_BYTES", "MAX_SECONDS", "check_can_create_file", "checked_int",
-           "checked_seconds", "parse_whole_number", "round_up"]
+           "checked_positive", "checked_seconds", "parse_whole_number", "round_up"]
 
 #: largest size or offset in bytes that round-trips through every platform call we make:
 #: ``ssize_t``/``off_t`` (mmap lengths and offsets, cuMemAddressReserve sizes) on 64-bit Linux
@@ -79,13 +80,14 @@ def parse_whole_number(what: str, text: str, *, minimum: int = 1,
     return value
 
 
-def checked_seconds(what: str, value: object, *, maximum: float = MAX_SECONDS) -> float:
-    """``value`` as a duration in seconds, above 0 and at most ``maximum``: an ``int`` (not
-    a ``bool``), a ``float``, or text of ASCII digits (``10``, ``2.5``, ``1e3``; surrounding
-    ASCII spaces ignored). Raises ``ValueError`` naming ``what``, the value and the accepted
-    form (``inf``, ``nan``, non-ASCII digits and values past ``maximum`` are refused)."""
-    form = (f"{what} must be seconds: a number above 0 and at most {maximum:g} (ASCII "
-            f"digits, e.g. 10 or 2.5)")
+def checked_positive(what: str, value: object, *, maximum: float, unit: str = "") -> float:
+    """``value`` as a number above 0 and at most ``maximum``: an ``int`` (not a ``bool``), a
+    ``float``, or text of ASCII digits (``10``, ``2.5``, ``1e3``; surrounding ASCII spaces
+    ignored). Raises ``ValueError`` naming ``what`` (and ``unit``, e.g. ``"seconds: "``),
+    the value and the accepted form (``inf``, ``nan``, non-ASCII digits and values past
+    ``maximum`` are refused)."""
+    form = (f"{what} must be {unit}a number above 0 and at most {maximum:g} (ASCII digits, "
+            f"e.g. 10 or 2.5)")
     if isinstance(value, str):
         text = value.strip(_ASCII_SPACE)
         if len(text) > 64 or _DECIMAL.fullmatch(text) is None:
@@ -101,6 +103,12 @@ def checked_seconds(what: str, value: object, *, maximum: float = MAX_SECONDS) -
     if not math.isfinite(number) or not 0 < number <= maximum:
         raise ValueError(f"{form}, got {value!r:.60}")
     return number
+
+
+def checked_seconds(what: str, value: object, *, maximum: float = MAX_SECONDS) -> float:
+    """``value`` as a duration in seconds, above 0 and at most ``maximum`` (default
+    :data:`MAX_SECONDS`), by the rules of :func:`checked_positive`."""
+    return checked_positive(what, value, maximum=maximum, unit="seconds: ")
 
 
 def round_up(value: int, multiple: int) -> int:
