@@ -60,9 +60,10 @@ def _seconds(text: str) -> float:
 
 
 def _transports(text: str) -> list[str]:
-    """Syntax only: the names are checked against the registry once every
-    ``--transport-module`` is loaded (:func:`.cli.build_config`)."""
-    items = [t.strip().lower() for t in text.split(",") if t.strip()]
+    """Syntax only, names kept as typed: they are matched against the registry (as
+    registered, or by case when that is unambiguous) once every ``--transport-module`` is
+    loaded (:func:`.cli.build_config`)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise argparse.ArgumentTypeError("needs at least one transport name")
     if len(set(items)) != len(items):

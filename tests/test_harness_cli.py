@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -84,6 +85,39 @@ def test_launcher_variables_are_ascii_digits() -> None:
     env = {**env, "RANK": "0", "MASTER_PORT": "\uff12\uff19\uff15\uff10\uff10"}
     with pytest.raises(ValueError, match="MASTER_PORT"):
         membership_from_env(env, 2, 1)
+
+
+@pytest.fixture
+def fast_ipc_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transport registered as ``FastIpc`` (the ipc spec under another name), as a
+    ``--transport-module`` would; removed from the registry after the test."""
+    from kvconnect.connectors import registry
+
+    registry.register_builtin_transports()
+    spec = dataclasses.replace(registry.get_transport("ipc"), name="FastIpc")
+    monkeypatch.setitem(registry._REGISTRY, "FastIpc", spec)
+
+
+@pytest.mark.parametrize(("typed", "want"), [
+    ("FastIpc", ["FastIpc"]), ("fastipc", ["FastIpc"]), ("FASTIPC,IPC", ["FastIpc", "ipc"]),
+    ("ipc,FastIpc", ["ipc", "FastIpc"])])
+def test_transports_are_matched_as_registered(fast_ipc_registered: None, typed: str,
+                                              want: list[str]) -> None:
+    """Issue 23: the CLI lowercased what was typed, so a transport registered as FastIpc
+    could never be chosen ("unknown transport(s) fastipc; choose from ipc, nixl, FastIpc")."""
+    args = arguments.build_parser().parse_args(["--transports", typed, "--device", "host"])
+    cfg, _ = cli.build_config(args)
+    assert cfg.transports == want
+
+
+@pytest.mark.parametrize(("typed", "message"), [("fastipc,FastIpc", "FastIpc listed twice"),
+                                                ("ipc,IPC", "ipc listed twice"),
+                                                ("FastIpcs", "unknown transport(s) FastIpcs")])
+def test_transports_named_twice_or_unknown_are_refused(fast_ipc_registered: None, typed: str,
+                                                       message: str) -> None:
+    args = arguments.build_parser().parse_args(["--transports", typed, "--device", "host"])
+    with pytest.raises(cli.UsageError, match=re.escape(message)):
+        cli.build_config(args)
 
 
 def test_world_size_from_the_launcher_must_match(monkeypatch: pytest.MonkeyPatch,
