@@ -78,7 +78,8 @@ def case_status(result: dict[str, Any]) -> str:
 
 
 def check_timeout(timeout: float) -> float:
-    """``timeout`` (seconds per case) when it is a finite number above 0; else ValueError."""
+    """``timeout`` (seconds per case) when it is a number above 0 and at most a day; else
+    ValueError."""
     from .options import parse_timeout
 
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
