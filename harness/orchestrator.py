@@ -36,8 +36,9 @@ from typing import Any
 from kvconnect.child import exit_signal_name, exit_text, log_tail
 from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
+from kvconnect.leftovers import become_subreaper
 
-from .cleanup import ProcessRecord, become_subreaper, check_cleanup, take_baseline
+from .cleanup import ProcessRecord, check_cleanup, take_baseline
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .control import COORDINATOR_GRACE_S, COORDINATOR_SILENT
 from .display import Display
