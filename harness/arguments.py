@@ -8,6 +8,8 @@ import argparse
 import re
 from collections.abc import Callable
 
+from kvconnect.checks import MAX_BYTES, checked_positive, checked_seconds, parse_whole_number
+
 from .config import ROLES
 from .faults import PHASES, FaultSpec, FaultSpecError, fault_names, parse_fault
 from .store_auth import TOKEN_ENV
@@ -16,39 +18,52 @@ DEFAULT_LAYOUT = "llama3-8b-like"
 DEFAULT_BLOCKS = 160
 
 
-def _int_at_least(minimum: int, bound: str) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum``; ``bound`` words the limit in errors."""
+#: the largest count any option takes (workers, blocks, layers, fetches, a rank)
+MAX_COUNT = 1_000_000
+#: the largest bandwidth floor --min-gbps takes (GB/s)
+MAX_GBPS = 1e6
+
+
+def _int_at_least(minimum: int, maximum: int = MAX_COUNT) -> Callable[[str], int]:
+    """An argparse type: a whole number in ``[minimum, maximum]`` typed in ASCII digits
+    (:func:`kvconnect.checks.parse_whole_number`)."""
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        return value
+            return parse_whole_number("the value", text, minimum=minimum, maximum=maximum)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
 
 
-_positive_int = _int_at_least(1, "at least 1")
-_non_negative_int = _int_at_least(0, "0 or more")
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+_seed = _int_at_least(0, MAX_BYTES)
 
 
 def _positive_float(text: str) -> float:
+    """``--min-gbps``: a number above 0, at most :data:`MAX_GBPS`, in ASCII digits."""
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
+        return checked_positive("the value", text, maximum=MAX_GBPS, unit="GB/s: ")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: seconds above 0 and at most a day (:data:`kvconnect.checks.MAX_SECONDS`:
+    every deadline of the run is derived from it), in ASCII digits."""
+    try:
+        return checked_seconds("the value", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _transports(text: str) -> list[str]:
-    """Syntax only: the names are checked against the registry once every
-    ``--transport-module`` is loaded (:func:`.cli.build_config`)."""
-    items = [t.strip().lower() for t in text.split(",") if t.strip()]
+    """Syntax only, names kept as typed: they are matched against the registry (as
+    registered, or by case when that is unambiguous) once every ``--transport-module`` is
+    loaded (:func:`.cli.build_config`)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise argparse.ArgumentTypeError("needs at least one transport name")
     if len(set(items)) != len(items):
@@ -56,14 +71,14 @@ def _transports(text: str) -> list[str]:
     return items
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE = re.compile(r"(\d+)\s*([KMGT]?)(?:I?B)?")
+_SIZE = re.compile(r"([0-9]{1,16})\s*([KMGT]?)(?:I?B)?", re.ASCII)
 #: most sizes one sweep may list, and the largest size (bytes)
 MAX_SWEEP_SIZES = 64
 MAX_SWEEP_BYTES = 1 << 40
 
 
 def _size(text: str) -> int:
-    m = _SIZE.fullmatch(text.strip().upper())
+    m = _SIZE.fullmatch(text.strip(" \t").upper())
     if m is None:
         raise argparse.ArgumentTypeError(f"expected a size such as 4096, 512K, 1M or 1G "
                                          f"(K = 1024), got {text!r}")
@@ -81,7 +96,7 @@ def _sizes(text: str) -> list[int]:
         if len(parts) not in (2, 3):
             raise argparse.ArgumentTypeError(f"expected MIN:MAX or MIN:MAX:FACTOR, got {text!r}")
         lo, hi = _size(parts[0]), _size(parts[1])
-        factor = _int_at_least(2, "at least 2")(parts[2]) if len(parts) == 3 else 2
+        factor = _int_at_least(2)(parts[2]) if len(parts) == 3 else 2
         if hi < lo:
             raise argparse.ArgumentTypeError(f"--sizes {text}: MAX is below MIN")
         sizes = [lo]
@@ -198,13 +213,13 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--junit", metavar="PATH", help="write JUnit XML, one testcase per check")
     p.add_argument("--min-gbps", type=_positive_float, default=None, metavar="X",
                    help="fail any transfer slower than X GB/s (1e9 bytes/s)")
-    p.add_argument("--timeout", type=_positive_float, default=60.0, metavar="S",
+    p.add_argument("--timeout", type=_seconds, default=60.0, metavar="S",
                    help="deadline in seconds for every wait: start-up, each peer, each "
                         "transfer (default 60)")
     p.add_argument("--corrupt", action="store_true",
                    help="negative control: flip one byte on prefill after digesting; the run "
                         "must fail naming that block")
-    p.add_argument("--seed", type=_non_negative_int, default=0, metavar="S",
+    p.add_argument("--seed", type=_seed, default=0, metavar="S",
                    help="seed of the block contents and block choice (default 0)")
 
 

@@ -18,7 +18,6 @@ What the coordinator checks, once every worker was reaped and the run directory 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import subprocess
@@ -27,12 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvconnect.leftovers import children
+
 from .footprint import Footprint
 from .launch import fd_target, open_fds
 from .report import FAIL, PASS, Check, Report
 from .rundir import Owner, process_start_ticks, run_dir_base
 
-_PR_SET_CHILD_SUBREAPER = 36
 #: prefixes of what the toolkit creates in the temporary directory
 TEMP_PREFIXES = ("kvv-", "kvconnect-", ".kvconnect-")
 #: seconds nvidia-smi gets to answer
@@ -52,39 +52,6 @@ def processes_mentioning(text: str) -> list[int]:
         except OSError:
             continue
     return found
-
-
-def become_subreaper(on: bool = True) -> bool:
-    """Make this process adopt its descendants' orphans (Linux ``PR_SET_CHILD_SUBREAPER``),
-    so a worker's child that outlives it is seen (and reaped) here. False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) == 0
-    except (OSError, AttributeError):  # pragma: no cover - non-Linux
-        return False
-
-
-def children(pid: int | None = None) -> dict[int, str]:
-    """Children of ``pid`` (default: this process): pid -> command name and state."""
-    parent = os.getpid() if pid is None else pid
-    out: dict[int, str] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return out
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read().decode("ascii", errors="replace")
-        except OSError:
-            continue
-        comm = stat[stat.find("(") + 1:stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and fields[1] == str(parent):
-            out[int(name)] = f"{comm} ({fields[0]})"
-    return out
 
 
 @dataclass

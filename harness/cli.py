@@ -67,12 +67,28 @@ def _resolve_transports(args: argparse.Namespace) -> tuple[list[str], list[str]]
     known = transport_names()
     if args.transports is None:
         return list(known), modules
-    bad = [t for t in args.transports if t not in known]
+    chosen = [_registered_name(t, known) for t in args.transports]
+    bad = [t for t, name in zip(args.transports, chosen, strict=True) if name is None]
     if bad:
         raise UsageError(f"--transports: unknown transport(s) {', '.join(bad)}; choose from "
                          f"{', '.join(known)} (a transport of another package needs "
                          "--transport-module MODULE)")
-    return list(args.transports), modules
+    names = [n for n in chosen if n is not None]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"--transports: {', '.join(twice)} listed twice (names match "
+                         "regardless of case)")
+    return names, modules
+
+
+def _registered_name(typed: str, known: Sequence[str]) -> str | None:
+    """The registered transport ``typed`` names: itself when registered so, else the one
+    registered name equal to it regardless of case; None when there is none, or several
+    (``ValueError`` would hide which: the caller lists the names)."""
+    if typed in known:
+        return typed
+    same = [k for k in known if k.casefold() == typed.casefold()]
+    return same[0] if len(same) == 1 else None
 
 
 def _check_output_path(flag: str, path: str | None) -> None:

@@ -35,13 +35,19 @@ log = logging.getLogger(__name__)
 
 #: seconds between heartbeats
 HEARTBEAT_S = 0.5
+#: a worker waits this long past a request's own timeout for the coordinator's answer (the
+#: coordinator's deadline, with a better message, comes first) before giving up on it
+COORDINATOR_GRACE_S = 5.0
+#: :attr:`PeerFailure.data` ``cause`` of a worker that gave up on the coordinator's answer:
+#: the coordinator's failure (stopped or starved), not the worker's
+COORDINATOR_SILENT = "coordinator_silent"
 
 
 class PeerFailure(KvconnectError, RuntimeError):
     """A peer died, hung, failed, or the run was aborted; the message says who and where,
     :attr:`data` the same for programs: ``peer``, its phase ``peer_phase`` and the ``cause``
-    (``unresponsive``, ``wait_timeout``, ``aborted``, ``store_lost``, ``oversized``) where
-    known."""
+    (``unresponsive``, ``wait_timeout``, ``aborted``, ``store_lost``, ``oversized``,
+    :data:`COORDINATOR_SILENT`) where known."""
 
     def __init__(self, message: str, *, peer: str | None = None,
                  peer_phase: str | None = None, cause: str | None = None) -> None:
@@ -270,15 +276,16 @@ class SocketControl(Control):
             rid = self._next_id
         self._send({**msg, "id": rid})
         # the coordinator enforces ``timeout`` with a better message; this is the backstop
-        deadline = time.monotonic() + timeout + 5.0
+        deadline = time.monotonic() + timeout + COORDINATOR_GRACE_S
         with self._cond:
             while rid not in self._replies:
                 if self._abort is not None:
                     raise PeerFailure(self._abort)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise PeerFailure(f"no answer from the coordinator within {timeout:.0f} s "
-                                      f"{what}")
+                    raise PeerFailure(f"no answer from the coordinator within "
+                                      f"{timeout + COORDINATOR_GRACE_S:.0f} s {what}",
+                                      cause=COORDINATOR_SILENT)
                 self._cond.wait(min(left, 0.5))
             return self._replies.pop(rid)
 

@@ -211,7 +211,7 @@ class FaultSpec:
         return spec
 
 
-_SPEC = re.compile(r"^(?P<kind>[a-z]+(?:-[a-z]+)*?)(?P<rank>\d*)@(?P<phase>[a-z]+)$")
+_SPEC = re.compile(r"^(?P<kind>[a-z]+(?:-[a-z]+)*?)(?P<rank>[0-9]{0,6})@(?P<phase>[a-z]+)$")
 
 
 def parse_fault(text: str) -> FaultSpec:

@@ -36,9 +36,11 @@ from typing import Any
 from kvconnect.child import exit_signal_name, exit_text, log_tail
 from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
+from kvconnect.leftovers import become_subreaper
 
-from .cleanup import ProcessRecord, become_subreaper, check_cleanup, take_baseline
+from .cleanup import ProcessRecord, check_cleanup, take_baseline
 from .config import DECODE, PREFILL, RunConfig, worker_name
+from .control import COORDINATOR_GRACE_S, COORDINATOR_SILENT
 from .display import Display
 from .faults import restarted_workers, specs_from_config
 from .faultwatch import FaultWatch
@@ -124,6 +126,8 @@ class Coordinator(Restarts):
         #: who is to blame for a silent worker; the coordinator's own stalls (:mod:`.watchdog`)
         self.judge = Judge(cfg.heartbeat_timeout, self._progress_deadline)
         self.clock = StallClock(time.monotonic())
+        #: a worker gave up on the coordinator's answer: the run failed as the coordinator's
+        self.coordinator_blamed = False
 
     # -- top level -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -383,15 +387,26 @@ class Coordinator(Restarts):
     def _op_error(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
         phase = str(msg.get("phase", w.phase))
         text = str(msg.get("message"))
-        if self.aborted is not None and text.startswith("run aborted"):
-            # not its own failure: the run was aborted under it
+        failure = msg.get("data")
+        silent = isinstance(failure, dict) and failure.get("cause") == COORDINATOR_SILENT
+        if (self.aborted is not None and text.startswith("run aborted")) or silent:
+            # not its own failure: the run was aborted under it, or the coordinator (stopped
+            # past the worker's wait for an answer) failed it
             w.state = "failed"
-            self._add_check(f"worker/{w.name}", SKIP,
-                            f"{w.who} stopped in phase {phase} because the {text}",
-                            data={**self._who(w), "phase": phase, "cause": "aborted"})
+            self._add_check(f"worker/{w.name}", SKIP, f"{w.who} stopped in phase {phase}: "
+                            + (f"{text} (the coordinator's failure: coordinator/stalls)"
+                               if silent else f"because the {text}"),
+                            data={**self._who(w), "phase": phase,
+                                  "cause": "coordinator_stall" if silent else "aborted"})
+            if silent and not self.coordinator_blamed:
+                self.coordinator_blamed = True
+                detail, data = self.clock.blame(w.who, phase, text,
+                                                self.cfg.timeout + COORDINATOR_GRACE_S)
+                self._add_check("coordinator/stalls", FAIL, detail, data=data)
+                self.display.message(f"FAIL {detail}")
+                self._abort(detail)
         else:
             w.phase = phase
-            failure = msg.get("data")
             self._fail_worker(w, f"{w.who} failed in phase {phase}: {text}",
                               state="failed", tail=False, cause="error",
                               data={"failure": failure} if failure else None)
@@ -582,7 +597,7 @@ class Coordinator(Restarts):
     def _summarise(self) -> None:
         self.report.workers.extend(describe_workers(self.workers, self.store))
         stalls = self.clock.summary()
-        if stalls:
+        if stalls and not self.coordinator_blamed:
             self._add_check("coordinator/stalls", PASS,
                             f"the coordinator did not run {stalls['count']} times, for "
                             f"{stalls['max_seconds']:.1f} s at most (stopped or starved of "

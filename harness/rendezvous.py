@@ -34,6 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvconnect.checks import parse_whole_number
+
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .control import HEARTBEAT_S, Control, PeerFailure
 from .display import Display
@@ -96,13 +98,7 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not sep or not host:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        p = int(port)
-    except ValueError:
-        raise ValueError(f"port {port!r} is not a number") from None
-    if not 1 <= p <= 65535:
-        raise ValueError(f"port {p} is outside 1..65535")
-    return host, p
+    return host, parse_whole_number("the port", port, minimum=1, maximum=65535)
 
 
 def membership_from_env(env: Mapping[str, str], num_prefill: int, num_decode: int,
@@ -113,11 +109,9 @@ def membership_from_env(env: Mapping[str, str], num_prefill: int, num_decode: in
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if rank is None or world is None or addr is None or port is None:
         return None
-    try:
-        grank, wsize, p = int(rank), int(world), int(port)
-    except ValueError:
-        raise ValueError(f"RANK={rank!r} WORLD_SIZE={world!r} MASTER_PORT={port!r} must be "
-                         "integers") from None
+    grank = parse_whole_number("RANK (or SLURM_PROCID)", rank, minimum=0)
+    wsize = parse_whole_number("WORLD_SIZE (or SLURM_NTASKS)", world)
+    p = parse_whole_number("MASTER_PORT", port, maximum=65535)
     if not 0 <= grank < wsize:
         raise ValueError(f"RANK {grank} is outside WORLD_SIZE {wsize}")
     if wsize != num_prefill + num_decode:
@@ -128,7 +122,8 @@ def membership_from_env(env: Mapping[str, str], num_prefill: int, num_decode: in
     return Membership(host=addr, port=p, role=role, rank=r, num_prefill=num_prefill,
                       num_decode=num_decode, source="env",
                       use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                      local_rank=int(local) if local is not None and local.isdigit() else None)
+                      local_rank=int(local) if local is not None and local.isascii()
+                      and local.isdigit() and len(local) < 7 else None)
 
 
 class RendezvousUnreachable(EnvironmentProblem):

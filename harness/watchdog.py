@@ -13,7 +13,10 @@ asks :func:`judge` about each running worker on every turn of its event loop:
 
 :class:`StallClock` notices the coordinator's own stalls (SIGSTOP, a suspended VM, a
 starved CPU): what workers sent meanwhile is still unread, so the coordinator moves every
-watchdog and deadline on by the gap instead of blaming the first worker it looks at.
+watchdog and deadline on by the gap instead of blaming the first worker it looks at. A stall
+longer than a worker waits for the coordinator's answer (its request's timeout +
+``COORDINATOR_GRACE_S``) fails the run as the coordinator's (:meth:`StallClock.blame`): the
+worker that gave up is not blamed.
 
 Units: seconds (monotonic clock).
 """
@@ -93,6 +96,24 @@ class StallClock:
         log.warning("the coordinator did not run for %.1f s (stopped or starved of CPU); its "
                     "deadlines were moved on by that much", gap)
         return gap
+
+    def blame(self, who: str, phase: str, message: str, wait_limit: float
+              ) -> tuple[str, dict[str, Any]]:
+        """The ``coordinator/stalls`` failure when worker ``who`` gave up in ``phase`` on an
+        answer the coordinator owed it for ``wait_limit`` seconds (``message``: the worker's
+        words): detail and data, naming the coordinator's stall (or, when none was measured,
+        its silence) and the worker it stopped."""
+        stalls = self.summary()
+        if stalls:
+            why = (f"the coordinator did not run for {stalls['max_seconds']:.1f} s (stopped or "
+                   f"starved of CPU), longer than a worker waits for its answer "
+                   f"({wait_limit:g} s)")
+        else:
+            why = f"the coordinator did not answer within {wait_limit:g} s"
+        return (f"{why}: {who} gave up in phase {phase} ({message}); the failure is the "
+                f"coordinator's, not the worker's",
+                {**(stalls or {"count": 0}), "cause": "coordinator_stall",
+                 "stopped_worker_phase": phase, "wait_limit_seconds": wait_limit})
 
     def summary(self) -> dict[str, Any] | None:
         """The ``coordinator/stalls`` check's data, None when there was none."""

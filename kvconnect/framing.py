@@ -42,7 +42,8 @@ from .bounded_json import loads as bounded_loads
 from .errors import KvconnectError
 
 __all__ = [
-    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "IpcError", "PeerCredentials", "PeerError", "PeerRefusedError", "check_peer",
+    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "IpcError", "PeerCredentials",
+    "PeerError", "PeerRefusedError", "PeerTimeoutError", "check_peer",
     "check_peer_uid", "connect_unix", "kernel_boot_id", "listen_unix", "peer_credentials", "private_socket_dir",
     "recv_json", "recv_message", "send_error", "send_message",
 ]
@@ -64,6 +65,11 @@ _FD_SIZE = array.array("i").itemsize
 
 class IpcError(KvconnectError, RuntimeError):
     """A peer sent something malformed, closed the socket, or did not answer in time."""
+
+
+class PeerTimeoutError(IpcError):
+    """The peer did not answer (or accept the connection) within the deadline: it may be
+    busy rather than gone, so a later attempt can succeed."""
 
 
 class PeerError(IpcError):
@@ -133,8 +139,8 @@ def connect_unix(path: str, timeout: float) -> socket.socket:
 
     Linux answers a connect to a listener whose backlog is full with ``EAGAIN`` at once when
     the socket has a timeout (Python's ``BlockingIOError``), where a TCP connect would wait:
-    retry, backing off, until the deadline, then raise :class:`IpcError` saying so. Other
-    errors (no such socket, refused) are raised as they are (``OSError``)."""
+    retry, backing off, until the deadline, then raise :class:`PeerTimeoutError` saying so.
+    Other errors (no such socket, refused) are raised as they are (``OSError``)."""
     deadline = time.monotonic() + timeout
     pause = 1e-3
     while True:
@@ -147,8 +153,9 @@ def connect_unix(path: str, timeout: float) -> socket.socket:
         except BlockingIOError:
             sock.close()
             if time.monotonic() + pause > deadline:
-                raise IpcError(f"{path}: the listener's backlog stayed full for {timeout:g} s "
-                               "(it is not accepting connections)") from None
+                raise PeerTimeoutError(f"{path}: the listener's backlog stayed full for "
+                                       f"{timeout:g} s (it is not accepting connections)"
+                                       ) from None
         except BaseException:
             sock.close()
             raise
@@ -233,7 +240,7 @@ def _deadline_left(deadline: float | None) -> float | None:
         return None
     left = deadline - time.monotonic()
     if left <= 0:
-        raise IpcError("timed out waiting for the peer")
+        raise PeerTimeoutError("timed out waiting for the peer")
     return left
 
 
@@ -244,7 +251,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
         try:
             chunk = sock.recv(n - len(buf))
         except TimeoutError:
-            raise IpcError("timed out waiting for the peer") from None
+            raise PeerTimeoutError("timed out waiting for the peer") from None
         if not chunk:
             raise IpcError("peer closed the connection")
         buf += chunk
@@ -261,7 +268,7 @@ def _recv_frame(sock: socket.socket, deadline: float | None, room: int,
         msg, anc, flags, _ = sock.recvmsg(
             _FRAME.size, socket.CMSG_SPACE(room * _FD_SIZE) if room else 0)
     except TimeoutError:
-        raise IpcError("timed out waiting for the peer") from None
+        raise PeerTimeoutError("timed out waiting for the peer") from None
     got = array.array("i")
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -310,17 +317,20 @@ def _raise_peer_error(sock: socket.socket, length: int, deadline: float | None) 
 
 def recv_message(
     sock: socket.socket, timeout: float | None = None, max_fds: int = MAX_FDS,
+    max_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[dict, list[int]]:
     """Receive one message: ``(payload, fds)``. The caller owns the returned fds.
 
     Raises :class:`PeerError` when the peer sent an error instead, and IpcError on a
     timeout (``timeout`` seconds for the whole message), a closed peer, a bad header, more
-    than ``max_fds`` fds, an oversized, too deeply nested or non-object payload. On any
-    error every fd received so far is closed, and the stream is
-    out of step (the rest of that message is still queued): close the connection.
+    than ``max_fds`` fds, a payload over ``max_bytes`` (at most :data:`MAX_MESSAGE_BYTES`),
+    too deeply nested or not an object. On any error every fd received so far is closed,
+    and the stream is out of step (the rest of that message is still queued): close the
+    connection.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     max_fds = max(0, min(int(max_fds), MAX_FDS))
+    max_bytes = max(0, min(int(max_bytes), MAX_MESSAGE_BYTES))
     fds: list[int] = []
     try:
         kind, _, length, total = _recv_frame(sock, deadline, min(max_fds, SCM_MAX_FD), fds)
@@ -330,8 +340,8 @@ def recv_message(
             raise IpcError(f"peer announced {total} fds, more than the {max_fds} accepted here")
         if len(fds) > total:
             raise IpcError(f"peer sent {len(fds)} fds with a message announcing {total}")
-        if length > MAX_MESSAGE_BYTES:
-            raise IpcError(f"peer announced {length} bytes, over the {MAX_MESSAGE_BYTES} limit")
+        if length > max_bytes:
+            raise IpcError(f"peer announced {length} bytes, over the {max_bytes} limit")
         body = _recv_exact(sock, length, deadline)
         while len(fds) < total:
             kind, nfds, extra, _ = _recv_frame(sock, deadline,
@@ -352,8 +362,9 @@ def recv_message(
         raise
 
 
-def recv_json(sock: socket.socket, timeout: float | None = None) -> dict:
+def recv_json(sock: socket.socket, timeout: float | None = None,
+              max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
     """Receive one message that must carry no fds (one with fds raises IpcError, and the
-    kernel closes them); returns its JSON object."""
-    payload, _ = recv_message(sock, timeout, max_fds=0)
+    kernel closes them) and at most ``max_bytes`` of JSON; returns its JSON object."""
+    payload, _ = recv_message(sock, timeout, max_fds=0, max_bytes=max_bytes)
     return payload

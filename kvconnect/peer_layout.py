@@ -348,7 +348,9 @@ class PeerLayout:
         type- and range-checked; anything off raises :class:`PeerLayoutError` naming the
         field as ``<where>.<field>``, never TypeError / KeyError."""
         if isinstance(doc, (bytes, bytearray, str)):
-            size = len(doc.encode("utf-8")) if isinstance(doc, str) else len(doc)
+            # surrogatepass: a lone surrogate is counted here and refused by bounded_loads
+            size = len(doc.encode("utf-8", "surrogatepass")) if isinstance(doc, str) \
+                else len(doc)
             if size > max_bytes:
                 raise PeerLayoutError(f"{where} is {size} bytes, above the {max_bytes}-byte "
                                       "limit")

@@ -95,7 +95,15 @@ checked by what it registers with NIXL and by the views it holds after `register
 (a view addressing uncommitted bytes that is not one vLLM handed it fails `committed_only`);
 `block_geometry` and `moves_blocks` are then listed as not checked, with the reason, and
 the engine mode below moves its blocks. What a connector prints, on any inherited fd, is
-kept out of the kit's channel (counted as `stray_output`).
+kept out of the kit's channel (counted as `stray_output`). `leftovers` (in each case's JSON,
+not a table column): no process of the case outlived it. The kit adopts the orphans of the
+case's process tree while cases run (a child subreaper), and after each case names, fails
+and ends every process still in the case's process group, in its session (spawned cases),
+or adopted from its tree (a daemon that called `setsid`): `kvconnect.leftovers`. A case that
+ends without a result is an `error` whose evidence says how its process ended (`exit code
+0` before it reported a result, with the log's tail apart in `log_tail`), or the error it
+reported: a `module:Class` that is not a `KVConnectorBase_V1` subclass is named as such
+(`ConnectorSpecError`), and a traceback is cut at a line, never mid-word.
 
 **Stand-ins (CPU-only machine).** SimpleCPUOffload's copy engine is `cuMemcpyBatchAsync`
 (CUDA only): the kit copies the same rows synchronously (`HostCopyBackendStandIn`) and stubs

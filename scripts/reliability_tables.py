@@ -38,10 +38,12 @@ DEFAULT_JSON = ROOT / "benchmarks" / "results" / "reliability-host.json"
 TEST_FILES = {
     "trust": ["tests/test_trust_boundaries.py"],
     "fuzz": ["tests/test_fuzz_frames.py", "tests/test_fuzz_peer_input.py",
-             "tests/test_fuzz_config_cli.py", "tests/test_peer_layout.py"],
+             "tests/test_fuzz_config_cli.py", "tests/test_peer_layout.py",
+             "tests/test_bounded_json_hostile.py"],
     "soak": ["tests/test_soak.py"],
     "recovery": ["tests/test_nixl_recovery.py"],
-    "hostile": ["tests/test_ipc_hostile.py", "tests/test_harness_output.py"],
+    "hostile": ["tests/test_ipc_hostile.py", "tests/test_harness_output.py",
+                "tests/test_nixl_fast_path_hostile.py"],
 }
 RUN_TIMEOUT_S = 1200
 #: corrupted NIXL agent-metadata blobs tried by scripts/nixl_metadata_probe.py
@@ -223,6 +225,10 @@ def render_sections(data: dict[str, Any]) -> dict[str, str]:
     out["recovery"] = _table(["Test", "What it shows", "Result", "s"],
                              _test_rows(data, "recovery")) + sweep_text
 
+    scans = [r for r in records if r["kind"] == "json_scan"]
+    if scans:
+        out["json-scan"] = "\n\n".join(_json_scan_table(r) for r in scans)
+
     if any(c["file"] in TEST_FILES["hostile"] for c in data["tests"]):
         out["hostile"] = _table(["Test", "What it shows", "Result", "s"],
                                 _test_rows(data, "hostile"))
@@ -247,6 +253,28 @@ def render_sections(data: dict[str, Any]) -> dict[str, str]:
                           for f, s in per_file.items()]
                          + [["all", len(data["tests"]), f"{sum(per_file.values()):.1f}"]])
     return out
+
+
+def _json_scan_table(r: dict[str, Any]) -> str:
+    """The depth scan's time against the input's size (tests/test_bounded_json_hostile.py),
+    with the figures measured before the fix."""
+    rows, prev = [], None
+    for row in r["rows"]:
+        grew = "-" if prev is None else (
+            f"{row['chars'] / prev['chars']:.0f}x / "
+            f"{row['seconds'] / max(prev['seconds'], 1e-9):.1f}x")
+        rows.append([f"{row['chars']:,}", f"{row['seconds'] * 1e3:.2f}", grew,
+                     "yes" if row.get("checked") else "-"])
+        prev = row
+    before = "; ".join(f"{b['chars']:,} characters took {b['seconds']:g} s"
+                       for b in r.get("before_fix", []))
+    return (f"Input: {r['shape']} (`bounded_json.loads`: the depth scan, then the parse). "
+            f"Time: the least CPU time of the scanning thread over several runs. A checked "
+            f"step may take at most {r['max_time_growth']:g}x the time for "
+            f"{r['growth']}x the input; beyond {r.get('checked_up_to', 0):,} characters the "
+            f"text outgrows the CPU's caches and each byte costs more: recorded only. Before "
+            f"the fix (wall time): {before or 'not recorded'}: quadratic.\n\n"
+            + _table(["Characters", "CPU ms", "Input / time growth", "Checked"], rows))
 
 
 def write_doc(sections: dict[str, str], doc: Path = DOC) -> None:

@@ -12,6 +12,11 @@ check them as connectors of unknown kind:
 - :class:`HangingConnector`: ``register_kv_caches`` never returns (for per-case deadlines).
 - :class:`CorruptingExampleConnector`: vLLM's ExampleConnector storing negated KV (engine
   mode: a reload must give other tokens).
+- :class:`EarlyExitConnector`: ends its process with status 0 while registering.
+- :class:`DaemonizingConnector`: conforms, but leaves a daemon behind (``fork``, ``setsid``,
+  ``fork``: a process of a session of its own, orphaned) that would sleep ten minutes; its
+  pid goes to the file ``$KVC_TEST_DAEMON_PIDFILE``.
+- :class:`NotAConnector`: a class that is not a ``KVConnectorBase_V1``.
 """
 
 from __future__ import annotations
@@ -129,3 +134,39 @@ class CorruptingExampleConnector(corrupting_example_connector()):  # type: ignor
                                                      request.mm_hashes)
                 kv = safetensors.torch.load_file(path)["kv_cache"]
                 safetensors.torch.save_file({"kv_cache": -kv}, path)
+
+
+class EarlyExitConnector(MinimalConnector):
+    """Leaves the process with exit status 0 in ``register_kv_caches``."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        os._exit(0)
+
+
+class DaemonizingConnector(MinimalConnector):
+    """Registers as MinimalConnector does, after starting a daemon the kit must find."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        pid = os.fork()
+        if pid == 0:  # the intermediate: a session of its own, then the daemon, then gone
+            try:
+                os.setsid()
+                if os.fork() == 0:
+                    with open(os.environ["KVC_TEST_DAEMON_PIDFILE"], "w") as f:
+                        f.write(str(os.getpid()))
+                    time.sleep(600)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        path = os.environ["KVC_TEST_DAEMON_PIDFILE"]
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        super().register_kv_caches(kv_caches)
+
+
+class NotAConnector:
+    """A class, but not a KV connector."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass

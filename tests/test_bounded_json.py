@@ -65,8 +65,8 @@ def _unbounded_json(data: str | bytes) -> tuple[object, bool]:
 
 
 def _over_bounds(data: str | bytes, value: object) -> bool:
-    """A JSON document json.loads accepted nests deeper than 64 levels or holds an integer
-    of more than 40 digits."""
+    """A JSON document json.loads accepted nests deeper than 64 levels, holds an integer
+    of more than 40 digits or a string with a lone surrogate (not valid Unicode)."""
     text = data.decode("utf-8") if isinstance(data, bytes) else data
     if nesting_depth(text, max_depth=1 << 30) > DEFAULT_MAX_DEPTH:
         return True
@@ -74,10 +74,13 @@ def _over_bounds(data: str | bytes, value: object) -> bool:
     while todo:
         v = todo.pop()
         if isinstance(v, dict):
+            todo.extend(v)
             todo.extend(v.values())
         elif isinstance(v, list):
             todo.extend(v)
         elif isinstance(v, int) and len(str(abs(v))) > DEFAULT_MAX_INT_DIGITS:
+            return True
+        elif isinstance(v, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in v):
             return True
     return False
 

@@ -27,7 +27,7 @@ def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
-@pytest.mark.parametrize("value", ["nan", "-1", "0", "inf", "ten"])
+@pytest.mark.parametrize("value", ["nan", "-1", "0", "inf", "ten", "1e300", "\u0665"])
 def test_cli_refuses_a_timeout_that_is_not_a_finite_positive_number(value: str,
                                                                     tmp_path: Path) -> None:
     lines = tmp_path / "cases.jsonl"
@@ -71,7 +71,7 @@ def test_cli_refuses_a_gpu_index_that_does_not_exist() -> None:
 def test_api_refuses_bad_timeouts_before_running_anything() -> None:
     from kvconnect.vllm.conformance import run_conformance
 
-    for bad in (0, -1, float("nan"), float("inf"), True, "10"):
+    for bad in (0, -1, float("nan"), float("inf"), True, "10", 1e300, 86401):
         with pytest.raises(ValueError, match="timeout"):
             run_conformance(["NixlConnector"], ["LBHNC"], timeout=bad)
     assert check_timeout(2.5) == 2.5
@@ -89,6 +89,8 @@ def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     ("--kvconnect-num-blocks", "-5"), ("--kvconnect-num-blocks", "x"),
     ("--kvconnect-capacity-blocks", "0"), ("--kvconnect-layouts", "LBHNC,NOPE"),
     ("--kvconnect-timeout", "nan"), ("--kvconnect-timeout", "-1"),
+    ("--kvconnect-timeout", "1e300"), ("--kvconnect-num-blocks", "\u0666\u0664"),
+    ("--kvconnect-num-blocks", "+64"), ("--kvconnect-capacity-blocks", str(2 ** 70)),
     ("--kvconnect-num-blocks", "64", "--kvconnect-capacity-blocks", "32"),
     ("--kvconnect-device", "tpu:0"),
 ], ids=lambda a: " ".join(a))

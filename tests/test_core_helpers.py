@@ -1,4 +1,5 @@
-"""The small shared helpers: checked_int/round_up, UndoStack, poll_until."""
+"""The small shared helpers: checked_int/round_up, the parsers of typed numbers and durations,
+UndoStack, poll_until."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import time
 
 import pytest
 
-from kvconnect.checks import MAX_BYTES, checked_int, round_up
+from kvconnect.checks import (
+    MAX_BYTES,
+    MAX_SECONDS,
+    checked_int,
+    checked_seconds,
+    parse_whole_number,
+    round_up,
+)
 from kvconnect.polling import poll_until
 from kvconnect.undo import UndoStack
 
@@ -34,6 +42,37 @@ def test_checked_int_and_round_up_accept() -> None:
     assert [round_up(v, 4) for v in (0, 1, 4, 5)] == [0, 4, 4, 8]
     with pytest.raises(ValueError, match="positive"):
         round_up(3, 0)
+
+
+@pytest.mark.parametrize("text", ["\u0662", "\uff15", "+5", "_1_", "1__0", "1_", "\xa05",
+                                  "5\u2003", "0x5", "5.0", "", "-", str(2 ** 70), "1" * 5000])
+def test_whole_numbers_are_ascii_digits_within_bounds(text: str) -> None:
+    """int() takes every one of these but the last two (or takes them slowly)."""
+    with pytest.raises(ValueError, match="--x must be a whole number from 1 to"):
+        parse_whole_number("--x", text)
+
+
+def test_whole_numbers_accepted() -> None:
+    assert parse_whole_number("n", " 8_589_934_592\n") == 8 << 30
+    assert parse_whole_number("n", "-3", minimum=-5, maximum=5) == -3
+    assert parse_whole_number("n", "007", maximum=10) == 7
+    with pytest.raises(ValueError, match="from 1 to 10"):
+        parse_whole_number("n", "11", maximum=10)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", float("inf"), float("nan"), "1e300",
+                                   MAX_SECONDS * 2, 10 ** 400, 0, -1, "0", "\u0662", "1_0",
+                                   True, None, [1], "", " ", "5s"])
+def test_seconds_are_finite_positive_and_bounded(value: object) -> None:
+    with pytest.raises(ValueError, match="timeout must be seconds: a number above 0"):
+        checked_seconds("timeout", value)
+
+
+@pytest.mark.parametrize(("value", "want"), [(5, 5.0), (0.25, 0.25), (" 2.5 ", 2.5),
+                                             ("1e3", 1000.0), (".5", 0.5),
+                                             (MAX_SECONDS, MAX_SECONDS)])
+def test_seconds_accepted(value: object, want: float) -> None:
+    assert checked_seconds("timeout", value) == want
 
 
 def test_undo_stack_runs_in_reverse_on_error_and_forgets_on_success(

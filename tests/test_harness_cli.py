@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -22,15 +23,15 @@ VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prefill", "0"], "must be at least 1"),
-    (["--decode", "x"], "expected an integer"),
+    (["--prefill", "0"], "must be a whole number from 1 to 1000000"),
+    (["--decode", "x"], "must be a whole number from 1 to 1000000"),
     (["--transports", "ipc,rdma"], "unknown transport(s) rdma"),
     (["--transports", "ipc,ipc"], "listed twice"),
     (["--transports", ","], "needs at least one transport name"),
     (["--num-blocks", "3"], "--num-blocks must be at least 4"),
     (["--num-blocks", "8", "--transfer-blocks", "8"], "--transfer-blocks must be between 2"),
-    (["--timeout", "0"], "positive finite number"),
-    (["--min-gbps", "-1"], "positive finite number"),
+    (["--timeout", "0"], "must be seconds: a number above 0 and at most 86400"),
+    (["--min-gbps", "-1"], "must be GB/s: a number above 0"),
     (["--device", "tpu"], "invalid choice"),
     (["--layout", "no-such-model"], "not a known preset"),
     (["--layout", "jamba-hybrid-like", "--num-layers", "1"], "needs at least 2 layers"),
@@ -40,7 +41,8 @@ VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
     (["--json", "/tmp/same.out", "--junit", "/tmp/same.out"], "name the same file"),
     (["--role", "decode"], "needs --rendezvous, --role and --rank together"),
     (["--rendezvous", "localhost", "--role", "prefill", "--rank", "0"], "expected HOST:PORT"),
-    (["--rendezvous", "h:70000", "--role", "prefill", "--rank", "0"], "outside 1..65535"),
+    (["--rendezvous", "h:70000", "--role", "prefill", "--rank", "0"],
+     "the port must be a whole number from 1 to 65535"),
     (["--rendezvous", "h:1234", "--role", "decode", "--rank", "1"], "out of range"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str,
@@ -48,6 +50,74 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str,
     code, text = run_validate_cli(argv)
     assert code == 2
     assert message in text
+
+
+@pytest.mark.parametrize("argv", [
+    ["--prefill", "\u0662"], ["--decode", "\uff12"], ["--num-blocks", "+8"],
+    ["--seed", str(2 ** 70)], ["--num-layers", "\xa02"], ["--sizes", "\u0661M"],
+    ["--sizes", "1M:\u0664M"], ["--timeout", "1e300"], ["--timeout", "inf"],
+    ["--timeout", "nan"], ["--timeout", "86401"], ["--timeout", "\u0665"],
+    ["--min-gbps", "\u0662"], ["--min-gbps", "inf"], ["--inject", "kill-decode\u0661@transfer"],
+    ["--rendezvous", "h:\u0668\u0660", "--role", "prefill", "--rank", "0"],
+    ["--warmup", "1_0_", "--sizes", "1M"], ["--iters", "10000001", "--sizes", "1M"],
+])
+def test_numbers_are_ascii_digits_within_bounds(argv: list[str], run_validate_cli: Any) -> None:
+    """Issue 23: ``--prefill \u0662`` ran 2 prefills, ``--sizes \u0661M`` ran a sweep, and
+    ``--timeout 1e300`` ran and failed after 65 s ("timestamp out of range"): int() and
+    float() take non-ASCII digits and no bound. Each is now exit 2 before any worker."""
+    code, text = run_validate_cli(argv)
+    assert code == 2, text
+    assert "ASCII digits" in text or "expected a size" in text or "expected FAULT@PHASE" in text
+
+
+def test_numbers_at_their_bounds_are_taken() -> None:
+    args = arguments.build_parser().parse_args(
+        ["--timeout", "86400", "--seed", str(2 ** 63 - 1), "--prefill", "1_0",
+         "--min-gbps", "2.5", "--sizes", " 1M"])
+    assert (args.timeout, args.seed, args.prefill, args.min_gbps, args.sizes) == (
+        86400.0, 2 ** 63 - 1, 10, 2.5, [1 << 20])
+
+
+def test_launcher_variables_are_ascii_digits() -> None:
+    env = {"RANK": "\u0660", "WORLD_SIZE": "3", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    with pytest.raises(ValueError, match=r"RANK \(or SLURM_PROCID\) must be .*ASCII digits"):
+        membership_from_env(env, 2, 1)
+    env = {**env, "RANK": "0", "MASTER_PORT": "\uff12\uff19\uff15\uff10\uff10"}
+    with pytest.raises(ValueError, match="MASTER_PORT"):
+        membership_from_env(env, 2, 1)
+
+
+@pytest.fixture
+def fast_ipc_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transport registered as ``FastIpc`` (the ipc spec under another name), as a
+    ``--transport-module`` would; removed from the registry after the test."""
+    from kvconnect.connectors import registry
+
+    registry.register_builtin_transports()
+    spec = dataclasses.replace(registry.get_transport("ipc"), name="FastIpc")
+    monkeypatch.setitem(registry._REGISTRY, "FastIpc", spec)
+
+
+@pytest.mark.parametrize(("typed", "want"), [
+    ("FastIpc", ["FastIpc"]), ("fastipc", ["FastIpc"]), ("FASTIPC,IPC", ["FastIpc", "ipc"]),
+    ("ipc,FastIpc", ["ipc", "FastIpc"])])
+def test_transports_are_matched_as_registered(fast_ipc_registered: None, typed: str,
+                                              want: list[str]) -> None:
+    """Issue 23: the CLI lowercased what was typed, so a transport registered as FastIpc
+    could never be chosen ("unknown transport(s) fastipc; choose from ipc, nixl, FastIpc")."""
+    args = arguments.build_parser().parse_args(["--transports", typed, "--device", "host"])
+    cfg, _ = cli.build_config(args)
+    assert cfg.transports == want
+
+
+@pytest.mark.parametrize(("typed", "message"), [("fastipc,FastIpc", "FastIpc listed twice"),
+                                                ("ipc,IPC", "ipc listed twice"),
+                                                ("FastIpcs", "unknown transport(s) FastIpcs")])
+def test_transports_named_twice_or_unknown_are_refused(fast_ipc_registered: None, typed: str,
+                                                       message: str) -> None:
+    args = arguments.build_parser().parse_args(["--transports", typed, "--device", "host"])
+    with pytest.raises(cli.UsageError, match=re.escape(message)):
+        cli.build_config(args)
 
 
 def test_world_size_from_the_launcher_must_match(monkeypatch: pytest.MonkeyPatch,
@@ -210,7 +280,7 @@ def test_sizes_parse_as_nccl_tests_ranges_or_lists() -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--sizes", "1M:1G", "--num-blocks", "160"], "needs --num-blocks of at least 4096"),
     (["--iters", "3"], "give --sizes too"),
-    (["--sizes", "1M", "--iters", "0"], "must be at least 1"),
+    (["--sizes", "1M", "--iters", "0"], "must be a whole number from 1 to"),
 ])
 def test_bad_sweep_arguments_exit_2(argv: list[str], message: str,
                                     run_validate_cli: Any) -> None:

@@ -411,6 +411,40 @@ def test_a_stalled_coordinator_blames_no_worker(tmp_path: Path) -> None:
     assert_clean_exit(Run(code, "", "", report, ET.parse(junit).getroot(), 0.0, tmpdir))
 
 
+def test_a_coordinator_stalled_past_the_workers_wait_is_blamed_not_a_worker(
+        tmp_path: Path) -> None:
+    """Issue 23 item 9: the coordinator stopped for longer than a worker waits for its
+    answer (--timeout 4 + 5 s). Before: ``FAIL worker/prefill0 ... no answer from the
+    coordinator`` beside ``PASS coordinator/stalls ... no worker was blamed``. Now the one
+    failing check is ``coordinator/stalls``, naming the stall; prefill0's is a skip."""
+    proc, tmpdir, out, junit = _start(
+        tmp_path, "--transports", "ipc", "--num-layers", "1", "--num-blocks", "8",
+        "--timeout", "4")
+    try:
+        _wait_for_line(proc, "decode0: allocate", timeout=PROCESS_TIMEOUT)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(16)  # prefill0's wait for decode0's hello gives up after 9 s of it
+        proc.send_signal(signal.SIGCONT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    report = json.loads(out.read_text())
+    failed = [(c["worker"], c["name"], c["data"]) for c in report["checks"]
+              if c["status"] == "fail"]
+    assert code == 1 and not report["passed"]
+    assert [(w, n) for w, n, _ in failed] == [("coordinator", "coordinator/stalls")], failed
+    data = failed[0][2]
+    assert data["cause"] == "coordinator_stall" and data["max_seconds"] >= 15
+    assert data["wait_limit_seconds"] == 9
+    workers = {c["name"]: c for c in report["checks"] if c["name"].startswith("worker/")}
+    assert workers["worker/prefill0"]["status"] == "skip"
+    assert workers["worker/prefill0"]["data"]["cause"] == "coordinator_stall"
+    assert_clean_exit(Run(code, "", "", report, ET.parse(junit).getroot(), 0.0, tmpdir))
+
+
 def test_more_workers_than_the_cpus_can_carry_are_refused_before_any_starts(
         tmp_path: Path) -> None:
     """Issue 16 defect 9: ``--prefill 64 --decode 64`` on a 2-core machine started 128

@@ -14,12 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-from _nixl_peer import block_view, fill_cache
+from _fast_path_peers import AGENT, NUM_BLOCKS
+from _fast_path_peers import PullWorkerStandIn as _PullWorkerStandIn
+from _fast_path_peers import cache as _cache
+from _fast_path_peers import read_kw as _read_kw
+from _fast_path_peers import upstream_worker_stand_in as _upstream_worker_stand_in
+from _nixl_peer import block_view
 
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
 from kvconnect.framing import IpcError, kernel_boot_id
 from kvconnect.kv_cache import ExtensibleKVCache
-from kvconnect.layout import preset
 from kvconnect.vllm.ipc_offer import (
     REASONS,
     FastPathDecision,
@@ -37,10 +41,6 @@ from kvconnect.vllm.nixl_fast_path import (
     layout_mismatch,
     logical_ids,
 )
-from kvconnect.vmm import AllocationOptions
-
-AGENT = "0f9c2a8e-5d1b-4c3e-9a7f-1b2c3d4e5f60"
-NUM_BLOCKS = 8
 
 
 @pytest.fixture
@@ -48,17 +48,6 @@ def directory() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="kvc-") as d:
         os.chmod(d, 0o700)
         yield d
-
-
-def _cache(seed: int | None = None) -> ExtensibleKVCache:
-    cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=NUM_BLOCKS, num_layers=2),
-                              "cpu", capacity_blocks=NUM_BLOCKS * 4,
-                              options=AllocationOptions(shareable=True))
-    cache.allocate()
-    cache.extend_kv_cache(NUM_BLOCKS)
-    if seed is not None:
-        fill_cache(cache, seed)
-    return cache
 
 
 def _block(cache: ExtensibleKVCache, b: int) -> list[torch.Tensor]:
@@ -246,22 +235,6 @@ def test_handles_report_proc_done_err_and_pass_nixl_handles_through() -> None:
     assert seen[-1] == ("released", 12345)
 
 
-def _upstream_worker_stand_in(**changes: Any) -> SimpleNamespace:
-    """The attributes of vLLM's NIXL worker that :func:`layout_mismatch` reads (vLLM is not
-    installed in this environment; the engine tests use the real worker)."""
-    info = SimpleNamespace(remote_tp_size=1, remote_block_size=128,
-                           remote_physical_blocks_per_logical=1, remote_dcp_size=1)
-    topo = SimpleNamespace(tp_size=1, block_size=128, get_engine_info=lambda e: info)
-    worker = SimpleNamespace(transfer_topo=topo, _physical_blocks_per_logical_kv_block=1,
-                             dcp_size=1, pp_size=1, _has_mamba=False, use_host_buffer=False,
-                             _mixed_mem_types=False, enable_permute_local_kv=False,
-                             enable_heterogeneous_attn_post_process=False)
-    for k, v in changes.items():
-        target = info if k.startswith("remote_") else worker
-        setattr(target, k, v)
-    return worker
-
-
 @pytest.mark.parametrize(("change", "words"), [
     ({}, None), ({"remote_tp_size": 2}, "tensor parallel"),
     ({"remote_block_size": 16}, "block size"), ({"use_host_buffer": True}, "host staging"),
@@ -284,24 +257,6 @@ def test_decision_json_names_its_reason() -> None:
     j = d.to_json()
     assert j["route"] == "nixl" and j["code"] == "layout" and "128 here" in j["reason"]
     assert j["ipc_reads"] == 0 and j["nixl_reads"] == 0
-
-
-class _PullWorkerStandIn(SimpleNamespace):
-    """What :class:`NixlIpcFastPath` touches of vLLM's pull worker (vLLM is not installed in
-    this environment; the engine tests run the real one): its bookkeeping dicts, upstream's
-    topology (:func:`_upstream_worker_stand_in`) and a prefix trim that keeps everything
-    (no local prefix hit)."""
-
-    def _apply_prefix_caching(self, *, decode_block_ids: Any, prefill_block_ids: Any,
-                              **ratios: int) -> tuple[Any, Any]:
-        return decode_block_ids, prefill_block_ids
-
-
-def _read_kw(local: list[int], remote: list[int]) -> dict[str, Any]:
-    spec = SimpleNamespace(remote_rank=0, local_block_ids=[local], remote_block_ids=[remote],
-                           block_ids_by_region=False)
-    return {"read_spec": spec, "dst_engine_id": "prefill-0", "request_id": "req-1",
-            "remote_request_id": "p-req-1", "expected_consumers": 1}
 
 
 def test_a_read_becomes_one_copy_upstream_polls_and_notifies(

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +142,59 @@ def test_sigterm_kills_the_case_in_flight_and_keeps_the_results(tmp_path: Path) 
     assert kept["interrupted"] == "SIGTERM"
     assert [r["connector"].split(":")[1] for r in kept["results"]] == ["MinimalConnector"]
     assert _session_members(proc.pid) == []  # the hanging case's process went too
+
+
+@pytest.fixture(scope="module")
+def misbehaving(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run over the connectors that end early, are not connectors, or daemonize (issue
+    23, item 10), with the daemon's pid."""
+    pidfile = tmp_path_factory.mktemp("daemon") / "pid"
+    os.environ["KVC_TEST_DAEMON_PIDFILE"] = str(pidfile)
+    sys.path.insert(0, str(HERE))
+    try:
+        rs = run_conformance([f"{MOD}:EarlyExitConnector", f"{MOD}:NotAConnector",
+                              f"{MOD}:DaemonizingConnector"], ["LBHNC"], timeout=120)
+    finally:
+        sys.path.remove(str(HERE))
+        del os.environ["KVC_TEST_DAEMON_PIDFILE"]
+    out: dict[str, Any] = {r["connector"].split(":")[1]: r for r in rs}
+    out["daemon_pid"] = int(pidfile.read_text()) if pidfile.exists() else None
+    return out
+
+
+def test_a_case_that_exits_0_early_says_so(misbehaving: dict[str, Any]) -> None:
+    """Before: the evidence was a tail of vLLM's warnings from the case's log."""
+    r = misbehaving["EarlyExitConnector"]
+    assert r["status"] == "error"
+    assert r["evidence"].startswith("the case's process ended (exit code 0) before it "
+                                    "reported a result"), r["evidence"]
+    assert "WARNING" not in r["evidence"]  # the log (``log_tail`` when there is one) apart
+
+
+def test_a_class_that_is_not_a_connector_is_named(misbehaving: dict[str, Any]) -> None:
+    """Before: a raw pydantic traceback, cut mid-word."""
+    r = misbehaving["NotAConnector"]
+    assert r["status"] == "error"
+    assert r["evidence"] == (f"ConnectorSpecError: {MOD}:NotAConnector is the class "
+                             "NotAConnector, not a vLLM KV connector (a subclass of "
+                             "KVConnectorBase_V1): name a connector class")
+
+
+def test_a_daemon_a_connector_leaves_is_found_reported_and_ended(
+        misbehaving: dict[str, Any]) -> None:
+    """Before: the case passed and the daemon (its own session, orphaned) outlived the
+    kit. Now the kit adopts the case's orphans, names them in the ``leftovers`` check
+    (which fails the case) and ends them."""
+    r = misbehaving["DaemonizingConnector"]
+    pid = misbehaving["daemon_pid"]
+    assert pid is not None
+    left = r["checks"]["leftovers"]
+    assert r["status"] == "fail" and left["status"] == "fail", r
+    assert [(p["pid"], p["found_by"]) for p in left["left"]] == [(pid, "adopted orphan")]
+    assert not os.path.exists(f"/proc/{pid}"), "the daemon outlived the kit"
+    assert r["checks"]["register"]["status"] == "pass"  # otherwise it conforms
+
+
+def test_a_case_that_leaves_nothing_passes_the_leftovers_check(authored) -> None:
+    r = authored[("MinimalConnector", "LBHNC")]
+    assert r["checks"]["leftovers"] == {"status": "pass", "processes": 0}

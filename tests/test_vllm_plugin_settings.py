@@ -42,6 +42,21 @@ def test_capacity_knob() -> None:
             capacity_bytes_from_env({CAPACITY_ENV: bad})
 
 
+@pytest.mark.parametrize("bad", ["\u0661\u0660\u0662\u0664", "\uff11\uff10", "_1_", "1__0",
+                                 "+5", "\xa05", "5\u2003", str(2 ** 70), "1_", "0x10", "1e9"])
+def test_capacity_takes_ascii_digits_within_a_bound(bad: str) -> None:
+    """Issue 23: Arabic-Indic and full-width digits, ``_1_``, ``1__0``, ``+5``, a leading
+    no-break space and 2**70 were accepted (int() takes them all)."""
+    with pytest.raises(PluginConfigError, match=f"{CAPACITY_ENV}.*ASCII digits"):
+        capacity_bytes_from_env({CAPACITY_ENV: bad})
+
+
+@pytest.mark.parametrize(("text", "value"), [(" 4096 ", 4096), ("1_024", 1024),
+                                             (str(2 ** 63 - 1), 2 ** 63 - 1), ("  ", None)])
+def test_capacity_forms_taken(text: str, value: int | None) -> None:
+    assert capacity_bytes_from_env({CAPACITY_ENV: text}) == value
+
+
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.33.0", "0.33.2+cpu"])
 def test_supported_versions(version: str) -> None:
     assert check_vllm_version(version) == version[:4]

@@ -52,7 +52,6 @@ from kvconnect.cache_source import KVCacheSource
 from kvconnect.framing import (
     IpcError,
     connect_unix,
-    listen_unix,
     peer_credentials,
     recv_json,
     recv_message,
@@ -61,6 +60,7 @@ from kvconnect.framing import (
 )
 from kvconnect.ipc import PeerMapping, export_message, import_message
 from kvconnect.peer_layout import PeerLayout
+from kvconnect.unix_server import UnixServer
 
 from ..copy._cuda_streams import current_stream, synchronize
 from ..copy._kernel_launch import wait_events
@@ -131,13 +131,9 @@ class IpcExportServer:
         self.errors: collections.deque[str] = collections.deque(maxlen=self.MAX_KEPT_ERRORS)
         self.num_errors = 0
         self._lock = threading.Lock()  # held while the cache sleeps (pause / resume)
-        self._state = threading.Lock()  # counters, errors and the client set
-        self._slots = threading.BoundedSemaphore(self.MAX_CLIENTS)
-        self._clients: dict[threading.Thread, socket.socket] = {}
-        self._open = True
-        self._sock = listen_unix(self.path, socket.SOMAXCONN, accept_timeout=0.2)
-        self._thread = threading.Thread(target=self._serve, name="kvc-ipc-export", daemon=True)
-        self._thread.start()
+        self._state = threading.Lock()  # counters and errors
+        self._server = UnixServer(self.path, self._client, max_clients=self.MAX_CLIENTS,
+                                  name="kvc-ipc-export")
 
     def describe(self) -> JSONObject:
         """What a receiver needs to connect: the socket path, our pid, the generation."""
@@ -146,8 +142,7 @@ class IpcExportServer:
     @property
     def active_clients(self) -> int:
         """Connections being served now."""
-        with self._state:
-            return len(self._clients)
+        return self._server.active_clients
 
     def pause(self) -> None:
         """Hold requests (while the cache sleeps): they wait until :meth:`resume`."""
@@ -158,46 +153,23 @@ class IpcExportServer:
         self.generation += 1
         self._lock.release()
 
-    def _serve(self) -> None:
-        while self._open:
-            if not self._slots.acquire(timeout=0.2):
-                continue  # every slot busy: connections wait in the backlog
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                self._slots.release()
-                continue
-            except OSError:
-                self._slots.release()
-                return
-            thread = threading.Thread(target=self._client, args=(conn,), daemon=True,
-                                      name="kvc-ipc-export-client")
-            with self._state:
-                self._clients[thread] = conn
-            thread.start()
-
     def _client(self, conn: socket.socket) -> None:
+        """One connection (its own thread, :class:`~kvconnect.unix_server.UnixServer`)."""
         try:
-            with conn:
-                try:
-                    self._handle(conn)
-                except (IpcError, OSError, RuntimeError, ValueError) as exc:
-                    self._failed(exc)
-                    try:
-                        send_error(conn, exc)  # the decode sees this error, not a closed socket
-                    except OSError:
-                        pass
-        finally:
-            with self._state:
-                self._clients.pop(threading.current_thread(), None)
-            self._slots.release()
+            self._handle(conn)
+        except (IpcError, OSError, RuntimeError, ValueError) as exc:
+            self._failed(exc)
+            try:
+                send_error(conn, exc)  # the decode sees this error, not a closed socket
+            except OSError:
+                pass
 
     def _failed(self, exc: BaseException) -> None:
         with self._state:
             self.num_errors += 1
             self.errors.append(str(exc))
             count = self.num_errors
-        if count <= self.MAX_LOGGED_ERRORS and self._open:
+        if count <= self.MAX_LOGGED_ERRORS and self._server.serving:
             log.warning("ipc export: %s%s", exc, " (later failures are logged at debug level)"
                         if count == self.MAX_LOGGED_ERRORS else "")
         else:
@@ -212,7 +184,7 @@ class IpcExportServer:
         if request.get("op") != "export":
             raise IpcError(f"unexpected request {request.get('op')!r}")
         with self._lock:
-            if not self._open:
+            if not self._server.serving:
                 raise IpcError("the export server is closing")
             message, out_fds = export_message(self.cache.tensors)
             try:
@@ -234,28 +206,12 @@ class IpcExportServer:
     def close(self) -> None:
         """Stop accepting, end every client's connection and wait (briefly) for their
         threads, remove the socket. Idempotent."""
-        self._open = False
-        try:
-            self._sock.close()
-        finally:
-            self._thread.join(timeout=2)
-            with self._state:
-                clients = list(self._clients.items())
-            for _, conn in clients:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            deadline = time.monotonic() + 2.0
-            for thread, _ in clients:
-                thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            if self.num_errors > self.MAX_LOGGED_ERRORS:
-                log.warning("ipc export %s: %d failed requests in all (the last: %s)",
-                            self.path, self.num_errors, self.errors[-1])
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if not self._server.serving:
+            return
+        self._server.close()
+        if self.num_errors > self.MAX_LOGGED_ERRORS:
+            log.warning("ipc export %s: %d failed requests in all (the last: %s)",
+                        self.path, self.num_errors, self.errors[-1])
 
 
 @dataclass

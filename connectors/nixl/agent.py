@@ -1,6 +1,9 @@
 """Loading NIXL and retiring its agents safely.
 
-NIXL's Python bindings come from ``nixl_cu13`` / ``nixl_cu12`` / ``nixl`` (whichever imports).
+NIXL's Python bindings come from ``nixl`` (NIXL's meta package, what ``kvconnect[nixl]``
+installs: it dispatches to the ``nixl_cu12`` or ``nixl_cu13`` backend matching torch's CUDA,
+the one vLLM imports as ``nixl._api``, so a process that runs both uses one NIXL), else
+``nixl_cu13`` / ``nixl_cu12`` installed alone (whichever imports).
 An agent must be drained before it is destroyed (:func:`drain_agent`): a READ that failed
 half-posted can leave operations queued in UCX, and destroying the agent then aborts the
 process.
@@ -24,8 +27,11 @@ __all__ = ["NIXL_MODULES", "NixlAgent", "NixlHandle", "NixlUnavailableError",
            "NotificationInbox", "Notifications", "create_agent", "drain_agent", "import_nixl",
            "nixl_importable", "nixl_install_problem"]
 
-#: the modules NIXL's Python API comes from, in the order they are tried
-NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+#: the modules NIXL's Python API comes from, in the order they are tried (the meta package's
+#: choice first: the backend vLLM uses in the same process)
+NIXL_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+#: what to install (the ``nixl`` meta package, pulled by ``kvconnect[nixl]``)
+_INSTALL = "install kvconnect[nixl] (the nixl package 1.5.1: nixl-cu12 and nixl-cu13)"
 
 #: what NIXL hands back for a registration, a prepared descriptor list or a transfer, and takes
 #: back to release it: opaque here
@@ -64,18 +70,17 @@ class NixlUnavailableError(KVConnectorError, ImportError):
 
 
 def import_nixl() -> tuple[Callable[..., NixlAgent], Callable[..., object]]:
-    """Return ``(nixl_agent, nixl_agent_config)`` from ``nixl_cu13`` / ``nixl_cu12`` / ``nixl``
-    (the classes: an agent is ``nixl_agent(name, nixl_agent_config(...))``)."""
+    """Return ``(nixl_agent, nixl_agent_config)`` from the first of :data:`NIXL_MODULES`
+    that imports (the classes: an agent is ``nixl_agent(name, nixl_agent_config(...))``)."""
     errors = []
     for mod in NIXL_MODULES:
         try:
             module = __import__(mod, fromlist=["nixl_agent", "nixl_agent_config"])
             return module.nixl_agent, module.nixl_agent_config
-        except ImportError as exc:
+        except (ImportError, ValueError) as exc:  # ValueError: the meta package's detection
             errors.append(f"{mod}: {exc}")
-    raise NixlUnavailableError(
-        "NIXL Python bindings not found; install them with `pip install 'kvconnect[nixl]'` "
-        "(nixl-cu13==1.5.1). Tried " + "; ".join(errors))
+    raise NixlUnavailableError(f"NIXL Python bindings not found; {_INSTALL}. Tried "
+                               + "; ".join(errors))
 
 
 def nixl_install_problem() -> str | None:
@@ -87,8 +92,8 @@ def nixl_install_problem() -> str | None:
                 return None
         except (ImportError, ValueError):
             continue
-    return ("NIXL is not installed (no nixl_cu13 / nixl_cu12 / nixl module); install "
-            "kvconnect[nixl] (nixl-cu13==1.5.1) or drop nixl from the transports")
+    return (f"NIXL is not installed (no nixl / nixl_cu13 / nixl_cu12 module); {_INSTALL} or "
+            "drop nixl from the transports")
 
 
 def nixl_importable() -> bool:

@@ -89,7 +89,8 @@ def _document(data: object, max_bytes: int) -> dict:
     if not isinstance(data, (bytes, bytearray, str)):
         raise MetadataError(f"peer metadata must be JSON bytes or text, got "
                             f"{type(data).__name__}")
-    size = len(data.encode("utf-8")) if isinstance(data, str) else len(data)
+    # surrogatepass: a lone surrogate is counted here and refused by bounded_loads
+    size = len(data.encode("utf-8", "surrogatepass")) if isinstance(data, str) else len(data)
     if size > max_bytes:
         raise MetadataError(f"peer metadata is {size} bytes, above the {max_bytes}-byte limit")
     try:  # nesting depth and integer digits bounded: no RecursionError, no 4300-digit ints

@@ -28,11 +28,14 @@ Units: bytes, seconds; block ids are vLLM's (kernel ids in, logical ids to the t
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvconnect.checks import checked_seconds
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
 from kvconnect.framing import IpcError
@@ -44,39 +47,72 @@ from .ipc_offer import (
     export_socket_name,
     request_offer,
 )
+from .plugin_settings import PluginConfigError
 
 logger = logging.getLogger(__name__)
 #: vLLM's logging configuration shows INFO lines of loggers under "vllm"
 engine_log = logging.getLogger("vllm.kvconnect.fast_path")
+#: seconds before the first new offer request after a prefill did not answer in time, and
+#: the most between two (doubling in between)
+RETRY_FIRST_S, RETRY_MAX_S = 2.0, 120.0
+#: seconds :meth:`NixlIpcFastPath.close` waits for an offer request still in flight
+_RETRY_JOIN_S = 2.0
 
-__all__ = ["FastPathSettings", "IpcXferHandles", "IpcXferTelemetry", "NixlIpcFastPath",
-           "layout_mismatch"]
+__all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "FastPathSettings", "IpcXferHandles",
+           "IpcXferTelemetry", "NixlIpcFastPath", "layout_mismatch", "retry_delay"]
 
 
 @dataclass(frozen=True)
 class FastPathSettings:
-    """From ``kv_connector_extra_config``: ``kvconnect_ipc`` (bool, default true),
-    ``kvconnect_ipc_dir`` (default :func:`~kvconnect.vllm.ipc_offer.default_offer_dir`),
-    ``kvconnect_ipc_timeout`` (seconds, default 10)."""
+    """From ``kv_connector_extra_config`` (a JSON object): ``kvconnect_ipc`` (true or false,
+    default true), ``kvconnect_ipc_dir`` (an absolute path, default
+    :func:`~kvconnect.vllm.ipc_offer.default_offer_dir`), ``kvconnect_ipc_timeout`` (seconds
+    above 0, at most :data:`~kvconnect.checks.MAX_SECONDS`, default 10). A key that is
+    present must hold such a value: anything else raises
+    :class:`~kvconnect.vllm.plugin_settings.PluginConfigError` naming the key and the
+    accepted form."""
 
     enabled: bool
     directory: str
     timeout: float
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> FastPathSettings:
+    def from_extra_config(cls, extra: object) -> FastPathSettings:
         from .ipc_offer import default_offer_dir
 
-        extra = extra or {}
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise PluginConfigError(f"kv_connector_extra_config must be a JSON object, got "
+                                    f"{type(extra).__name__} {extra!r:.60}")
+        where = "kv_connector_extra_config"
         enabled = extra.get("kvconnect_ipc", True)
         if not isinstance(enabled, bool):
-            raise ValueError(f"kv_connector_extra_config kvconnect_ipc must be true or false, "
-                             f"got {enabled!r}")
-        timeout = float(extra.get("kvconnect_ipc_timeout", 10.0))
-        if not timeout > 0:
-            raise ValueError(f"kvconnect_ipc_timeout must be positive seconds, got {timeout}")
-        return cls(enabled, str(extra.get("kvconnect_ipc_dir") or default_offer_dir()),
-                   timeout)
+            raise PluginConfigError(f"{where} kvconnect_ipc must be true or false, got "
+                                    f"{enabled!r:.60}")
+        try:
+            timeout = checked_seconds(f"{where} kvconnect_ipc_timeout",
+                                      extra.get("kvconnect_ipc_timeout", 10.0))
+        except ValueError as exc:
+            raise PluginConfigError(str(exc)) from None
+        directory = extra.get("kvconnect_ipc_dir", None)
+        if "kvconnect_ipc_dir" not in extra:
+            directory = default_offer_dir()
+        elif not _is_absolute_path(directory):
+            raise PluginConfigError(f"{where} kvconnect_ipc_dir must be an absolute path (a "
+                                    f"string; both engines name the same directory), got "
+                                    f"{type(directory).__name__} {directory!r:.60}")
+        return cls(enabled, str(directory), timeout)
+
+
+def _is_absolute_path(value: object) -> bool:
+    if not isinstance(value, str) or not os.path.isabs(value) or "\0" in value:
+        return False
+    try:
+        os.fsencode(value)
+    except UnicodeError:  # e.g. a lone surrogate from a JSON escape
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -145,6 +181,13 @@ class IpcXferHandles:
         with self._lock:
             self._copies.pop(handle, None)
 
+    def clear(self) -> None:
+        """Forget every copy (at shutdown, once the transport has waited for them): their
+        callbacks refer back to the fast path, which is then freed without waiting for a
+        garbage collection, and with it the peers' mappings."""
+        with self._lock:
+            self._copies.clear()
+
     def __len__(self) -> int:
         return len(self._copies)
 
@@ -195,6 +238,13 @@ def layout_mismatch(worker: Any, engine_id: str) -> str | None:
     return next((why for ok, why in checks if not ok), None)
 
 
+def retry_delay(attempts: int) -> float:
+    """Seconds to wait before offer request number ``attempts + 1`` to a prefill that did
+    not answer the last ``attempts`` in time: :data:`RETRY_FIRST_S`, doubling, at most
+    :data:`RETRY_MAX_S`."""
+    return min(RETRY_MAX_S, RETRY_FIRST_S * 2.0 ** min(max(attempts - 1, 0), 32))
+
+
 def logical_ids(kernel_ids: list[int], ratio: int) -> list[int] | None:
     """Logical block ids whose kernel blocks are exactly ``kernel_ids`` (``ratio`` kernel
     blocks per block, in order), or None when they do not form whole blocks."""
@@ -233,6 +283,11 @@ class NixlIpcFastPath:
         #: cache's metadata): added to the counts of the same peer's next decision
         self._kept_counts: dict[tuple[str, int], dict[str, int]] = {}
         self._logged: set[tuple[str, int, str]] = set()
+        #: guards :attr:`peers` (the handshake thread, the main thread and retries write it)
+        self._peers_lock = threading.Lock()
+        #: offer requests asked again in the background, one per peer at most
+        self._retries: dict[tuple[str, int], threading.Thread] = {}
+        self._closed = False
         #: why this (producer) worker serves no offers, when setting them up failed
         self.serve_error: str | None = None
         self.local_refusal = self._local_refusal()
@@ -295,20 +350,52 @@ class NixlIpcFastPath:
     # -- decode side: decisions --------------------------------------------------------------
     def negotiate(self, engine_id: str, rank: int, agent: str) -> FastPathDecision:
         """The decision for ``(engine_id, rank)`` served by NIXL agent ``agent`` (asked once
-        per agent; runs in upstream's handshake thread)."""
+        per agent; runs in upstream's handshake thread). A prefill that did not answer in
+        time is asked again later (:meth:`_retry_if_due`, at a read, with backoff)."""
         key = (engine_id, int(rank))
         known = self.peers.get(key)
         if known is not None and known[0] == agent:
             return known[1]
         decision = self.local_refusal or request_offer(
             self.settings.directory, agent, engine_id, self.settings.timeout)
-        kept = self._kept_counts.pop(key, None)
-        if kept is not None:  # the same engine again (its KV cache changed): counts go on
-            decision.counts = {k: kept.get(k, 0) + decision.counts.get(k, 0)
-                               for k in {*kept, *decision.counts}}
-        self.peers[key] = (agent, decision)
+        if decision.transient:
+            decision.retry_at = time.monotonic() + retry_delay(decision.offer_attempts)
+        with self._peers_lock:
+            kept = self._kept_counts.pop(key, None)
+            if kept is not None:  # the same engine again (its KV cache changed): counts go on
+                decision.counts = {k: kept.get(k, 0) + decision.counts.get(k, 0)
+                                   for k in {*kept, *decision.counts}}
+            self.peers[key] = (agent, decision)
         self._log(key, decision)
         return decision
+
+    def _retry_if_due(self, key: tuple[str, int], agent: str,
+                      decision: FastPathDecision) -> None:
+        """Ask a prefill that did not answer in time again, in the background (a read must
+        not wait on it), once its backoff has passed; reads use NIXL meanwhile."""
+        if self._closed or decision.retry_at is None or time.monotonic() < decision.retry_at:
+            return
+        running = self._retries.get(key)
+        if running is not None and running.is_alive():
+            return
+        decision.retry_at = None  # this attempt is under way
+        thread = threading.Thread(target=self._retry, args=(key, agent, decision),
+                                  name="kvc-ipc-offer-retry", daemon=True)
+        self._retries[key] = thread
+        thread.start()
+
+    def _retry(self, key: tuple[str, int], agent: str, old: FastPathDecision) -> None:
+        new = request_offer(self.settings.directory, agent, key[0], self.settings.timeout)
+        new.offer_attempts = old.offer_attempts + 1
+        new.counts = old.counts
+        if new.transient:
+            new.retry_at = time.monotonic() + retry_delay(new.offer_attempts)
+        with self._peers_lock:
+            entry = self.peers.get(key)
+            if self._closed or entry is None or entry[1] is not old:
+                return  # forgotten, replaced or closed meanwhile
+            self.peers[key] = (agent, new)
+        self._log(key, new)
 
     def _log(self, key: tuple[str, int], decision: FastPathDecision) -> None:
         tag = (*key, f"{decision.route}:{decision.code}")
@@ -324,10 +411,11 @@ class NixlIpcFastPath:
                                decision.code, decision.reason)
 
     def _fall_back(self, key: tuple[str, int], code: str, detail: str) -> None:
-        agent, old = self.peers[key]
-        new = FastPathDecision.nixl(code, detail)
-        new.counts = old.counts
-        self.peers[key] = (agent, new)
+        with self._peers_lock:
+            agent, old = self.peers[key]
+            new = FastPathDecision.nixl(code, detail)
+            new.counts, new.offer_attempts = old.counts, old.offer_attempts
+            self.peers[key] = (agent, new)
         if self.transport is not None:
             self.transport.invalidate(_peer_name(key))
         self._log(key, new)
@@ -341,8 +429,10 @@ class NixlIpcFastPath:
                 self.negotiate(meta.engine_id, remote_tp_rank, name)
             except Exception as exc:  # never fail upstream's handshake: NIXL still works
                 key = (meta.engine_id, int(remote_tp_rank))
-                self.peers[key] = (name, FastPathDecision.nixl("refused", repr(exc)[:300]))
-                self._log(key, self.peers[key][1])
+                decision = FastPathDecision.nixl("refused", repr(exc)[:300])
+                with self._peers_lock:
+                    self.peers[key] = (name, decision)
+                self._log(key, decision)
             return agent
         return add_remote_agent
 
@@ -369,8 +459,11 @@ class NixlIpcFastPath:
         """Drop the decisions and mappings of ``engine_id`` (upstream evicted its agents;
         after a resize of its cache it handshakes again and is mapped anew). Its counts are
         kept for its next decision."""
-        for key in [k for k in self.peers if k[0] == engine_id]:
-            self._kept_counts[key] = self.peers.pop(key)[1].counts
+        with self._peers_lock:
+            keys = [k for k in self.peers if k[0] == engine_id]
+            for key in keys:
+                self._kept_counts[key] = self.peers.pop(key)[1].counts
+        for key in keys:
             self._opened.discard(key)
             if self.transport is not None:
                 self.transport.invalidate(_peer_name(key))
@@ -385,6 +478,8 @@ class NixlIpcFastPath:
         if entry is None:
             return False
         decision = entry[1]
+        if decision.transient:
+            self._retry_if_due(key, entry[0], decision)
         if decision.route != "ipc" or not any(spec.local_block_ids):
             decision.counts["nixl_reads"] += decision.route != "ipc"
             return False  # NIXL, or a full prefix hit (upstream only notifies)
@@ -487,7 +582,18 @@ class NixlIpcFastPath:
                           for (e, r), (a, d) in sorted(self.peers.items())]}
 
     def close(self) -> None:
-        """Unmap every peer, stop the servers (idempotent)."""
+        """Unmap every peer, stop the servers, wait briefly for offer requests asked again
+        in the background (each ends within its own timeout; a result after this is
+        dropped). Idempotent."""
+        self._closed = True
+        deadline = time.monotonic() + _RETRY_JOIN_S
+        for key, thread in list(self._retries.items()):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("kvconnect fast path: an offer request to %s is still waiting "
+                               "(it ends within %g s; its answer is dropped)",
+                               _peer_name(key), self.settings.timeout)
+        self._retries.clear()
         for closer in (self.transport, self.offer_server, self.export_server):
             if closer is not None:
                 try:
@@ -495,6 +601,7 @@ class NixlIpcFastPath:
                 except Exception as exc:  # keep closing the others
                     logger.warning("kvconnect fast path: closing %r: %s", closer, exc)
         self.transport = self.offer_server = self.export_server = None
+        self.handles.clear()
 
 
 def _peer_name(key: tuple[str, int]) -> str:

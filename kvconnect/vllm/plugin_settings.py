@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from kvconnect.checks import MAX_BYTES, parse_whole_number
 from kvconnect.errors import KvconnectError
 
 __all__ = ["CAPACITY_ENV", "ENTRY_POINT", "SUPPORTED_VLLM_SERIES", "SWITCH_ENV",
@@ -24,6 +25,8 @@ SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
+
+
 class UnsupportedVllmError(KvconnectError, RuntimeError):
     """The installed vLLM is not a version the plugin supports (nothing was patched)."""
 
@@ -45,20 +48,18 @@ def enabled(environ: dict[str, str] | None = None) -> bool:
 
 
 def capacity_bytes_from_env(environ: dict[str, str] | None = None) -> int | None:
-    """``KVCONNECT_KV_CAPACITY_BYTES`` as a positive int (bytes, per worker), or None when
-    unset (then the device's total memory is reserved). Accepts ``_`` separators."""
-    raw = (os.environ if environ is None else environ).get(CAPACITY_ENV, "").strip()
-    if not raw:
+    """``KVCONNECT_KV_CAPACITY_BYTES`` as an int from 1 to 2**63-1 (bytes, per worker), or
+    None when unset or blank (then the device's total memory is reserved): ASCII digits,
+    ``_`` only between digits. Anything else raises :class:`PluginConfigError`."""
+    raw = (os.environ if environ is None else environ).get(CAPACITY_ENV, "")
+    if not raw.strip(" \t\r\n"):
         return None
     try:
-        value = int(raw.replace("_", ""))
-    except ValueError:
-        raise PluginConfigError(f"{CAPACITY_ENV}={raw!r} is not a whole number of bytes "
-                                f"(e.g. {CAPACITY_ENV}=8589934592 for 8 GiB)") from None
-    if value <= 0:
-        raise PluginConfigError(f"{CAPACITY_ENV}={value}: the KV reservation must be a "
-                                f"positive number of bytes")
-    return value
+        return parse_whole_number(CAPACITY_ENV, raw, minimum=1, maximum=MAX_BYTES)
+    except ValueError as exc:
+        raise PluginConfigError(f"{exc} (bytes of KV reservation per worker, e.g. "
+                                f"{CAPACITY_ENV}=8589934592 or 8_589_934_592 for 8 GiB)"
+                                ) from None
 
 
 def check_vllm_version(version: str) -> str:

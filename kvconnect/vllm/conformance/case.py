@@ -33,11 +33,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from kvconnect.errors import KvconnectError
 from kvconnect.layout import LayoutError
 
 from .probes import ConnectorProbe, GenericProbe, Region, probe_for
 
-__all__ = ["CASE_DEFAULTS", "DeviceBytes", "fill_committed", "resolve_connector", "run_case"]
+__all__ = ["CASE_DEFAULTS", "ConnectorSpecError", "DeviceBytes", "fill_committed",
+           "resolve_connector", "run_case"]
 
 #: the geometry every case uses unless told otherwise (small: the machine is shared)
 CASE_DEFAULTS: dict[str, Any] = {
@@ -50,15 +52,31 @@ Stage = Callable[[str], None]
 Report = Callable[[str, dict[str, Any]], None]
 
 
+class ConnectorSpecError(KvconnectError, TypeError):
+    """The connector a case names is not a vLLM KV connector class."""
+
+
 def resolve_connector(name: str) -> tuple[str, str | None, type]:
     """``"module:Class"`` or a name vLLM registers (``"NixlConnector"``) -> ``(class name,
-    module path or None, class)``."""
+    module path or None, class)``. :class:`ConnectorSpecError` when ``module`` has no such
+    attribute or it is not a subclass of vLLM's ``KVConnectorBase_V1``."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    if ":" in name:
-        module, _, cls_name = name.partition(":")
-        return cls_name, module, getattr(importlib.import_module(module), cls_name)
-    return name, None, KVConnectorFactory.get_connector_class_by_name(name)
+    if ":" not in name:
+        return name, None, KVConnectorFactory.get_connector_class_by_name(name)
+    module, _, cls_name = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except AttributeError:
+        raise ConnectorSpecError(f"{name}: module {module} has no attribute {cls_name!r}"
+                                 ) from None
+    if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
+        what = f"the class {cls.__name__}" if isinstance(cls, type) else \
+            f"a {type(cls).__name__}"
+        raise ConnectorSpecError(f"{name} is {what}, not a vLLM KV connector (a subclass of "
+                                 f"KVConnectorBase_V1): name a connector class")
+    return cls_name, module, cls
 
 
 def _inside(extents: list[tuple[int, int]], a: int, n: int) -> bool:

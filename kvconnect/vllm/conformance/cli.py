@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fork the warmed-up parent per case (default) or spawn a fresh "
                         "interpreter per case (slower: vLLM imported each time)")
     p.add_argument("--timeout", type=_arg(parse_timeout), default=None,
-                   help="seconds per case (engine mode: per engine), a finite number above 0 "
+                   help="seconds per case (engine mode: per engine), above 0 and at most 86400 "
                         "(default 180; engine mode 300)")
     p.add_argument("--engine", action="store_true",
                    help="engine mode: run each connector inside real vLLM engines over the "

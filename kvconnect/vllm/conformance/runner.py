@@ -30,7 +30,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name, log_tail
+from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name, exit_text, log_tail
+from kvconnect.errors import KvconnectError
+from kvconnect.leftovers import become_subreaper, children, end_leftovers, is_subreaper
 
 __all__ = ["DEFAULT_TIMEOUT", "RESULT_FILE", "START_METHODS", "case_status", "check_timeout",
            "run_cases", "warm_up"]
@@ -78,7 +80,8 @@ def case_status(result: dict[str, Any]) -> str:
 
 
 def check_timeout(timeout: float) -> float:
-    """``timeout`` (seconds per case) when it is a finite number above 0; else ValueError."""
+    """``timeout`` (seconds per case) when it is a number above 0 and at most a day; else
+    ValueError."""
     from .options import parse_timeout
 
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -94,8 +97,12 @@ def _case_body(spec: dict[str, Any], wfd: int, token: str) -> int:
     def work() -> None:
         from .case import run_case
 
-        result = run_case(spec, lambda name: out.send({"stage": name}),
-                          lambda name, value: out.send({"check": name, "value": value}))
+        try:
+            result = run_case(spec, lambda name: out.send({"stage": name}),
+                              lambda name, value: out.send({"check": name, "value": value}))
+        except KvconnectError as exc:  # ours (e.g. not a connector): its message says it all
+            out.send({"error": f"{type(exc).__name__}: {exc}"})
+            return
         path = os.path.join(spec["workdir"], RESULT_FILE)
         with open(path + ".tmp", "w") as f:
             json.dump(result, f)
@@ -187,6 +194,7 @@ def _read_result(workdir: str) -> dict[str, Any] | None:
 
 def _run_one(spec: dict[str, Any], timeout: float, log_dir: str, start_method: str = "fork"
              ) -> dict[str, Any]:
+    ours_before = set(children())  # what is not among these afterwards came from the case
     rfd, wfd = os.pipe()
     workdir = tempfile.mkdtemp(dir=log_dir)
     spec = {**spec, "workdir": workdir}
@@ -211,6 +219,8 @@ def _run_one(spec: dict[str, Any], timeout: float, log_dir: str, start_method: s
     timed_out = (not progress.done and progress.error is None
                  and time.monotonic() >= deadline)
     code = child.end(0.0 if timed_out else 10.0)
+    left = end_leftovers(child.pid, led_session=start_method == "spawn",
+                         ours_before=ours_before)
     result = _read_result(workdir) if progress.done else None
     out = dict(result or {"connector": spec["connector"], "layout": spec["layout"],
                           "num_blocks": spec.get("num_blocks"),
@@ -219,10 +229,32 @@ def _run_one(spec: dict[str, Any], timeout: float, log_dir: str, start_method: s
     out["seconds"] = round(time.monotonic() - t0, 2)
     if progress.stray_bytes:
         out["stray_output"] = progress.evidence()
+    out.setdefault("checks", {})["leftovers"] = _leftovers_check(left)
     _how_it_ended(out, progress, timed_out=timed_out, code=code, has_result=result is not None,
                   timeout=timeout, log_path=log_path)
     out.setdefault("status", case_status(out))
     return out
+
+
+def _leftovers_check(left: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``leftovers`` check: no process of the case's (its group, its session, an orphan
+    of its tree) outlived it; those that did are named here (the kit ended them)."""
+    if not left:
+        return {"status": "pass", "processes": 0}
+    names = ", ".join(f"{p['name']} (pid {p['pid']}, {p['found_by']})" for p in left[:5])
+    return {"status": "fail", "processes": len(left), "left": left[:20],
+            "error": f"left {len(left)} process(es) running after the case ended, ended by "
+                     f"the kit: {names}"}
+
+
+def _last_lines(text: str, limit: int = 1500) -> str:
+    """The end of ``text``, at most ``limit`` characters, starting at a line (never in the
+    middle of a word): the end of a traceback says what was raised."""
+    if len(text) <= limit:
+        return text
+    tail = text[-limit:]
+    cut = tail.find("\n")
+    return tail[cut + 1:] if 0 <= cut < len(tail) - 1 else tail
 
 
 def _how_it_ended(out: dict[str, Any], progress: _Progress, *, timed_out: bool, code: int,
@@ -236,9 +268,13 @@ def _how_it_ended(out: dict[str, Any], progress: _Progress, *, timed_out: bool, 
     elif sig is not None and not has_result:
         out.update(status="fault", signal=sig, stage=stage, evidence=f"{sig} during {stage}")
     elif not has_result:
-        out.update(status="error", stage=stage,
-                   evidence=(progress.error or log_tail(log_path, max_bytes=2000)
-                             or "the case ended without a result")[-1500:])
+        tail = log_tail(log_path, max_bytes=2000)
+        if tail:
+            out["log_tail"] = _last_lines(tail)
+        evidence = (_last_lines(str(progress.error)) if progress.error else
+                    f"the case's process ended ({exit_text(code)}) before it reported a result, "
+                    f"in stage {stage!r}")
+        out.update(status="error", stage=stage, evidence=evidence)
 
 
 def case_device(specs: list[dict[str, Any]]) -> str:
@@ -277,7 +313,22 @@ def run_cases(specs: Iterable[dict[str, Any]], *, timeout: float = DEFAULT_TIMEO
     device = case_device(specs)
     if start_method == "fork":
         warm_up(device)
-    results = []
+    results: list[dict[str, Any]] = []
+    # the orphans of a case's process tree (a daemonizing connector) are adopted here, found
+    # and ended after the case (the ``leftovers`` check)
+    was_subreaper = is_subreaper()
+    become_subreaper(True)
+    try:
+        _run_all(specs, timeout, start_method, device, results, on_result)
+    finally:
+        if not was_subreaper:
+            become_subreaper(False)
+    return results
+
+
+def _run_all(specs: list[dict[str, Any]], timeout: float, start_method: str, device: str,
+             results: list[dict[str, Any]],
+             on_result: Callable[[dict[str, Any]], None] | None) -> None:
     with tempfile.TemporaryDirectory(prefix="kvconnect-conformance-logs-") as log_dir:
         for spec in specs:
             if start_method == "fork":
@@ -292,7 +343,6 @@ def run_cases(specs: Iterable[dict[str, Any]], *, timeout: float = DEFAULT_TIMEO
             results.append(res)
             if on_result is not None:
                 on_result(res)
-    return results
 
 
 def _case_main(argv: list[str]) -> None:
