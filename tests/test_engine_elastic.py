@@ -50,7 +50,8 @@ LONG_TOKENS = 60
 #: w3 and w4 answer this long (4 blocks a request): their tail stays busy past the start of
 #: a shrink (w3) and past a shrink's timeout (w4)
 LONGEST_TOKENS = 200
-BASE = [random.Random(7).randrange(3, 1000) for _ in range(300)]
+#: a seeded random prompt (a fresh Random per token would repeat one token 300 times)
+BASE = random.Random(7).choices(range(3, 1000), k=300)
 
 
 def _prompt(i: int) -> list[int]:

@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900),
               pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 CHILD = Path(__file__).with_name("_engine_pd_serve_child.py")
-PROMPT = [random.Random(23).randrange(3, 1000) for _ in range(300)]
+#: a seeded random prompt (a fresh Random per token would repeat one token 300 times)
+PROMPT = random.Random(23).choices(range(3, 1000), k=300)
 MAX_TOKENS = 8
 
 
