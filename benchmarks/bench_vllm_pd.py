@@ -82,12 +82,15 @@ def _fast_path() -> dict[str, Any] | None:
     return facts() if facts is not None else None
 
 
-def _copy_reference(nbytes: int, repeats: int = 5) -> dict[str, Any]:
-    """A plain device-to-device copy of ``nbytes`` (torch, CUDA events), median of ``repeats``."""
+def _copy_reference(nbytes: int, src_device: str = "cuda:0", repeats: int = 5
+                    ) -> dict[str, Any]:
+    """A plain copy of ``nbytes`` from ``src_device`` into this engine's device (cuda:0):
+    device-to-device, or a peer copy across GPUs (torch, CUDA events), median of
+    ``repeats``."""
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=src_device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
     dst.copy_(src)  # warm-up
     times = []
     for _ in range(repeats):
@@ -149,7 +152,7 @@ def engine_main(spec_path: str) -> int:
 
 def _serve(llm: Any, sampling: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     if cmd["op"] == "copy_reference":
-        return _copy_reference(cmd["bytes"])
+        return _copy_reference(cmd["bytes"], cmd.get("src_device", "cuda:0"))
     extra = {"kv_transfer_params": cmd["params"]} if cmd.get("params") else None
     if cmd["op"] == "prefill":
         extra = {"kv_transfer_params": {"do_remote_decode": True}}
@@ -267,11 +270,24 @@ def _engines(args: argparse.Namespace, models: dict[str, str], work: Path
                     "VLLM_CPU_KVCACHE_SPACE": str(max(1, args.kv_cache_bytes >> 30))})
         if plugin and cap:
             env["KVCONNECT_KV_CAPACITY_BYTES"] = cap
+        gpus = _visible_devices(args, role)
+        if gpus:  # its own GPU first (vLLM's cuda:0), the other one visible too (peer access)
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         spec = {"model": models[model], "device": args.device, "connector": conn[0],
                 "connector_module": conn[1], "role": role, "engine": engine,
                 "extra_config": {"enforce_handshake_compat": False, **extra}}
         started[name] = Engine(name, spec, env, work)
     return started
+
+
+def _visible_devices(args: argparse.Namespace, role: str) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of an engine when prefills and decodes sit on different GPUs
+    (``--prefill-gpu`` / ``--decode-gpu``), else empty (the machine's default)."""
+    if args.prefill_gpu == args.decode_gpu:
+        return "" if args.prefill_gpu == 0 else str(args.prefill_gpu)
+    own, other = ((args.prefill_gpu, args.decode_gpu) if role == "kv_producer"
+                  else (args.decode_gpu, args.prefill_gpu))
+    return f"{own},{other}"
 
 
 def _route_engines(route: str) -> tuple[str, str]:
@@ -297,6 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     deadline = time.monotonic() + args.timeout
     out: dict[str, Any] = {"routes": list(args.routes), "prompt_tokens": list(args.prompt_tokens),
+                           "prefill_gpu": args.prefill_gpu, "decode_gpu": args.decode_gpu,
                            "repeats": args.repeats, "max_tokens": args.max_tokens,
                            "geometry": GEOMETRY, "device": args.device, "sizes": {},
                            "engines": {}, "failures": []}
@@ -395,8 +412,11 @@ def _one_size(args: argparse.Namespace, engines: dict[str, Engine], n: int, dead
                             "tokens: the comparison proves nothing")
     nbytes = _kv_bytes(size)
     if nbytes and "decode-kvconnect" in engines and args.device.startswith("cuda"):
+        cross = args.prefill_gpu != args.decode_gpu  # the prefill's GPU is cuda:1 there
         size["copy_reference"] = engines["decode-kvconnect"].call(
-            {"op": "copy_reference", "bytes": nbytes}, until())
+            {"op": "copy_reference", "bytes": nbytes,
+             "src_device": "cuda:1" if cross else "cuda:0"}, until())
+        size["copy_reference"]["kind"] = "peer" if cross else "d2d"
     return size
 
 
@@ -454,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=GEOMETRY["num_hidden_layers"],
                     help="model layers (Llama-3-8B: 32; fewer for a dry run on CPU)")
+    ap.add_argument("--prefill-gpu", type=int, default=0,
+                    help="the prefill engines' GPU (with --decode-gpu: across GPUs)")
+    ap.add_argument("--decode-gpu", type=int, default=0, help="the decode engines' GPU")
     ap.add_argument("--kv-cache-bytes", type=int, default=6 << 30,
                     help="each engine's KV cache (bytes; a 32k prompt needs 4 GiB here)")
     ap.add_argument("--capacity-bytes", type=int, default=64 << 30,

@@ -191,6 +191,10 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode workers (default 1)")
     p.add_argument("--device", choices=("auto", "cuda", "host", "cpu"), default="auto",
                    help="auto: CUDA when a GPU with VMM works, else host memory (default auto)")
+    p.add_argument("--placement", choices=("round-robin", "split"), default="round-robin",
+                   help="GPUs of the workers: round-robin over all (default), or split: "
+                        "prefills on the first half, decodes on the second (every transfer "
+                        "crosses GPUs; needs two GPUs, one GPU runs all)")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("--layout", default=DEFAULT_LAYOUT, metavar="PRESET", action=_LayoutHelp)
     p.add_argument("--num-blocks", type=_positive_int, default=None, metavar="K",

@@ -173,7 +173,7 @@ def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None
         heartbeat_timeout=min(10.0, max(2.0, args.timeout / 2)),
         corrupt=args.corrupt, seed=args.seed, min_gbps=args.min_gbps,
         faults=[f.to_json() for f in faults], sweep_sizes=list(args.sizes or []),
-        sweep_warmup=args.warmup, sweep_iters=args.iters,
+        sweep_warmup=args.warmup, sweep_iters=args.iters, placement=args.placement,
     )
     return cfg, membership
 

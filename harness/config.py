@@ -55,6 +55,9 @@ class RunConfig:
     corrupt: bool = False
     seed: int = 0
     min_gbps: float | None = None
+    #: how workers map to GPUs: ``round-robin`` over all of them, or ``split`` (prefills on
+    #: the first half, decodes on the second: every transfer crosses GPUs)
+    placement: str = "round-robin"
     #: multi-host runs: this process's own device (set per process, not shared)
     local_device: str = ""
     #: ``--inject`` faults (:class:`~.faults.FaultSpec` as JSON: ``kind``, ``rank``, ``phase``)
@@ -101,14 +104,20 @@ class RunConfig:
 
     def device_for(self, role: str, rank: int, local_index: int | None = None) -> str:
         """Device string of a worker: round-robin over the GPUs by ``local_index`` (a
-        launcher's LOCAL_RANK) or else the worker's global index; ``cpu`` on host. The one
-        GPU round-robin of the harness."""
+        launcher's LOCAL_RANK) or else the worker's global index; with ``placement`` split
+        (and two GPUs or more), prefills round-robin over the first half of the GPUs and
+        decodes over the second; ``cpu`` on host. The one GPU placement of the harness."""
         if self.local_device:
             return self.local_device
         if self.device != "cuda":
             return "cpu"
+        gpus = max(1, self.num_gpus)
+        if self.placement == "split" and local_index is None and gpus >= 2:
+            half = gpus // 2
+            return (f"cuda:{rank % half}" if role == PREFILL
+                    else f"cuda:{half + rank % (gpus - half)}")
         index = self.worker_index(role, rank) if local_index is None else local_index
-        return f"cuda:{index % max(1, self.num_gpus)}"
+        return f"cuda:{index % gpus}"
 
     def block_sets(self, prefill_rank: int, decode_rank: int, round_no: int,
                    ) -> tuple[list[int], list[int]]:

@@ -21,6 +21,7 @@
 # - vllm-probe: which engine settings the carried vLLM needs (scripts/gpu_vllm_settings_probe.py)
 # - vllm-engine: the real-engine tests on CUDA (tests/test_engine_*.py, KVCONNECT_ENGINE_DEVICE=cuda)
 # - vllm-pd: 1P1D engines, ipc / NIXL / stock, 1k-32k prompts (benchmarks/bench_vllm_pd.py)
+# - vllm-pd-cross: the same across GPUs (prefill GPU0, decode GPU1) where two are visible
 # - vllm-conformance: the kit on cuda:0, connector-API mode and engine mode (GPU rows)
 set -u
 ART=${ARTIFACTS:-$PWD/gpu-artifacts}
@@ -118,6 +119,13 @@ validate validate-1p1d-llama-1gib --prefill 1 --decode 1 --layout llama3-8b-like
   --num-layers 32 --num-blocks 2048 --transfer-blocks 512
 validate validate-2p2d-llama --prefill 2 --decode 2 --layout llama3-8b-like \
   --num-layers 32 --num-blocks 1024 --transfer-blocks 128
+NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -ge 2 ]; then  # cross-GPU rows: prefills on GPU0, decodes on GPU1
+  validate validate-2p2d-split --prefill 2 --decode 2 --placement split \
+    --layout llama3-8b-like --num-layers 32 --num-blocks 1024 --transfer-blocks 128
+  validate validate-1p1d-split-sweep --prefill 1 --decode 1 --placement split \
+    --transports ipc --layout llama3-8b-like --num-layers 32 --sizes 1M:1G
+fi
 if [ -z "${KVC_QUICK:-}" ]; then
   validate validate-1p1d-llama-48mib --prefill 1 --decode 1 --layout llama3-8b-like \
     --num-layers 32 --num-blocks 2048 --transfer-blocks 24
@@ -190,6 +198,17 @@ export -f vllm_ready
 step vllm-probe 240 vllm_probe
 step vllm-engine 900 vllm_engine
 step vllm-pd 540 vllm_pd
+vllm_pd_cross() {  # 1P1D engines with the prefill on GPU0 and the decode on GPU1
+  vllm_ready || return 0
+  if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ]; then
+    echo "SKIPPED: one GPU visible (the cross-GPU row needs two)"
+    return 0
+  fi
+  $PY benchmarks/bench_vllm_pd.py --prefill-gpu 0 --decode-gpu 1 --routes ipc nixl \
+    --prompt-tokens 8192 --repeats 2 --timeout 300 --json "$ART/vllm-pd-cross.json" \
+    --markdown "$ART/vllm-pd-cross.md" --logs "$ART/vllm-pd-cross-logs"
+}
+step vllm-pd-cross 360 vllm_pd_cross
 step vllm-conformance 900 vllm_conformance
 
 FLOOR_ARGS=()
@@ -199,7 +218,9 @@ FLOOR_INPUTS=()
 for f in "$ART"/validate-*.json; do FLOOR_INPUTS+=(--validate "$f"); done
 [ -f "$ART/bench_transfer.json" ] && FLOOR_INPUTS+=(--transfer "$ART/bench_transfer.json")
 [ -f "$ART/bench_offload.json" ] && FLOOR_INPUTS+=(--offload "$ART/bench_offload.json")
-[ -f "$ART/vllm-pd.json" ] && FLOOR_INPUTS+=(--pd "$ART/vllm-pd.json")
+for f in "$ART"/vllm-pd.json "$ART"/vllm-pd-cross.json; do
+  if [ -f "$f" ]; then FLOOR_INPUTS+=(--pd "$f"); fi
+done
 step floors 60 $PY scripts/ratio_floors.py "${FLOOR_INPUTS[@]}" \
   "${FLOOR_ARGS[@]}" --junit "$ART/floors.xml" --json "$ART/floors.json"
 
