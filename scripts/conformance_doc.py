@@ -182,36 +182,41 @@ same caches with the CUDA VMM backend (VRAM; uncommitted VA is unmapped), select
 platform, checks data through torch views of committed memory, and keeps SimpleCPUOffload's
 own `DmaCopyBackend` (`cuMemcpyBatchAsync`, its streams and events; a copy that does not
 finish in 20 s, or whose copy thread dies, fails the check). OffloadingConnector's CUDA
-worker needs vLLM's compiled `swap_blocks_batch`, so the kit still copies the canonical
-tensors' rows itself (on VRAM). NIXL's transfer check reads DRAM only and is skipped on
-CUDA. The parent never initialises CUDA before forking a case (`PYTORCH_NVML_BASED_CUDA_CHECK=1`,
-vLLM's NVML-only probing); `--start-method spawn` runs each case in a fresh interpreter.
+worker needs vLLM's compiled `swap_blocks_batch`, so in connector-API mode the kit copies the
+canonical tensors' rows itself (on VRAM). NIXL's transfer check reads DRAM only and is
+skipped on CUDA. The parent never initialises CUDA before forking a case
+(`PYTORCH_NVML_BASED_CUDA_CHECK=1`, vLLM's NVML-only probing); `--start-method spawn` runs
+each case in a fresh interpreter. `--engine --device cuda:0` runs the engine rows on the GPU
+(the section above).
 
-Where vLLM is installed with its compiled extensions:
+Where vLLM is installed (`pip install vllm==0.33.0`):
 
     kvconnect-conformance --stock-and-patched --device cuda:0 --json out.json --markdown out.md
+    python3 scripts/conformance_doc.py engine --device cuda:0      # GPU engine rows
 
 Where it cannot be installed (the lent GPU machine: no registry, torch 2.11 while the vLLM
-wheel pins 2.14), carry vLLM's Python sources without its `.so` files and the wheels it
-imports that the image lacks (~29 MB), and run the offload connectors, stock vs kvconnect's:
+wheel pins 2.14), carry vLLM's sources with its stable-ABI compiled ops and NIXL in one run
+(docs/vllm-plugin.md, *On a GPU machine*):
 
-    make test-vllm && bash scripts/pack_vllm_for_gpu.sh   # here: builds .vllm-carry/
-    OUT=gpu-vllm-out bash scripts/gpu_vllm_try.sh          # there, in the checkout
+    make test-vllm && bash scripts/pack_vllm_for_gpu.sh           # here: builds .vllm-carry/
+    bash scripts/gpu_vllm_setup.sh && . /tmp/kvc-vllm/env.sh       # there, in the checkout
+    KVC_ONLY="vllm-setup vllm-conformance" bash scripts/nightly-gpu.sh
 
-Without `.so` files an empty module stands for `vllm._C_stable_libtorch`, which vLLM's CUDA
-platform imports unguarded (`kvconnect/vllm/shims.py`; the result JSON lists it under
-`extension_shims`). `scripts/nightly-gpu.sh` has a `vllm-conformance` step that runs the
-kit on cuda:0 where vLLM imports and records "skipped: vLLM not installed" where it does not.
-No GPU results are recorded in this document yet.
+`scripts/nightly-gpu.sh`'s `vllm-conformance` step runs both (connector-API mode, then the
+engine rows) and says "SKIPPED: vLLM not installed" where neither vLLM nor the carry is
+there. Where vLLM's compiled extensions are absent altogether, an empty module stands for
+`vllm._C_stable_libtorch`, which vLLM's CUDA platform imports unguarded
+(`kvconnect/vllm/shims.py`; the result JSON lists it under `extension_shims`).
 """
 
 ENGINE_GPU_INTRO = """\
-The same rows as above, inside vLLM {vllm} engines on one H200 (CUDA VMM backend, Triton
-attention: vLLM carried as its Python sources and its stable-ABI compiled ops, see
-docs/vllm-plugin.md, *On a GPU machine without vLLM*). NIXL moves VRAM here (UCX; its
-transport for VMM memory across processes is TCP emulation, gpu-facts.md), SimpleCPUOffload
-copies with its own `cuMemcpyBatchAsync` backend (no stand-ins) and OffloadingConnector
-runs. Reference tokens and the first-token control: {control}.
+The same connectors inside vLLM {vllm} engines on one H200, over kvconnect's extensible
+cache (the plain-cache rows have not run on the GPU yet): CUDA VMM backend, Triton attention
+(vLLM carried as its Python sources and its stable-ABI compiled ops: docs/vllm-plugin.md,
+*On a GPU machine*). NIXL moves VRAM here (UCX over TCP between two processes on one GPU,
+gpu-facts.md), SimpleCPUOffload copies with its own `cuMemcpyBatchAsync` backend (no
+stand-ins), and OffloadingConnector starts (it refuses the CPU). Reference tokens and the
+first-token control: {control}.
 """
 
 FINDINGS = """\
