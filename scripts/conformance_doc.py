@@ -328,18 +328,24 @@ def _api_032_section(run: dict[str, Any] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _engine_section(run: dict[str, Any] | None, third: dict[str, Any] | None) -> str:
-    head = "## Inside real vLLM engines: stock vs kvconnect, per connector\n\n"
-    if run is None:
-        return head + f"Not run yet (`{ENGINE_JSON.name}` is missing).\n"
+def _engine_rows(run: dict[str, Any], intro: str) -> str:
+    """An engine run's introduction (its vLLM, the reference and its control), run line and
+    rows."""
     ref = run["reference"]
     control = (f"{ref['tokens']} vs {ref['control_tokens']}" if ref["control_differs"]
                else "FAILED: equal tokens, no comparison here can fail")
     meta = dict(run["meta"])
     meta["vllm"] = meta.get("vllm") or run["results"][0].get("vllm")  # each row records it
-    text = head + ENGINE_INTRO.format(vllm=meta["vllm"], control=control) + "\n"
+    text = intro.format(vllm=meta["vllm"], control=control) + "\n"
     text += _run_line(meta, f"{len(run['results'])} rows") + "\n\n"
-    text += render_engine_markdown(run["results"], title=None)
+    return text + render_engine_markdown(run["results"], title=None)
+
+
+def _engine_section(run: dict[str, Any] | None, third: dict[str, Any] | None) -> str:
+    head = "## Inside real vLLM engines: stock vs kvconnect, per connector\n\n"
+    if run is None:
+        return head + f"Not run yet (`{ENGINE_JSON.name}` is missing).\n"
+    text = head + _engine_rows(run, ENGINE_INTRO)
     text += "\n### Third-party connectors on vLLM's registry\n\n"
     if third is None:
         return text + f"Not run yet (`{THIRD_PARTY_JSON.name}` is missing).\n"
@@ -355,14 +361,7 @@ def _engine_gpu_section(run: dict[str, Any] | None) -> str:
     head = "## Inside real vLLM engines on a GPU (H200): stock vs kvconnect\n\n"
     if run is None:
         return head + f"Not run yet (`{ENGINE_GPU_JSON.name}` is missing).\n"
-    ref = run["reference"]
-    control = (f"{ref['tokens']} vs {ref['control_tokens']}" if ref["control_differs"]
-               else "FAILED: equal tokens, no comparison here can fail")
-    meta = dict(run["meta"])
-    meta["vllm"] = meta.get("vllm") or run["results"][0].get("vllm")
-    text = head + ENGINE_GPU_INTRO.format(vllm=meta["vllm"], control=control) + "\n"
-    text += _run_line(meta, f"{len(run['results'])} rows") + "\n\n"
-    return text + render_engine_markdown(run["results"], title=None)
+    return head + _engine_rows(run, ENGINE_GPU_INTRO)
 
 
 def _meta(command: str, t0: float) -> dict[str, Any]:

@@ -66,17 +66,9 @@ def _errors(stderr: str) -> list[str]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CASES)
-def test_exit_with_peer_mappings_logs_no_error_host(case: str) -> None:
-    out, stderr = _run("cpu", case)
-    assert out["read_ok"]
-    assert _errors(stderr) == [], stderr[-3000:]
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", CASES)
-def test_exit_with_peer_mappings_logs_no_error_cuda(case: str) -> None:
-    out, stderr = _run("cuda:0", case)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_exit_with_peer_mappings_logs_no_error(device: str, case: str) -> None:
+    out, stderr = _run(device, case)
     assert out["read_ok"]
     assert _errors(stderr) == [], stderr[-3000:]
 
