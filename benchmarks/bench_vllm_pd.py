@@ -223,21 +223,11 @@ class Engine:
             self.child.end(wait_s=10, term_grace_s=2)
 
 
-def _free_port(used: set[int]) -> int:
-    import socket
-
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in used:
-            used.add(port)
-            return port
-
-
 def _engines(args: argparse.Namespace, models: dict[str, str], work: Path
              ) -> dict[str, Engine]:
     """Start every engine the routes need (at once: start-up overlaps)."""
+    from kvconnect.ports import free_tcp_port
+
     ports: set[int] = set()
     max_len = max(args.prompt_tokens) + args.max_tokens + 64
     engine = {"max_model_len": max_len, "kv_cache_memory_bytes": args.kv_cache_bytes,
@@ -265,7 +255,7 @@ def _engines(args: argparse.Namespace, models: dict[str, str], work: Path
                     "VLLM_TARGET_DEVICE": args.device.split(":")[0],
                     "KVCONNECT_EXTENSIBLE_KV": "1" if plugin else "0",
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port(ports)),
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_tcp_port(exclude=ports)),
                     "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "INFO",
                     "VLLM_CPU_KVCACHE_SPACE": str(max(1, args.kv_cache_bytes >> 30))})
         if plugin and cap:

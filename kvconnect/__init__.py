@@ -41,6 +41,7 @@ _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     "lifetime": ("LiveViewsError",),
     "undo": ("UndoStack",),
     "units": ("gbps",),
+    "ports": ("ephemeral_port_range", "free_tcp_port",),
     "polling": ("poll_until",),
     "peer_layout": (
         "PEER_LAYOUT_SCHEMA", "LayoutFacts", "LayoutRegion", "PeerLayout", "PeerLayoutError",

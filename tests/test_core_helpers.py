@@ -142,3 +142,19 @@ def test_framing_and_helpers_load_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_free_tcp_ports_lie_below_the_ephemeral_range_and_skip_the_excluded() -> None:
+    import socket
+
+    from kvconnect.ports import SPAN, ephemeral_port_range, free_tcp_port
+
+    top = ephemeral_port_range()[0]
+    taken: set[int] = set()
+    ports = [free_tcp_port(exclude=taken) for _ in range(20)]
+    assert len(set(ports)) == 20 and taken == set(ports)
+    assert all(max(1024, top - SPAN) <= p < top for p in ports)
+    with socket.socket() as s:  # a port someone listens on is never handed out
+        s.bind(("127.0.0.1", ports[0]))
+        s.listen()
+        assert ports[0] not in {free_tcp_port(exclude=set(ports[1:])) for _ in range(30)}

@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvconnect.child import Child, exit_signal_name
+from kvconnect.ports import free_tcp_port
 
 from .options import ENGINE_CACHES
 
@@ -71,12 +71,6 @@ def engine_unavailable(device: str = "cpu") -> str | None:
 
 #: seconds an engine gets between SIGTERM and SIGKILL when it is ended early
 _TERM_GRACE_S = 0.3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _Engine:
@@ -311,10 +305,10 @@ def _pd_case(run: _Run, base: dict[str, Any], cache: str) -> dict[str, Any]:
     host = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
     p = run.start("pd_prefill", cache, {**base, "params_out": str(params),
                                         "done_file": str(done), "engine_id": "prefill"},
-                  {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
+                  {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_tcp_port())})
     d = run.start("pd_decode", cache, {**base, "params_in": str(params),
                                        "done_file": str(done), "engine_id": "decode"},
-                  {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
+                  {**host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_tcp_port())})
     deadline = time.monotonic() + 2 * run.s["timeout"]
     dres, dsig, dtail = d.finish(deadline)
     if not done.exists():

@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import socket
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name
+from kvconnect.ports import free_tcp_port
 
 __all__ = ["run_pd", "transfers_over_nixl"]
 
@@ -38,12 +38,6 @@ def transfers_over_nixl(connector: str) -> bool:
     from .case import resolve_connector
 
     return issubclass(resolve_connector(connector)[2], NixlBaseConnector)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _digest(cache: Any, block_ids: list[int]) -> tuple[str, int]:
@@ -76,7 +70,7 @@ def _side(spec: dict[str, Any], role: str, port: int, workdir: str) -> tuple[Any
     from .compat import kv_cache_config_from_groups as get_kv_cache_config_from_groups
 
     cls_name, module, _ = resolve_connector(spec["connector"])
-    ktc: dict[str, Any] = {"kv_connector": cls_name, "engine_id": f"{role}-engine",
+    ktc: dict[str, Any] = {"kv_connector": cls_name, "engine_id": f"{role}-engine-{spec['run']}",
                            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"}
     if module:
         ktc["kv_connector_module_path"] = module
@@ -252,7 +246,8 @@ def run_pd(connector: str, layout: str, *, num_blocks: int = 128, capacity_block
     spec = {"connector": connector, "layout": layout, "num_blocks": num_blocks,
             "capacity_blocks": capacity_blocks, "transfer_blocks": transfer_blocks,
             "num_layers": num_layers, "timeout": timeout, "seed": seed,
-            "prefill_port": _free_port(), "decode_port": _free_port()}
+            "prefill_port": free_tcp_port(), "decode_port": free_tcp_port(),
+            "run": f"{os.getpid()}-{random.randrange(1 << 30):08x}"}
     out: dict[str, Any] = {"connector": connector, "layout": layout, "num_blocks": num_blocks,
                            "capacity_blocks": capacity_blocks}
     t0 = time.monotonic()
