@@ -130,9 +130,12 @@ def _prefill(spec: dict[str, Any], workdir: str, send: Any) -> None:
     req.num_computed_tokens = tokens
     _, params = sched.request_finished(req, ids)
     digest, nbytes = _digest(cache, ids)
-    send({"params": params, "digest": digest, "bytes": nbytes, "remote_ids": ids})
+    # the worker learns the request it sends before the decode may read it: published first,
+    # a decode on a loaded machine read and notified a worker that did not know
+    # "prefill-req" yet ("unrecognized request"), and the run failed
     worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput.make_empty()))
     worker.start_load_kv(None)
+    send({"params": params, "digest": digest, "bytes": nbytes, "remote_ids": ids})
     deadline = time.monotonic() + spec["timeout"]
     while time.monotonic() < deadline:
         sending, _ = worker.get_finished(set())
