@@ -60,7 +60,9 @@ class FetchResult:
     copy or READ only, not set-up); ``backend``: what carried it (``kernel:cuda:0``,
     ``UCX``, ...); ``setup_seconds``: set-up paid inside this fetch (0.0 when the peer was
     cached); ``blocks``: logical blocks moved; ``note``: details for a human (never parsed);
-    ``descriptors``: transfer descriptors it used (blocks x regions; 0 where not counted)."""
+    ``descriptors``: transfer descriptors it used (blocks x regions; 0 where not counted);
+    ``host_seconds``: the part of ``seconds`` spent on the host before the copy's stream
+    reached it (0.0 where not measured; the rest is device time)."""
 
     bytes: int
     seconds: float
@@ -69,6 +71,7 @@ class FetchResult:
     blocks: int = 0
     note: str = ""
     descriptors: int = 0
+    host_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:

@@ -299,8 +299,9 @@ class PendingFetch:
             self.finished = time.perf_counter()
         entry = self.entry
         setup, entry.unreported_setup = entry.unreported_setup, 0.0
+        host = 0.0 if self.timing is None else self.timing[0] - self.started
         return FetchResult(self.nbytes, self.seconds(), entry.backend, setup,
-                           len(self.local_ids), entry.note)
+                           len(self.local_ids), entry.note, host_seconds=host)
 
     def seconds(self) -> float:
         """The transfer's time (see the class docstring); call once it is done."""
