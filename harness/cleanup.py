@@ -35,6 +35,11 @@ from .rundir import Owner, process_start_ticks, run_dir_base
 
 #: prefixes of what the toolkit creates in the temporary directory
 TEMP_PREFIXES = ("kvv-", "kvconnect-", ".kvconnect-")
+#: toolkit entries a validation run never leaves behind by accident: worker logs kept on
+#: purpose (KVCONNECT_KEEP_WORKER_LOGS) and the conformance kit's directories (a kit running
+#: beside this run, e.g. another test suite's, is not this run's leak)
+NOT_THIS_RUN = ("kvconnect-validate-logs-", "kvconnect-conformance-", "kvconnect-pd-",
+                "kvconnect-engine-conformance-")
 #: seconds nvidia-smi gets to answer
 _SMI_TIMEOUT_S = 20.0
 
@@ -152,8 +157,8 @@ def _new_temp_entries(before: Baseline) -> list[str]:
     uid = os.getuid()
     out = []
     for name in sorted(now - before.temp_entries):
-        if not name.startswith(TEMP_PREFIXES) or name.startswith("kvconnect-validate-logs-"):
-            continue  # KVCONNECT_KEEP_WORKER_LOGS keeps logs there on purpose
+        if not name.startswith(TEMP_PREFIXES) or name.startswith(NOT_THIS_RUN):
+            continue
         path = os.path.join(before.temp_base, name)
         try:
             if os.lstat(path).st_uid != uid:

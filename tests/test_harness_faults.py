@@ -249,7 +249,11 @@ def test_the_leak_check_sees_a_left_child_and_a_left_run_directory(
         (left / "owner.json").write_text(json.dumps(
             {"pid": os.getpid(), "start_ticks": 1, "boot_id": "x"}))  # ours, stale
         (short / "someone-else").mkdir()
-        assert _new_temp_entries(before) == [str(left)]
+        (short / "kvconnect-conformance-logs-x").mkdir()  # a kit run beside this one
+        generic = short / "kvconnect-x"
+        generic.mkdir()
+        assert _new_temp_entries(before) == [str(generic), str(left)]
+        generic.rmdir()
         assert _new_temp_entries(Baseline(set(), {}, {"kvv-leftover", "someone-else"}, 0,
                                           str(short))) == []
     finally:
