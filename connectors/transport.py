@@ -62,7 +62,10 @@ class FetchResult:
     cached); ``blocks``: logical blocks moved; ``note``: details for a human (never parsed);
     ``descriptors``: transfer descriptors it used (blocks x regions; 0 where not counted);
     ``host_seconds``: the part of ``seconds`` spent on the host before the copy's stream
-    reached it (0.0 where not measured; the rest is device time)."""
+    reached it (0.0 where not measured; the rest is device time); ``launch_seconds``: host
+    time spent issuing the copy once the stream was there (ids uploaded, kernel or graph
+    launched; 0.0 where not measured): an idle device waits for it, so it is part of the
+    device time, not of ``host_seconds``."""
 
     bytes: int
     seconds: float
@@ -72,6 +75,7 @@ class FetchResult:
     note: str = ""
     descriptors: int = 0
     host_seconds: float = 0.0
+    launch_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:

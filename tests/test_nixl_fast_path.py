@@ -285,6 +285,7 @@ def test_a_read_becomes_one_copy_upstream_polls_and_notifies(
             assert peer["ipc_bytes"] == 2 * dst.bytes_per_block
             # the host copies synchronously: all of the read's time is the copy's
             assert peer["ipc_copy_us"] > 0 and peer["ipc_host_us"] == 0
+            assert peer["ipc_launch_us"] == 0  # measured on CUDA only
             # a read the copy cannot do (a block id past the cache) goes to NIXL, and so
             # do the peer's later reads
             assert not fast._read_by_ipc(worker, _read_kw([NUM_BLOCKS + 3], [1]))

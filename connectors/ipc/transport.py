@@ -278,8 +278,9 @@ class PendingFetch:
     events: list[torch.cuda.Event]
     timeout: float
     finished: float | None = None
-    #: (host time when ``timing[0]`` was recorded, start event, end event) on CUDA
-    timing: tuple[float, torch.cuda.Event, torch.cuda.Event] | None = None
+    #: (host time when the start event was recorded, start event, end event, host time
+    #: when the copy was issued) on CUDA
+    timing: tuple[float, torch.cuda.Event, torch.cuda.Event, float] | None = None
 
     def done(self) -> bool:
         """True once the copy has completed (never blocks)."""
@@ -299,16 +300,20 @@ class PendingFetch:
             self.finished = time.perf_counter()
         entry = self.entry
         setup, entry.unreported_setup = entry.unreported_setup, 0.0
-        host = 0.0 if self.timing is None else self.timing[0] - self.started
+        host = launch = 0.0
+        if self.timing is not None:
+            recorded, _, _, issued = self.timing
+            host, launch = recorded - self.started, issued - recorded
         return FetchResult(self.nbytes, self.seconds(), entry.backend, setup,
-                           len(self.local_ids), entry.note, host_seconds=host)
+                           len(self.local_ids), entry.note, host_seconds=host,
+                           launch_seconds=launch)
 
     def seconds(self) -> float:
         """The transfer's time (see the class docstring); call once it is done."""
         assert self.finished is not None
         if self.timing is None:
             return self.finished - self.started
-        recorded, start, end = self.timing
+        recorded, start, end, _ = self.timing
         return (recorded - self.started) + start.elapsed_time(end) / 1e3
 
 
@@ -476,10 +481,11 @@ class IpcTransport:
                 first.record(stream)
                 recorded = time.perf_counter()
                 nbytes = entry.plan.copy(src, dst, validate=False)
+                issued = time.perf_counter()
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(stream)
                 events.append(ev)
-                timing = (recorded, first, ev)
+                timing = (recorded, first, ev, issued)
                 if cross:
                     current_stream(local.index).wait_event(ev)
         except Exception as exc:

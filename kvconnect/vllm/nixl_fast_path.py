@@ -503,9 +503,11 @@ class NixlIpcFastPath:
             counts["ipc_reads"] += 1
             counts["ipc_blocks"] += len(local)
             counts["ipc_bytes"] += int(result.bytes)
-            # where a read's time goes: host work before the copy, then the copy (device)
+            # where a read's time goes: host work before the copy, then the copy (device),
+            # of which the host spent ipc_launch_us issuing it
             counts["ipc_host_us"] += round(result.host_seconds * 1e6)
             counts["ipc_copy_us"] += round((result.seconds - result.host_seconds) * 1e6)
+            counts["ipc_launch_us"] += round(result.launch_seconds * 1e6)
 
         def failed(exc: BaseException) -> None:
             self._fall_back(key, "copy_failed", repr(exc)[:300])
