@@ -87,14 +87,19 @@ class Stepper:
         self.engine = llm.llm_engine
         self.deadline = deadline
         self.done: dict[str, dict[str, Any]] = {}
+        self.added: set[str] = set()
 
     def add(self, name: str, prompt: list[int], max_tokens: int,
             transfer: dict[str, Any] | None = None) -> None:
+        self.added.add(name)
         self.engine.add_request(name, {"prompt_token_ids": prompt}, params(max_tokens, transfer))
 
     def step(self) -> None:
         if time.monotonic() > self.deadline:
-            raise TimeoutError("the engine did not finish its requests in time")
+            raise TimeoutError(f"the engine did not finish its requests in time: "
+                               f"{len(self.done)} finished, still waiting for "
+                               f"{sorted(self.added - set(self.done))[:20]}; "
+                               f"connector facts: {_connector_facts_text()}")
         for o in self.engine.step():
             if o.finished:
                 self.done[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
@@ -105,6 +110,23 @@ class Stepper:
         """Step until every request finished."""
         while self.engine.has_unfinished_requests():
             self.step()
+
+
+def connector_facts() -> dict[str, Any]:
+    """The engine's KV connector (a kvconnect NIXL one): its name, NIXL and fast-path facts."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    c = get_kv_transfer_group()
+    return {"nixl": c.kvconnect_nixl_facts(), "fast_path": c.kvconnect_fast_path_facts(),
+            "name": type(c).__name__}
+
+
+def _connector_facts_text() -> str:
+    """:func:`connector_facts` as JSON text for an error message (never raises)."""
+    try:
+        return json.dumps(connector_facts())[:3000]
+    except Exception as exc:  # noqa: BLE001 - a diagnostic, never the error itself
+        return f"unavailable ({type(exc).__name__}: {exc})"
 
 
 def worker_facts(llm: Any) -> dict[str, Any]:

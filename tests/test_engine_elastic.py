@@ -20,18 +20,15 @@ Engines share work within a module-scoped fixture each:
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _engine_runs import EngineBatch, EngineProcess, engine_env, engine_unavailable, free_port
+from _engine_runs import EngineBatch, engine_env, engine_unavailable, free_port
 
 REASON = engine_unavailable()
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900),
@@ -66,30 +63,10 @@ def _prompt(i: int) -> list[int]:
     return [3 + (BASE[0] + 7 * i) % 1000, *BASE[1:]]
 
 
-class ElasticProcess(EngineProcess):
-    """An engine child running tests/_engine_elastic_child.py (otherwise EngineProcess)."""
-
-    def __init__(self, name: str, scenario: str, spec: dict[str, Any], env: dict[str, str],
-                 workdir: Path) -> None:
-        self.name = name
-        self.log_path = workdir / f"{name}.log"
-        self.result_path = workdir / f"{name}.result.json"
-        spec_path = workdir / f"{name}.spec.json"
-        spec_path.write_text(json.dumps({**spec, "result": str(self.result_path)}))
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in kill()
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), scenario, str(spec_path)],
-                                     env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     cwd=str(workdir))
-        self.returncode = None
-
-
 class ElasticBatch(EngineBatch):
-    def start(self, name: str, scenario: str, spec: dict[str, Any], env: dict[str, str]
-              ) -> EngineProcess:
-        proc = ElasticProcess(name, scenario, spec, env, self.workdir)
-        self.engines[name] = proc
-        return proc
+    """Engines running tests/_engine_elastic_child.py."""
+
+    child = CHILD
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +287,9 @@ def test_simple_cpu_offload_controls_differ(offload: dict[str, Any]) -> None:
 PREFILLS = {"ipc": True, "nixl": False, "ignore": False}
 #: the 1P1D engines' starting size: a prefill's 6 phase-b prompts need 18 blocks
 N_PD = 16
+#: seconds: a stuck decode times out (reporting what it waits for, and releasing the
+#: prefills) before the prefills waiting on it do
+DECODE_TIMEOUT, PREFILL_TIMEOUT = 420, 480
 
 
 def _pd_prompts() -> dict[str, dict[str, list[list[int]]]]:
@@ -354,11 +334,12 @@ def pd(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 batch.start(name, "pd_prefill", {
                     **connector(name, ipc, double=name == "ignore"), "model": str(model),
                     "blocks": N_PD, "prompts": prompts[name], "params_out": files[name],
-                    "done": done, "timeout": 420, "double": name == "ignore"}, env())
+                    "done": done, "timeout": PREFILL_TIMEOUT, "double": name == "ignore"},
+                    env())
             batch.start("decode", "pd_decode", {
                 **connector("decode", True), "model": str(model), "blocks": N_PD,
                 "prompts": prompts, "prefills": files, "done": done,
-                "max_tokens": MAX_TOKENS, "timeout": 420}, env())
+                "max_tokens": MAX_TOKENS, "timeout": DECODE_TIMEOUT}, env())
             return batch.results()
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import _engine_runs
 import pytest
 from _engine_runs import EngineBatch, engine_env, engine_unavailable, free_port
 
@@ -31,6 +30,14 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900),
               pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 CHILD = Path(__file__).with_name("_engine_pd_serve_child.py")
+
+
+class ServeBatch(EngineBatch):
+    """Engines running tests/_engine_pd_serve_child.py."""
+
+    child = CHILD
+
+
 #: a seeded random prompt (a fresh Random per token would repeat one token 300 times)
 PROMPT = random.Random(23).choices(range(3, 1000), k=300)
 MAX_TOKENS = 8
@@ -54,8 +61,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     extra = {"kvconnect_ipc_dir": ipc_dir, "enforce_handshake_compat": False}
     done, params = work / "done", {}
     try:
-        with EngineBatch(work, timeout=600) as batch, pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_engine_runs, "CHILD", CHILD)  # this module's engines, no alias
+        with ServeBatch(work, timeout=600) as batch:
             for name, model in models.items():
                 params[name] = str(work / f"{name}.params.json")
                 batch.start(f"prefill-{name}", "prefill", {
@@ -66,7 +72,6 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 "model": str(models["same"]), "engine_id": "decode", "extra_config": extra,
                 "prompt": PROMPT, "max_tokens": MAX_TOKENS, "prefills": params,
                 "done_file": str(done), "timeout": 500}, _env())
-            mp.undo()
             out: dict[str, Any] = batch.results()
             out["decode_log"] = batch.engines["decode"].log_text()
             return out
