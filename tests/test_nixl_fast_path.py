@@ -24,6 +24,7 @@ from _nixl_peer import block_view
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
 from kvconnect.framing import IpcError, kernel_boot_id
 from kvconnect.kv_cache import ExtensibleKVCache
+from kvconnect.vllm.ipc_handles import IpcXferHandles
 from kvconnect.vllm.ipc_offer import (
     REASONS,
     FastPathDecision,
@@ -36,7 +37,6 @@ from kvconnect.vllm.ipc_offer import (
 )
 from kvconnect.vllm.nixl_fast_path import (
     FastPathSettings,
-    IpcXferHandles,
     NixlIpcFastPath,
     layout_mismatch,
     logical_ids,
