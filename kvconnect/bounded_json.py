@@ -7,18 +7,26 @@ linear in the text, whatever it holds), rejects long digit runs while parsing, r
 strings that are not valid Unicode (a lone surrogate such as ``"\\ud800"``, which no UTF-8
 text can hold), and raises only :class:`BoundedJSONError` (a ``ValueError``) for anything
 malformed, which callers turn into their own error type.
+
+:class:`Doc` reads a decoded object field by field (types, bounds, required or optional),
+raising the reading module's own error class with messages that name ``<where>.<field>``;
+:func:`load_document` is the size-bounded parse to a :class:`Doc`. Every schema module that
+faces a peer (peer layout, NIXL handshake, ipc export message, KV cache config) reads
+through them, and checks its wire version with :meth:`Doc.check_version`.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from typing import Any, TypeAlias
 
+from .checks import MAX_BYTES, checked_int
 from .errors import KvconnectError
 
-__all__ = ["DEFAULT_MAX_DEPTH", "DEFAULT_MAX_INT_DIGITS", "JSON", "BoundedJSONError",
-           "JSONObject", "loads"]
+__all__ = ["DEFAULT_MAX_DEPTH", "DEFAULT_MAX_INT_DIGITS", "JSON", "REQUIRED", "BoundedJSONError",
+           "Doc", "JSONObject", "json_int", "json_list", "json_str", "load_document", "loads"]
 
 #: a decoded JSON value (object, array, string, number, bool or null): what crosses a process
 #: boundary, read field by field and checked by whoever reads it. An alias of ``Any`` that says
@@ -144,3 +152,166 @@ def _refuse_lone_surrogates(value: JSON) -> None:
             todo.extend(v.values())
         elif isinstance(v, list):
             todo.extend(v)
+
+
+# -- checked reads of decoded documents ------------------------------------------------------
+class _Required(enum.Enum):
+    REQUIRED = "required"
+
+
+#: the ``default`` of a :class:`Doc` field that must be present
+REQUIRED = _Required.REQUIRED
+#: longest string field accepted by default
+DEFAULT_MAX_CHARS = 4096
+
+
+def _got(value: JSON, unit: str) -> str:
+    """What a value that failed a check was, for messages: its length or its type."""
+    if isinstance(value, (str, list)):
+        return f"{len(value)} {unit}"
+    return type(value).__name__
+
+
+def json_int(what: str, value: JSON, error: type[Exception], minimum: int = 0,
+             maximum: int = MAX_BYTES) -> int:
+    """``value`` if it is an int (never a bool) in ``[minimum, maximum]``, else ``error``
+    naming ``what`` (the messages of :func:`kvconnect.checks.checked_int`)."""
+    try:
+        return checked_int(what, value, minimum=minimum, maximum=maximum)
+    except ValueError as exc:
+        raise error(str(exc)) from None
+
+
+def json_str(what: str, value: JSON, error: type[Exception], max_chars: int = DEFAULT_MAX_CHARS,
+             min_chars: int = 0) -> str:
+    """``value`` if it is a string of ``min_chars..max_chars`` characters, else ``error``
+    naming ``what`` (a string that may not be empty is called a name)."""
+    if not isinstance(value, str) or not min_chars <= len(value) <= max_chars:
+        form = f"a name of {min_chars}..{max_chars}" if min_chars else \
+            f"a string of at most {max_chars}"
+        raise error(f"{what} must be {form} characters, got {_got(value, 'characters')}")
+    return value
+
+
+def json_list(what: str, value: JSON, error: type[Exception], max_items: int) -> list[JSON]:
+    """``value`` if it is a list of at most ``max_items`` items, else ``error`` naming
+    ``what``."""
+    if not isinstance(value, list) or len(value) > max_items:
+        raise error(f"{what} must be a list of at most {max_items} items, got "
+                    f"{_got(value, 'items')}")
+    return value
+
+
+class Doc:
+    """A checked view of one decoded JSON object (a peer's document or a part of one).
+
+    Each accessor reads one field, checks its type and bounds and returns it; a field that is
+    absent raises unless a ``default`` is given (the ``optional_*`` accessors also take
+    ``null`` as absent). Anything off raises ``error`` (the reading module's own class) with
+    a message naming ``<where>.<field>``; never ``KeyError`` or ``TypeError``.
+    """
+
+    __slots__ = ("error", "value", "where")
+
+    def __init__(self, value: JSON, where: str, error: type[Exception] = BoundedJSONError
+                 ) -> None:
+        if not isinstance(value, dict):
+            raise error(f"{where} must be an object, got {type(value).__name__}")
+        self.value: JSONObject = value
+        self.where = where
+        self.error = error
+
+    def at(self, key: str) -> str:
+        """``<where>.<key>``: how messages name a field."""
+        return f"{self.where}.{key}"
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.value
+
+    def raw(self, key: str, default: JSON = REQUIRED) -> JSON:
+        """The field as decoded, unchecked; ``default`` when absent."""
+        if key in self.value:
+            return self.value[key]
+        if default is REQUIRED:
+            raise self.error(f"{self.where}: missing field {key!r}")
+        return default
+
+    def integer(self, key: str, minimum: int = 0, maximum: int = MAX_BYTES,
+                default: int | _Required = REQUIRED) -> int:
+        """An int field in ``[minimum, maximum]`` (a bool is not an int)."""
+        if key not in self.value and default is not REQUIRED:
+            return default
+        return json_int(self.at(key), self.raw(key), self.error, minimum, maximum)
+
+    def optional_integer(self, key: str, minimum: int = 0, maximum: int = MAX_BYTES
+                         ) -> int | None:
+        """An int field in ``[minimum, maximum]``, or ``None`` when absent or null."""
+        value = self.value.get(key)
+        return None if value is None else json_int(self.at(key), value, self.error, minimum,
+                                                   maximum)
+
+    def string(self, key: str, max_chars: int = DEFAULT_MAX_CHARS, min_chars: int = 0,
+               default: str | _Required = REQUIRED) -> str:
+        """A string field of ``min_chars..max_chars`` characters."""
+        if key not in self.value and default is not REQUIRED:
+            return default
+        return json_str(self.at(key), self.raw(key), self.error, max_chars, min_chars)
+
+    def optional_string(self, key: str, max_chars: int = DEFAULT_MAX_CHARS) -> str | None:
+        """A string field of at most ``max_chars`` characters, or ``None`` when absent or
+        null."""
+        value = self.value.get(key)
+        return None if value is None else json_str(self.at(key), value, self.error, max_chars)
+
+    def boolean(self, key: str, default: bool | _Required = REQUIRED) -> bool:
+        """A ``true`` / ``false`` field."""
+        value = self.raw(key, default)
+        if not isinstance(value, bool):
+            raise self.error(f"{self.at(key)} must be a bool, got {type(value).__name__}")
+        return value
+
+    def array(self, key: str, max_items: int) -> list[JSON]:
+        """A list field of at most ``max_items`` items (unchecked: see :meth:`children`,
+        :meth:`names`)."""
+        return json_list(self.at(key), self.raw(key), self.error, max_items)
+
+    def child(self, key: str) -> Doc:
+        """An object field, as a :class:`Doc` named ``<where>.<key>``."""
+        return Doc(self.raw(key), self.at(key), self.error)
+
+    def children(self, key: str, max_items: int) -> list[Doc]:
+        """A list field of objects, each a :class:`Doc` named ``<where>.<key>[i]``."""
+        return [Doc(x, f"{self.at(key)}[{i}]", self.error)
+                for i, x in enumerate(self.array(key, max_items))]
+
+    def names(self, key: str, max_items: int, max_chars: int = DEFAULT_MAX_CHARS) -> list[str]:
+        """A list field of non-empty strings of at most ``max_chars`` characters."""
+        return [json_str(f"{self.at(key)}[{i}]", x, self.error, max_chars, 1)
+                for i, x in enumerate(self.array(key, max_items))]
+
+    def check_version(self, key: str, expected: int | str, what: str) -> None:
+        """The field ``key`` must equal ``expected`` (a protocol's wire version or schema tag;
+        an int never matches a bool or a string): else ``error`` saying which version each
+        side speaks."""
+        got = self.value.get(key)
+        if type(got) is not type(expected) or got != expected:
+            raise self.error(f"{self.where}: unknown {what} {got!r:.80} (this side reads "
+                             f"{expected!r}: upgrade the older side)")
+
+
+def load_document(data: JSON, max_bytes: int, where: str,
+                  error: type[Exception] = BoundedJSONError) -> Doc:
+    """``data`` (JSON bytes or text of at most ``max_bytes`` bytes, parsed by :func:`loads`)
+    as a :class:`Doc`; anything else (another type, too large, not JSON, not an object)
+    raises ``error`` naming ``where``."""
+    if not isinstance(data, (bytes, bytearray, str)):
+        raise error(f"{where} must be JSON bytes or text, got {type(data).__name__}")
+    # surrogatepass: a lone surrogate is counted here and refused by loads
+    size = len(data.encode("utf-8", "surrogatepass")) if isinstance(data, str) else len(data)
+    if size > max_bytes:
+        raise error(f"{where} is {size} bytes, above the {max_bytes}-byte limit")
+    try:
+        value = loads(data)
+    except BoundedJSONError as exc:
+        raise error(f"{where} is not valid JSON: {exc}") from None
+    return Doc(value, where, error)
