@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 from .checks import MAX_BYTES, checked_int
@@ -165,13 +166,6 @@ REQUIRED = _Required.REQUIRED
 DEFAULT_MAX_CHARS = 4096
 
 
-def _got(value: JSON, unit: str) -> str:
-    """What a value that failed a check was, for messages: its length or its type."""
-    if isinstance(value, (str, list)):
-        return f"{len(value)} {unit}"
-    return type(value).__name__
-
-
 def json_int(what: str, value: JSON, error: type[Exception], minimum: int = 0,
              maximum: int = MAX_BYTES) -> int:
     """``value`` if it is an int (never a bool) in ``[minimum, maximum]``, else ``error``
@@ -186,24 +180,29 @@ def json_str(what: str, value: JSON, error: type[Exception], max_chars: int = DE
              min_chars: int = 0) -> str:
     """``value`` if it is a string of ``min_chars..max_chars`` characters, else ``error``
     naming ``what`` (a string that may not be empty is called a name)."""
-    if not isinstance(value, str) or not min_chars <= len(value) <= max_chars:
-        form = f"a name of {min_chars}..{max_chars}" if min_chars else \
-            f"a string of at most {max_chars}"
-        raise error(f"{what} must be {form} characters, got {_got(value, 'characters')}")
+    kind = "a name" if min_chars else "a string"
+    if not isinstance(value, str):
+        raise error(f"{what} must be {kind}, got {type(value).__name__}")
+    if not min_chars <= len(value) <= max_chars:
+        bounds = f"{min_chars}..{max_chars}" if min_chars else f"at most {max_chars}"
+        raise error(f"{what} must be {kind} of {bounds} characters, got {len(value)}")
     return value
 
 
-def json_list(what: str, value: JSON, error: type[Exception], max_items: int) -> list[JSON]:
-    """``value`` if it is a list of at most ``max_items`` items, else ``error`` naming
-    ``what``."""
-    if not isinstance(value, list) or len(value) > max_items:
-        raise error(f"{what} must be a list of at most {max_items} items, got "
-                    f"{_got(value, 'items')}")
-    return value
+def json_list(what: str, value: JSON, error: type[Exception], max_items: int = MAX_BYTES
+              ) -> list[JSON]:
+    """``value`` (a list, or a tuple from an in-process dict) as a list of at most
+    ``max_items`` items, else ``error`` naming ``what``."""
+    if not isinstance(value, (list, tuple)):
+        raise error(f"{what} must be a list, got {type(value).__name__}")
+    if len(value) > max_items:
+        raise error(f"{what} must be a list of at most {max_items} items, got {len(value)}")
+    return value if isinstance(value, list) else list(value)
 
 
 class Doc:
-    """A checked view of one decoded JSON object (a peer's document or a part of one).
+    """A checked view of one decoded JSON object (a peer's document or a part of one; any
+    mapping is read the same way).
 
     Each accessor reads one field, checks its type and bounds and returns it; a field that is
     absent raises unless a ``default`` is given (the ``optional_*`` accessors also take
@@ -215,9 +214,9 @@ class Doc:
 
     def __init__(self, value: JSON, where: str, error: type[Exception] = BoundedJSONError
                  ) -> None:
-        if not isinstance(value, dict):
+        if not isinstance(value, Mapping):
             raise error(f"{where} must be an object, got {type(value).__name__}")
-        self.value: JSONObject = value
+        self.value: Mapping[str, JSON] = value
         self.where = where
         self.error = error
 
@@ -270,7 +269,7 @@ class Doc:
             raise self.error(f"{self.at(key)} must be a bool, got {type(value).__name__}")
         return value
 
-    def array(self, key: str, max_items: int) -> list[JSON]:
+    def array(self, key: str, max_items: int = MAX_BYTES) -> list[JSON]:
         """A list field of at most ``max_items`` items (unchecked: see :meth:`children`,
         :meth:`names`)."""
         return json_list(self.at(key), self.raw(key), self.error, max_items)

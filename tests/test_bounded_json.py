@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import MappingProxyType
 
 import pytest
 from hypothesis import given, settings
@@ -156,6 +157,8 @@ def test_doc_reads_well_typed_fields() -> None:
     assert [(k.where, k.integer("x")) for k in d.children("kids", 2)] == \
         [("doc.kids[0]", 1), ("doc.kids[1]", 2)]
     assert "n" in d and "absent" not in d and d.raw("null") is None
+    # an in-process mapping with tuples (a config dict) reads as JSON does
+    assert Doc(MappingProxyType({"a": (1, 2)}), "m").array("a") == [1, 2]
 
 
 def _field_error(read) -> str:
