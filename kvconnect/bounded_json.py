@@ -12,7 +12,9 @@ malformed, which callers turn into their own error type.
 raising the reading module's own error class with messages that name ``<where>.<field>``;
 :func:`load_document` is the size-bounded parse to a :class:`Doc`. Every schema module that
 faces a peer (peer layout, NIXL handshake, ipc export message, KV cache config) reads
-through them, and checks its wire version with :meth:`Doc.check_version`.
+through them. Every protocol declares one ``WIRE_VERSION: int`` (its schema tag or frame
+magic ends with it) and checks what a peer sent with :func:`version_mismatch` (or
+:meth:`Doc.check_version`, which raises).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from .checks import MAX_BYTES, checked_int
 from .errors import KvconnectError
 
 __all__ = ["DEFAULT_MAX_DEPTH", "DEFAULT_MAX_INT_DIGITS", "JSON", "REQUIRED", "BoundedJSONError",
-           "Doc", "JSONObject", "json_int", "json_list", "json_str", "load_document", "loads"]
+           "Doc", "JSONObject", "json_int", "json_list", "json_str", "load_document", "loads",
+           "version_mismatch"]
 
 #: a decoded JSON value (object, array, string, number, bool or null): what crosses a process
 #: boundary, read field by field and checked by whoever reads it. An alias of ``Any`` that says
@@ -289,13 +292,20 @@ class Doc:
                 for i, x in enumerate(self.array(key, max_items))]
 
     def check_version(self, key: str, expected: int | str, what: str) -> None:
-        """The field ``key`` must equal ``expected`` (a protocol's wire version or schema tag;
-        an int never matches a bool or a string): else ``error`` saying which version each
-        side speaks."""
-        got = self.value.get(key)
-        if type(got) is not type(expected) or got != expected:
-            raise self.error(f"{self.where}: unknown {what} {got!r:.80} (this side reads "
-                             f"{expected!r}: upgrade the older side)")
+        """The field ``key`` must be exactly ``expected`` (:func:`version_mismatch`), else
+        ``error`` saying which version each side speaks."""
+        mismatch = version_mismatch(self.value.get(key), expected, what)
+        if mismatch:
+            raise self.error(f"{self.where}: {mismatch}")
+
+
+def version_mismatch(got: JSON, expected: int | str, what: str) -> str | None:
+    """``None`` when a peer's ``got`` is exactly ``expected`` (a protocol's ``WIRE_VERSION``
+    or schema tag: an int never matches a bool, a float or a string), else a sentence naming
+    ``what`` and the version each side speaks."""
+    if type(got) is type(expected) and got == expected:
+        return None
+    return f"unknown {what} {got!r:.80} (this side reads {expected!r}: upgrade the older side)"
 
 
 def load_document(data: JSON, max_bytes: int, where: str,

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from .cache_source import KVCacheSource
 
 __all__ = [
-    "MAX_LAYOUT_BYTES", "PEER_LAYOUT_SCHEMA", "LayoutFacts", "LayoutRegion", "PeerLayout",
+    "MAX_LAYOUT_BYTES", "PEER_LAYOUT_SCHEMA", "WIRE_VERSION", "LayoutFacts", "LayoutRegion",
+    "PeerLayout",
     "PeerLayoutError", "kvconnect_version", "layout_facts",
 ]
 
@@ -59,8 +60,10 @@ __all__ = [
 #: (tokens, int), ``dtype`` and ``layout`` (str); ``None`` when unknown
 LayoutFacts: TypeAlias = "dict[str, int | str | None]"
 
-#: schema tag of every layout document; another tag is refused (bump when a field changes)
-PEER_LAYOUT_SCHEMA = "kvconnect.peer_layout/1"
+#: version of the layout document (bump when a field changes)
+WIRE_VERSION = 1
+#: schema tag of every layout document; another tag is refused
+PEER_LAYOUT_SCHEMA = f"kvconnect.peer_layout/{WIRE_VERSION}"
 #: largest layout document accepted as bytes or text
 MAX_LAYOUT_BYTES = 16 * 1024 * 1024
 #: most regions and layer names one layout may list, longest name, most kernel blocks per block

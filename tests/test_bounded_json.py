@@ -1,5 +1,6 @@
 """Bounded JSON decoding of what peers send: kvconnect.bounded_json (loads, and the checked
-reader Doc / load_document every schema module reads through), and the two decoders built on it (kvconnect.framing.recv_message is tested in test_ipc.py; HandshakeMetadata here)."""
+reader Doc / load_document every schema module reads through), and the two decoders built on
+it (kvconnect.framing.recv_message is tested in test_ipc.py; HandshakeMetadata here)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvconnect.bounded_json import (
     load_document,
     loads,
     nesting_depth,
+    version_mismatch,
 )
 from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
 
@@ -198,17 +200,21 @@ def test_doc_refuses_wrong_fields_naming_them(read, field: str) -> None:
 
 @pytest.mark.parametrize("value", [None, [], "x", 3, True])
 def test_doc_of_a_non_object_raises_the_callers_error(value) -> None:
-    with pytest.raises(_SchemaError, match=f"^where must be an object, got {type(value).__name__}$"):
+    name = type(value).__name__
+    with pytest.raises(_SchemaError, match=f"^where must be an object, got {name}$"):
         Doc(value, "where", _SchemaError)
     with pytest.raises(BoundedJSONError):  # the default error class
         Doc(value, "where")
 
 
 @pytest.mark.parametrize(("got", "expected"), [
-    (2, 3), (True, 1), ("1", 1), (1, "kvconnect.x/1"), (None, 1), ("kvconnect.x/0", "kvconnect.x/1"),
+    (2, 3), (True, 1), (1.0, 1), ("1", 1), (1, "kvconnect.x/1"), (None, 1),
+    ("kvconnect.x/0", "kvconnect.x/1"),
 ])
 def test_check_version_takes_only_the_exact_value(got, expected) -> None:
     Doc({"v": expected}, "doc", _SchemaError).check_version("v", expected, "wire version")
+    assert version_mismatch(expected, expected, "wire version") is None
+    assert version_mismatch(got, expected, "wire version").startswith("unknown wire version ")
     doc = {} if got is None else {"v": got}
     with pytest.raises(_SchemaError, match=r"^doc: unknown wire version"):
         Doc(doc, "doc", _SchemaError).check_version("v", expected, "wire version")

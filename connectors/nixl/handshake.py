@@ -28,10 +28,13 @@ __all__ = [
     "HandshakeMetadata",
     "MetadataError",
     "RegionAddress",
+    "WIRE_VERSION",
 ]
 
+#: version of the metadata document (bump when a field changes)
+WIRE_VERSION = 2
 #: schema tag written into every metadata document; a different tag is rejected.
-HANDSHAKE_SCHEMA = "kvconnect.nixl.handshake/2"
+HANDSHAKE_SCHEMA = f"kvconnect.nixl.handshake/{WIRE_VERSION}"
 #: largest metadata document accepted from a peer, in bytes.
 MAX_METADATA_BYTES = 64 * 1024 * 1024
 _MAX_ITEMS = 1 << 20
