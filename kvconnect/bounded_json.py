@@ -8,27 +8,23 @@ strings that are not valid Unicode (a lone surrogate such as ``"\\ud800"``, whic
 text can hold), and raises only :class:`BoundedJSONError` (a ``ValueError``) for anything
 malformed, which callers turn into their own error type.
 
-:class:`Doc` reads a decoded object field by field (types, bounds, required or optional),
-raising the reading module's own error class with messages that name ``<where>.<field>``;
-:func:`load_document` is the size-bounded parse to a :class:`Doc`. Every schema module that
-faces a peer (peer layout, NIXL handshake, ipc export message, KV cache config) reads
-through them. Every protocol declares one ``WIRE_VERSION: int`` (its schema tag or frame
-magic ends with it) and checks what a peer sent with :func:`version_mismatch` (or
-:meth:`Doc.check_version`, which raises).
+Schema modules read decoded objects through :class:`Doc` (:func:`load_document` parses to
+one), raising their own error class; each protocol declares one ``WIRE_VERSION: int`` and
+checks a peer's with :func:`version_mismatch` (:meth:`Doc.check_version` raises).
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 from collections.abc import Mapping
+from types import EllipsisType
 from typing import Any, TypeAlias
 
 from .checks import MAX_BYTES, checked_int
 from .errors import KvconnectError
 
-__all__ = ["DEFAULT_MAX_DEPTH", "DEFAULT_MAX_INT_DIGITS", "JSON", "REQUIRED", "BoundedJSONError",
+__all__ = ["DEFAULT_MAX_DEPTH", "DEFAULT_MAX_INT_DIGITS", "JSON", "BoundedJSONError",
            "Doc", "JSONObject", "json_int", "json_list", "json_str", "load_document", "loads",
            "version_mismatch"]
 
@@ -159,12 +155,6 @@ def _refuse_lone_surrogates(value: JSON) -> None:
 
 
 # -- checked reads of decoded documents ------------------------------------------------------
-class _Required(enum.Enum):
-    REQUIRED = "required"
-
-
-#: the ``default`` of a :class:`Doc` field that must be present
-REQUIRED = _Required.REQUIRED
 #: longest string field accepted by default
 DEFAULT_MAX_CHARS = 4096
 
@@ -208,8 +198,8 @@ class Doc:
     mapping is read the same way).
 
     Each accessor reads one field, checks its type and bounds and returns it; a field that is
-    absent raises unless a ``default`` is given (the ``optional_*`` accessors also take
-    ``null`` as absent). Anything off raises ``error`` (the reading module's own class) with
+    absent raises unless a ``default`` is given (``...``: none; the ``optional_*`` accessors
+    also take ``null`` as absent). Anything off raises ``error`` (the reading module's own class) with
     a message naming ``<where>.<field>``; never ``KeyError`` or ``TypeError``.
     """
 
@@ -227,21 +217,18 @@ class Doc:
         """``<where>.<key>``: how messages name a field."""
         return f"{self.where}.{key}"
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.value
-
-    def raw(self, key: str, default: JSON = REQUIRED) -> JSON:
+    def raw(self, key: str, default: JSON = ...) -> JSON:
         """The field as decoded, unchecked; ``default`` when absent."""
         if key in self.value:
             return self.value[key]
-        if default is REQUIRED:
+        if default is ...:
             raise self.error(f"{self.where}: missing field {key!r}")
         return default
 
     def integer(self, key: str, minimum: int = 0, maximum: int = MAX_BYTES,
-                default: int | _Required = REQUIRED) -> int:
+                default: int | EllipsisType = ...) -> int:
         """An int field in ``[minimum, maximum]`` (a bool is not an int)."""
-        if key not in self.value and default is not REQUIRED:
+        if key not in self.value and not isinstance(default, EllipsisType):
             return default
         return json_int(self.at(key), self.raw(key), self.error, minimum, maximum)
 
@@ -253,9 +240,9 @@ class Doc:
                                                    maximum)
 
     def string(self, key: str, max_chars: int = DEFAULT_MAX_CHARS, min_chars: int = 0,
-               default: str | _Required = REQUIRED) -> str:
+               default: str | EllipsisType = ...) -> str:
         """A string field of ``min_chars..max_chars`` characters."""
-        if key not in self.value and default is not REQUIRED:
+        if key not in self.value and not isinstance(default, EllipsisType):
             return default
         return json_str(self.at(key), self.raw(key), self.error, max_chars, min_chars)
 
@@ -265,7 +252,7 @@ class Doc:
         value = self.value.get(key)
         return None if value is None else json_str(self.at(key), value, self.error, max_chars)
 
-    def boolean(self, key: str, default: bool | _Required = REQUIRED) -> bool:
+    def boolean(self, key: str, default: bool | EllipsisType = ...) -> bool:
         """A ``true`` / ``false`` field."""
         value = self.raw(key, default)
         if not isinstance(value, bool):
@@ -290,6 +277,12 @@ class Doc:
         """A list field of non-empty strings of at most ``max_chars`` characters."""
         return [json_str(f"{self.at(key)}[{i}]", x, self.error, max_chars, 1)
                 for i, x in enumerate(self.array(key, max_items))]
+
+    def refuse_unknown(self, known: set[str]) -> None:
+        """Refuse fields outside ``known`` (naming the first four)."""
+        unknown = sorted(map(str, set(self.value) - known))
+        if unknown:
+            raise self.error(f"{self.where} has unknown fields {unknown[:4]}")
 
     def check_version(self, key: str, expected: int | str, what: str) -> None:
         """The field ``key`` must be exactly ``expected`` (:func:`version_mismatch`), else

@@ -158,7 +158,8 @@ def test_doc_reads_well_typed_fields() -> None:
     assert d.child("obj").integer("x") == 1 and d.child("obj").where == "doc.obj"
     assert [(k.where, k.integer("x")) for k in d.children("kids", 2)] == \
         [("doc.kids[0]", 1), ("doc.kids[1]", 2)]
-    assert "n" in d and "absent" not in d and d.raw("null") is None
+    assert d.raw("null") is None and d.raw("absent", None) is None
+    d.refuse_unknown(set(_SAMPLE))
     # an in-process mapping with tuples (a config dict) reads as JSON does
     assert Doc(MappingProxyType({"a": (1, 2)}), "m").array("a") == [1, 2]
 
@@ -192,6 +193,7 @@ def _field_error(read) -> str:
     (lambda d: d.child("items"), "doc.items"),
     (lambda d: d.children("items", 9), "doc.items[0]"),
     (lambda d: d.children("kids", 1), "doc.kids"),
+    (lambda d: d.refuse_unknown(set(_SAMPLE) - {"flag"}), "doc has unknown fields ['flag']"),
 ])
 def test_doc_refuses_wrong_fields_naming_them(read, field: str) -> None:
     message = _field_error(read)

@@ -78,13 +78,9 @@ class KVCacheTensor:
         """The tensor :meth:`to_dict` described (``shared_by`` is accepted for ``layers``);
         any malformed field raises LayoutError."""
         t = Doc(d, where, LayoutError)
-        if "size" not in t or not ("layers" in t or "shared_by" in t):
-            raise LayoutError(f"{where} must be a dict with size and layers")
-        unknown = sorted(map(str, set(d) - {"size", "layers", "shared_by", "layer_stride",
-                                             "block_stride", "offset", "host_resident"}))
-        if unknown:
-            raise LayoutError(f"{where} has unknown fields {unknown[:4]}")
-        names = t.array("layers" if "layers" in t else "shared_by")
+        t.refuse_unknown({"size", "layers", "shared_by", "layer_stride", "block_stride",
+                          "offset", "host_resident"})
+        names = t.array("shared_by" if "shared_by" in d and "layers" not in d else "layers")
         return cls(t.integer("size", 1),
                    tuple(json_str(t.at("layers"), n, LayoutError, MAX_BYTES) for n in names),
                    t.optional_integer("layer_stride", 1), t.optional_integer("block_stride", 1),
@@ -194,14 +190,9 @@ class KVCacheConfig:
         """The config :meth:`to_dict` described. Every field is checked (types, positive
         ints, known spec kinds and dtypes); anything malformed raises LayoutError. Whether
         the config can be laid out is :func:`plan_layout`'s to say."""
-        c = Doc(d, "config", LayoutError)
-        known = {"num_blocks", "kv_cache_tensors", "kv_cache_groups", "layout",
-                 "kernel_block_size"}
-        missing = sorted(known - {"layout", "kernel_block_size"} - d.keys())
-        unknown = sorted(map(str, d.keys() - known))
-        if missing or unknown:
-            raise LayoutError(f"KV cache config: missing fields {missing}, unknown fields "
-                              f"{unknown[:4]}")
+        c = Doc(d, "KV cache config", LayoutError)
+        c.refuse_unknown({"num_blocks", "kv_cache_tensors", "kv_cache_groups", "layout",
+                          "kernel_block_size"})
         tensors = [KVCacheTensor.from_dict(t, f"kv_cache_tensors[{i}]") for i, t in
                    enumerate(c.array("kv_cache_tensors"))]
         groups = []

@@ -86,9 +86,7 @@ class KVCacheSpec:
             raise LayoutError(f"unknown KV cache spec kind {kind!r:.60}; expected one of "
                               f"{list(kinds)}")
         spec = Doc(d, kind, LayoutError)
-        unknown = sorted(map(str, set(d) - {"kind"} - {f.name for f in fields(kinds[kind])}))
-        if unknown:
-            raise LayoutError(f"{kind} has no fields {unknown[:4]}")
+        spec.refuse_unknown({"kind"} | {f.name for f in fields(kinds[kind])})
         args: dict[str, Any] = {}
         for name in (n for n in d if n != "kind"):
             if name == "dtype":
