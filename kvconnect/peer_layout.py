@@ -343,20 +343,20 @@ class PeerLayout:
                 "regions": [r.to_json() for r in self.regions]}
 
     @classmethod
-    def from_json(cls, doc: JSON, *, where: str = "layout",
-                  max_bytes: int = MAX_LAYOUT_BYTES) -> PeerLayout:
+    def from_json(cls, doc: JSON, *, where: str = "layout", max_bytes: int = MAX_LAYOUT_BYTES,
+                  error: type[Exception] = PeerLayoutError) -> PeerLayout:
         """A peer's layout from :meth:`to_json`'s object, or from its JSON bytes or text
         (parsed with bounded nesting and integers, at most ``max_bytes``). Every field is
-        type- and range-checked; anything off raises :class:`PeerLayoutError` naming the
-        field as ``<where>.<field>``, never TypeError / KeyError."""
-        d = load_document(doc, max_bytes, where, PeerLayoutError) \
-            if isinstance(doc, (bytes, bytearray, str)) else Doc(doc, where, PeerLayoutError)
+        type- and range-checked; anything off raises ``error`` (:class:`PeerLayoutError`, or
+        the caller's own) naming the field as ``<where>.<field>``, never TypeError / KeyError."""
+        d = load_document(doc, max_bytes, where, error) \
+            if isinstance(doc, (bytes, bytearray, str)) else Doc(doc, where, error)
         d.check_version("schema", PEER_LAYOUT_SCHEMA, "layout schema")
         num_blocks = d.integer("num_blocks", 1, MAX_BLOCKS)
         items = d.children("regions", MAX_REGIONS)
         regions = tuple(_region_from_json(x, len(items)) for x in items)
         layers = tuple(d.names("layers", MAX_REGIONS, MAX_NAME_CHARS))
-        _check_regions(regions, num_blocks, where)
+        _check_regions(d, regions, num_blocks)
         return cls(regions, num_blocks, block_size=d.optional_integer("block_size", 1, MAX_BLOCKS),
                    dtype=d.optional_string("dtype", MAX_NAME_CHARS),
                    layout=d.optional_string("layout", MAX_NAME_CHARS),
@@ -406,22 +406,22 @@ def _check_geometry(r: PagedRegion, count: int, num_blocks: int) -> None:
                               f"not a multiple of the cache's {num_blocks} logical blocks")
 
 
-def _check_regions(regions: Sequence[LayoutRegion], num_blocks: int, where: str) -> None:
+def _check_regions(d: Doc, regions: Sequence[LayoutRegion], num_blocks: int) -> None:
     """What a parsed layout must satisfy beyond its fields' types and ranges."""
     seen: set[str] = set()
     for i, r in enumerate(regions):
-        at = f"{where}.regions[{i}]"
+        at = f"{d.where}.regions[{i}]"
         if r.key in seen:
-            raise PeerLayoutError(f"{at}: lists layer/part {r.key!r} twice")
+            raise d.error(f"{at}: lists layer/part {r.key!r} twice")
         seen.add(r.key)
         if r.block_stride < r.block_len:
-            raise PeerLayoutError(f"{at}.block_stride {r.block_stride} is below block_len "
-                                  f"{r.block_len}: its blocks would overlap")
+            raise d.error(f"{at}.block_stride {r.block_stride} is below block_len "
+                          f"{r.block_len}: its blocks would overlap")
         if r.span(num_blocks) > MAX_BYTES:
-            raise PeerLayoutError(f"{at}: {num_blocks} blocks span more than 2**63-1 bytes")
+            raise d.error(f"{at}: {num_blocks} blocks span more than 2**63-1 bytes")
         if r.held_by == i or (r.held_by >= 0 and not regions[r.held_by].holds_own):
-            raise PeerLayoutError(f"{at}.held_by {r.held_by} does not name a region that "
-                                  "holds its own bytes")
+            raise d.error(f"{at}.held_by {r.held_by} does not name a region that "
+                          "holds its own bytes")
 
 
 def _region_from_json(d: Doc, count: int) -> LayoutRegion:

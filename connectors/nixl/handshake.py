@@ -139,10 +139,7 @@ class HandshakeMetadata:
         memory_type = d.string("memory_type")
         if memory_type not in ("DRAM", "VRAM"):
             raise MetadataError(f"memory_type must be 'DRAM' or 'VRAM', got {memory_type!r}")
-        try:
-            layout = PeerLayout.from_json(d.raw("layout"))
-        except PeerLayoutError as exc:
-            raise MetadataError(str(exc)) from None
+        layout = PeerLayout.from_json(d.raw("layout"), error=MetadataError)
         regions = [RegionAddress(ptr, dev) for ptr, dev in _int_rows(d, "regions", _REGION)]
         if len(regions) != len(layout.regions):
             raise MetadataError(f"{len(regions)} region addresses for "
