@@ -256,7 +256,7 @@ class Doc:
         """A ``true`` / ``false`` field."""
         value = self.raw(key, default)
         if not isinstance(value, bool):
-            raise self.error(f"{self.at(key)} must be a bool, got {type(value).__name__}")
+            raise self.error(f"{self.at(key)} must be true or false, got {value!r:.60}")
         return value
 
     def array(self, key: str, max_items: int = MAX_BYTES) -> list[JSON]:
