@@ -194,14 +194,10 @@ def json_list(what: str, value: JSON, error: type[Exception], max_items: int = M
 
 
 class Doc:
-    """A checked view of one decoded JSON object (a peer's document or a part of one; any
-    mapping is read the same way).
-
-    Each accessor reads one field, checks its type and bounds and returns it; a field that is
-    absent raises unless a ``default`` is given (``...``: none; the ``optional_*`` accessors
-    also take ``null`` as absent). Anything off raises ``error`` (the reading module's own class) with
-    a message naming ``<where>.<field>``; never ``KeyError`` or ``TypeError``.
-    """
+    """A checked view of one decoded JSON object (or any mapping): each accessor reads one
+    field, checks its type and bounds and returns it. An absent field raises unless a
+    ``default`` is given (the ``optional_*`` accessors also take ``null`` as absent); anything
+    off raises ``error`` (the reader's own class) naming ``<where>.<field>``."""
 
     __slots__ = ("error", "value", "where")
 
@@ -261,7 +257,7 @@ class Doc:
 
     def array(self, key: str, max_items: int = MAX_BYTES) -> list[JSON]:
         """A list field of at most ``max_items`` items (unchecked: see :meth:`children`,
-        :meth:`names`)."""
+        :meth:`strings`)."""
         return json_list(self.at(key), self.raw(key), self.error, max_items)
 
     def child(self, key: str) -> Doc:
@@ -273,9 +269,10 @@ class Doc:
         return [Doc(x, f"{self.at(key)}[{i}]", self.error)
                 for i, x in enumerate(self.array(key, max_items))]
 
-    def names(self, key: str, max_items: int, max_chars: int = DEFAULT_MAX_CHARS) -> list[str]:
-        """A list field of non-empty strings of at most ``max_chars`` characters."""
-        return [json_str(f"{self.at(key)}[{i}]", x, self.error, max_chars, 1)
+    def strings(self, key: str, max_items: int = MAX_BYTES, max_chars: int = DEFAULT_MAX_CHARS,
+                min_chars: int = 0) -> list[str]:
+        """A list field of strings of ``min_chars..max_chars`` characters."""
+        return [json_str(f"{self.at(key)}[{i}]", x, self.error, max_chars, min_chars)
                 for i, x in enumerate(self.array(key, max_items))]
 
     def refuse_unknown(self, known: set[str]) -> None:

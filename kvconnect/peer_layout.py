@@ -355,7 +355,7 @@ class PeerLayout:
         num_blocks = d.integer("num_blocks", 1, MAX_BLOCKS)
         items = d.children("regions", MAX_REGIONS)
         regions = tuple(_region_from_json(x, len(items)) for x in items)
-        layers = tuple(d.names("layers", MAX_REGIONS, MAX_NAME_CHARS))
+        layers = tuple(d.strings("layers", MAX_REGIONS, MAX_NAME_CHARS, min_chars=1))
         _check_regions(d, regions, num_blocks)
         return cls(regions, num_blocks, block_size=d.optional_integer("block_size", 1, MAX_BLOCKS),
                    dtype=d.optional_string("dtype", MAX_NAME_CHARS),

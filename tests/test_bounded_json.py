@@ -154,7 +154,7 @@ def test_doc_reads_well_typed_fields() -> None:
     assert d.optional_string("null") is None and d.optional_string("s") == "abc"
     assert d.boolean("flag") is True and d.boolean("absent", default=False) is False
     assert d.array("items", 3) == [1, 2, 3]
-    assert d.names("names", 2) == ["a", "b"]
+    assert d.strings("names", 2, min_chars=1) == ["a", "b"]
     assert d.child("obj").integer("x") == 1 and d.child("obj").where == "doc.obj"
     assert [(k.where, k.integer("x")) for k in d.children("kids", 2)] == \
         [("doc.kids[0]", 1), ("doc.kids[1]", 2)]
@@ -189,7 +189,8 @@ def _field_error(read) -> str:
     (lambda d: d.boolean("missing"), "doc: missing field 'missing'"),
     (lambda d: d.array("obj", 9), "doc.obj"),
     (lambda d: d.array("items", 2), "doc.items"),
-    (lambda d: d.names("items", 9), "doc.items[0]"),
+    (lambda d: d.strings("items", 9), "doc.items[0]"),
+    (lambda d: d.strings("names", 9, max_chars=0), "doc.names[0]"),
     (lambda d: d.child("items"), "doc.items"),
     (lambda d: d.children("items", 9), "doc.items[0]"),
     (lambda d: d.children("kids", 1), "doc.kids"),

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ..bounded_json import JSON, Doc, JSONObject, json_str
+from ..bounded_json import JSON, Doc, JSONObject
 from ..checks import MAX_BYTES, checked_int
 from .geometry import LayoutPlan
 from .plan import plan_layout
@@ -80,9 +80,9 @@ class KVCacheTensor:
         t = Doc(d, where, LayoutError)
         t.refuse_unknown({"size", "layers", "shared_by", "layer_stride", "block_stride",
                           "offset", "host_resident"})
-        names = t.array("shared_by" if "shared_by" in d and "layers" not in d else "layers")
-        return cls(t.integer("size", 1),
-                   tuple(json_str(t.at("layers"), n, LayoutError, MAX_BYTES) for n in names),
+        names = t.strings("shared_by" if "shared_by" in d and "layers" not in d else "layers",
+                          max_chars=MAX_BYTES)
+        return cls(t.integer("size", 1), tuple(names),
                    t.optional_integer("layer_stride", 1), t.optional_integer("block_stride", 1),
                    t.integer("offset", 0, default=0), t.boolean("host_resident", default=False))
 
@@ -198,10 +198,8 @@ class KVCacheConfig:
         groups = []
         for i, g in enumerate(c.array("kv_cache_groups")):
             group = Doc(g, f"kv_cache_groups[{i}]", LayoutError)
-            names = tuple(json_str(group.at("layer_names"), n, LayoutError, MAX_BYTES)
-                          for n in group.array("layer_names"))
-            groups.append(KVCacheGroupSpec(names, KVCacheSpec.from_dict(group.raw(
-                "kv_cache_spec"))))
+            groups.append(KVCacheGroupSpec(tuple(group.strings("layer_names", max_chars=MAX_BYTES)),
+                                           KVCacheSpec.from_dict(group.raw("kv_cache_spec"))))
         return cls(
             num_blocks=c.integer("num_blocks", 1),
             kv_cache_tensors=tuple(tensors),
