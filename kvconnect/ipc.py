@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._pointer_view import ViewAnchor, pointer_view
-from .bounded_json import JSON, JSONObject, json_int
+from .bounded_json import JSON, JSONObject, json_int, json_list
 from .checks import checked_int
 from .errors import KvconnectError
 from .framing import IpcError
@@ -146,8 +146,7 @@ class PeerMapping:
         if capacity_bytes % segment_capacity:
             raise IpcError(f"bad peer geometry: capacity {capacity_bytes} bytes is not a "
                            f"whole number of {segment_capacity}-byte segments")
-        if not isinstance(chunks, Sequence) or isinstance(chunks, (str, bytes)):
-            raise IpcError(f"chunk records must be a list, got {type(chunks).__name__}")
+        chunks = json_list("chunk records", chunks, IpcError)
         if len(chunks) != len(fds):
             raise IpcError(f"{len(chunks)} chunk records but {len(fds)} fds")
         granularity = driver.granularity(AllocationOptions(shareable=True))
@@ -252,9 +251,7 @@ def import_message(driver: VmmDriver, message: JSON, fds: Sequence[int],
     tensors, chunks = message.get("tensors"), message.get("chunks")
     if not isinstance(tensors, list) or not isinstance(chunks, list):
         raise IpcError("malformed export message: 'tensors' and 'chunks' must be lists")
-    if len(tensors) > MAX_EXPORTED_TENSORS:
-        raise IpcError(f"export message lists {len(tensors)} tensors (limit "
-                       f"{MAX_EXPORTED_TENSORS})")
+    json_list("export message tensors", tensors, IpcError, MAX_EXPORTED_TENSORS)
     if len(chunks) != len(fds):
         raise IpcError(f"export message has {len(chunks)} chunk records but {len(fds)} fds")
     if chunks and not tensors:
