@@ -42,13 +42,15 @@ from .bounded_json import loads as bounded_loads
 from .errors import KvconnectError
 
 __all__ = [
-    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "IpcError", "PeerCredentials",
-    "PeerError", "PeerRefusedError", "PeerTimeoutError", "check_peer",
+    "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "WIRE_VERSION", "IpcError",
+    "PeerCredentials", "PeerError", "PeerRefusedError", "PeerTimeoutError", "check_peer",
     "check_peer_uid", "connect_unix", "kernel_boot_id", "listen_unix", "peer_credentials", "private_socket_dir",
     "recv_json", "recv_message", "send_error", "send_message",
 ]
 
-MAGIC = b"KVC2"
+#: version of the frame format (bump when the header changes); the magic's last byte
+WIRE_VERSION = 2
+MAGIC = b"KVC" + str(WIRE_VERSION).encode("ascii")
 _FRAME = struct.Struct(">4sBBHII")
 _MESSAGE, _FDS, _ERROR = 1, 2, 3
 #: largest JSON payload accepted from a peer (bytes)

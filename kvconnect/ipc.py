@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._pointer_view import ViewAnchor, pointer_view
-from .bounded_json import JSON, JSONObject
-from .checks import MAX_BYTES, checked_int
+from .bounded_json import JSON, JSONObject, json_int, json_list
+from .checks import checked_int
 from .errors import KvconnectError
 from .framing import IpcError
 from .undo import UndoStack
@@ -49,15 +49,7 @@ class _ImportedChunk:
     handle: PhysicalHandle
 
 
-def _peer_int(what: str, value: object, *, minimum: int = 0, maximum: int = MAX_BYTES) -> int:
-    """A peer's integer field, or IpcError naming it."""
-    try:
-        return checked_int(what, value, minimum=minimum, maximum=maximum)
-    except ValueError as exc:
-        raise IpcError(f"peer sent a bad {exc}") from None
-
-
-def _peer_chunk(index: int, rec: object, capacity_bytes: int, segment_capacity: int,
+def _peer_chunk(index: int, rec: JSON, capacity_bytes: int, segment_capacity: int,
                 granularity: int) -> tuple[int, int]:
     """``(start, size)`` in reservation bytes of a peer's chunk record, or IpcError."""
     if not isinstance(rec, dict):
@@ -65,11 +57,11 @@ def _peer_chunk(index: int, rec: object, capacity_bytes: int, segment_capacity: 
     missing = {"segment", "offset", "size"} - rec.keys()
     if missing:
         raise IpcError(f"chunk record {index} lacks {sorted(missing)}")
-    num_segments = capacity_bytes // segment_capacity
-    seg = _peer_int(f"chunk {index} segment", rec["segment"], maximum=num_segments - 1)
-    off = _peer_int(f"chunk {index} offset", rec["offset"], maximum=segment_capacity - 1)
-    size = _peer_int(f"chunk {index} size", rec["size"], minimum=1,
-                     maximum=segment_capacity - off)
+    what = f"peer's chunk {index}"
+    seg = json_int(f"{what} segment", rec["segment"], IpcError, 0,
+                   capacity_bytes // segment_capacity - 1)
+    off = json_int(f"{what} offset", rec["offset"], IpcError, 0, segment_capacity - 1)
+    size = json_int(f"{what} size", rec["size"], IpcError, 1, segment_capacity - off)
     if off % granularity or size % granularity:
         raise IpcError(f"chunk record {index} (offset {off}, size {size}) is not aligned to the "
                        f"{granularity}-byte granularity")
@@ -148,14 +140,13 @@ class PeerMapping:
         access (e.g. the exporter's device, so copies driven from either side work). On any
         failure nothing stays mapped. The fds remain owned by the caller.
         """
-        capacity_bytes = _peer_int("capacity_bytes", capacity_bytes, minimum=1)
-        segment_capacity = _peer_int("segment_capacity", segment_capacity, minimum=1,
-                                     maximum=capacity_bytes)
+        capacity_bytes = json_int("peer's capacity_bytes", capacity_bytes, IpcError, 1)
+        segment_capacity = json_int("peer's segment_capacity", segment_capacity, IpcError, 1,
+                                    capacity_bytes)
         if capacity_bytes % segment_capacity:
             raise IpcError(f"bad peer geometry: capacity {capacity_bytes} bytes is not a "
                            f"whole number of {segment_capacity}-byte segments")
-        if not isinstance(chunks, Sequence) or isinstance(chunks, (str, bytes)):
-            raise IpcError(f"chunk records must be a list, got {type(chunks).__name__}")
+        chunks = json_list("chunk records", chunks, IpcError)
         if len(chunks) != len(fds):
             raise IpcError(f"{len(chunks)} chunk records but {len(fds)} fds")
         granularity = driver.granularity(AllocationOptions(shareable=True))
@@ -260,9 +251,7 @@ def import_message(driver: VmmDriver, message: JSON, fds: Sequence[int],
     tensors, chunks = message.get("tensors"), message.get("chunks")
     if not isinstance(tensors, list) or not isinstance(chunks, list):
         raise IpcError("malformed export message: 'tensors' and 'chunks' must be lists")
-    if len(tensors) > MAX_EXPORTED_TENSORS:
-        raise IpcError(f"export message lists {len(tensors)} tensors (limit "
-                       f"{MAX_EXPORTED_TENSORS})")
+    json_list("export message tensors", tensors, IpcError, MAX_EXPORTED_TENSORS)
     if len(chunks) != len(fds):
         raise IpcError(f"export message has {len(chunks)} chunk records but {len(fds)} fds")
     if chunks and not tensors:
@@ -271,7 +260,8 @@ def import_message(driver: VmmDriver, message: JSON, fds: Sequence[int],
     for i, (rec, fd) in enumerate(zip(chunks, fds, strict=True)):
         if not isinstance(rec, dict) or "tensor" not in rec:
             raise IpcError(f"chunk record {i} is not an object with a 'tensor' field")
-        ti = _peer_int(f"chunk {i} tensor index", rec["tensor"], maximum=len(tensors) - 1)
+        ti = json_int(f"peer's chunk {i} tensor index", rec["tensor"], IpcError, 0,
+                      len(tensors) - 1)
         per_tensor[ti][0].append(rec)
         per_tensor[ti][1].append(fd)
     mappings: list[PeerMapping] = []

@@ -42,9 +42,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
 
-from .bounded_json import JSON, BoundedJSONError, JSONObject
-from .bounded_json import loads as bounded_loads
-from .checks import MAX_BYTES, checked_int
+from .bounded_json import JSON, Doc, JSONObject, load_document
+from .checks import MAX_BYTES
 from .errors import KvconnectError
 from .views import PagedRegion, block_span, page_owners
 
@@ -52,7 +51,8 @@ if TYPE_CHECKING:
     from .cache_source import KVCacheSource
 
 __all__ = [
-    "MAX_LAYOUT_BYTES", "PEER_LAYOUT_SCHEMA", "LayoutFacts", "LayoutRegion", "PeerLayout",
+    "MAX_LAYOUT_BYTES", "PEER_LAYOUT_SCHEMA", "WIRE_VERSION", "LayoutFacts", "LayoutRegion",
+    "PeerLayout",
     "PeerLayoutError", "kvconnect_version", "layout_facts",
 ]
 
@@ -60,8 +60,10 @@ __all__ = [
 #: (tokens, int), ``dtype`` and ``layout`` (str); ``None`` when unknown
 LayoutFacts: TypeAlias = "dict[str, int | str | None]"
 
-#: schema tag of every layout document; another tag is refused (bump when a field changes)
-PEER_LAYOUT_SCHEMA = "kvconnect.peer_layout/1"
+#: version of the layout document (bump when a field changes)
+WIRE_VERSION = 1
+#: schema tag of every layout document; another tag is refused
+PEER_LAYOUT_SCHEMA = f"kvconnect.peer_layout/{WIRE_VERSION}"
 #: largest layout document accepted as bytes or text
 MAX_LAYOUT_BYTES = 16 * 1024 * 1024
 #: most regions and layer names one layout may list, longest name, most kernel blocks per block
@@ -341,39 +343,27 @@ class PeerLayout:
                 "regions": [r.to_json() for r in self.regions]}
 
     @classmethod
-    def from_json(cls, doc: JSON, *, where: str = "layout",
-                  max_bytes: int = MAX_LAYOUT_BYTES) -> PeerLayout:
+    def from_json(cls, doc: JSON, *, where: str = "layout", max_bytes: int = MAX_LAYOUT_BYTES,
+                  error: type[Exception] = PeerLayoutError) -> PeerLayout:
         """A peer's layout from :meth:`to_json`'s object, or from its JSON bytes or text
         (parsed with bounded nesting and integers, at most ``max_bytes``). Every field is
-        type- and range-checked; anything off raises :class:`PeerLayoutError` naming the
-        field as ``<where>.<field>``, never TypeError / KeyError."""
-        if isinstance(doc, (bytes, bytearray, str)):
-            # surrogatepass: a lone surrogate is counted here and refused by bounded_loads
-            size = len(doc.encode("utf-8", "surrogatepass")) if isinstance(doc, str) \
-                else len(doc)
-            if size > max_bytes:
-                raise PeerLayoutError(f"{where} is {size} bytes, above the {max_bytes}-byte "
-                                      "limit")
-            try:
-                doc = bounded_loads(doc)
-            except BoundedJSONError as exc:
-                raise PeerLayoutError(f"{where} is not valid JSON: {exc}") from None
-        d = _Doc(doc, where)
-        schema = d.text("schema")
-        if schema != PEER_LAYOUT_SCHEMA:
-            raise PeerLayoutError(f"{where}: unknown layout schema {schema!r} (this side reads "
-                                  f"{PEER_LAYOUT_SCHEMA!r}: upgrade the older side)")
+        type- and range-checked; anything off raises ``error`` (:class:`PeerLayoutError`, or
+        the caller's own) naming the field as ``<where>.<field>``, never TypeError / KeyError."""
+        d = load_document(doc, max_bytes, where, error) \
+            if isinstance(doc, (bytes, bytearray, str)) else Doc(doc, where, error)
+        d.check_version("schema", PEER_LAYOUT_SCHEMA, "layout schema")
         num_blocks = d.integer("num_blocks", 1, MAX_BLOCKS)
-        items = d.items("regions", MAX_REGIONS)
-        regions = tuple(_region_from_json(_Doc(x, f"{where}.regions[{i}]"), len(items))
-                        for i, x in enumerate(items))
-        layers = tuple(_name(x, f"{where}.layers[{i}]")
-                       for i, x in enumerate(d.items("layers", MAX_REGIONS)))
-        _check_regions(regions, num_blocks, where)
-        return cls(regions, num_blocks, block_size=d.opt_int("block_size"),
-                   dtype=d.opt_str("dtype"), layout=d.opt_str("layout"),
-                   kernel_block_size=d.opt_int("kernel_block_size"), layer_names=layers,
-                   kvconnect_version=d.text("kvconnect_version", required=False) or "unknown")
+        items = d.children("regions", MAX_REGIONS)
+        regions = tuple(_region_from_json(x, len(items)) for x in items)
+        layers = tuple(d.strings("layers", MAX_REGIONS, MAX_NAME_CHARS, min_chars=1))
+        _check_regions(d, regions, num_blocks)
+        return cls(regions, num_blocks, block_size=d.optional_integer("block_size", 1, MAX_BLOCKS),
+                   dtype=d.optional_string("dtype", MAX_NAME_CHARS),
+                   layout=d.optional_string("layout", MAX_NAME_CHARS),
+                   kernel_block_size=d.optional_integer("kernel_block_size", 1, MAX_BLOCKS),
+                   layer_names=layers,
+                   kvconnect_version=d.optional_string("kvconnect_version", MAX_NAME_CHARS)
+                   or "unknown")
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -416,84 +406,31 @@ def _check_geometry(r: PagedRegion, count: int, num_blocks: int) -> None:
                               f"not a multiple of the cache's {num_blocks} logical blocks")
 
 
-def _check_regions(regions: Sequence[LayoutRegion], num_blocks: int, where: str) -> None:
+def _check_regions(d: Doc, regions: Sequence[LayoutRegion], num_blocks: int) -> None:
     """What a parsed layout must satisfy beyond its fields' types and ranges."""
     seen: set[str] = set()
     for i, r in enumerate(regions):
-        at = f"{where}.regions[{i}]"
+        at = f"{d.where}.regions[{i}]"
         if r.key in seen:
-            raise PeerLayoutError(f"{at}: lists layer/part {r.key!r} twice")
+            raise d.error(f"{at}: lists layer/part {r.key!r} twice")
         seen.add(r.key)
         if r.block_stride < r.block_len:
-            raise PeerLayoutError(f"{at}.block_stride {r.block_stride} is below block_len "
-                                  f"{r.block_len}: its blocks would overlap")
+            raise d.error(f"{at}.block_stride {r.block_stride} is below block_len "
+                          f"{r.block_len}: its blocks would overlap")
         if r.span(num_blocks) > MAX_BYTES:
-            raise PeerLayoutError(f"{at}: {num_blocks} blocks span more than 2**63-1 bytes")
+            raise d.error(f"{at}: {num_blocks} blocks span more than 2**63-1 bytes")
         if r.held_by == i or (r.held_by >= 0 and not regions[r.held_by].holds_own):
-            raise PeerLayoutError(f"{at}.held_by {r.held_by} does not name a region that "
-                                  "holds its own bytes")
+            raise d.error(f"{at}.held_by {r.held_by} does not name a region that "
+                          "holds its own bytes")
 
 
-def _region_from_json(d: _Doc, count: int) -> LayoutRegion:
-    offset = d.raw("offset")
+def _region_from_json(d: Doc, count: int) -> LayoutRegion:
     return LayoutRegion(
-        layer_name=_name(d.raw("layer", True), f"{d.where}.layer"),
-        part=_name(d.raw("part", True), f"{d.where}.part"),
+        layer_name=d.string("layer", MAX_NAME_CHARS, 1), part=d.string("part", MAX_NAME_CHARS, 1),
         block_len=d.integer("block_len", 1, MAX_BYTES),
         block_stride=d.integer("block_stride", 1, MAX_BYTES),
         sub_blocks=d.integer("sub_blocks", 1, MAX_SUB_BLOCKS),
         held_by=d.integer("held_by", -1, count - 1),
         tensor_index=d.integer("tensor_index", 0, MAX_INDEX),
         segment=d.integer("segment", 0, MAX_INDEX),
-        offset=None if offset is None else d.integer("offset", 0, MAX_BYTES))
-
-
-def _name(value: JSON, what: str) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
-        got = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
-        raise PeerLayoutError(f"{what} must be a name of 1..{MAX_NAME_CHARS} characters, got "
-                              f"{got}")
-    return value
-
-
-class _Doc:
-    """Checked reads of one JSON object's fields; errors name ``<where>.<field>``."""
-
-    def __init__(self, doc: JSON, where: str) -> None:
-        if not isinstance(doc, dict):
-            raise PeerLayoutError(f"{where} must be an object, got {type(doc).__name__}")
-        self.doc, self.where = doc, where
-
-    def raw(self, key: str, required: bool = False) -> JSON:
-        if required and key not in self.doc:
-            raise PeerLayoutError(f"{self.where}: missing field {key!r}")
-        return self.doc.get(key)
-
-    def integer(self, key: str, lo: int, hi: int) -> int:
-        try:
-            return checked_int(f"{self.where}.{key}", self.raw(key, True), minimum=lo,
-                               maximum=hi)
-        except ValueError as exc:
-            raise PeerLayoutError(str(exc)) from None
-
-    def opt_int(self, key: str) -> int | None:
-        return None if self.raw(key) is None else self.integer(key, 1, MAX_BLOCKS)
-
-    def text(self, key: str, required: bool = True) -> str | None:
-        value = self.raw(key, required)
-        if value is None and not required:
-            return None
-        if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
-            raise PeerLayoutError(f"{self.where}.{key} must be a string of at most "
-                                  f"{MAX_NAME_CHARS} characters, got {type(value).__name__}")
-        return value
-
-    def opt_str(self, key: str) -> str | None:
-        return self.text(key, required=False)
-
-    def items(self, key: str, limit: int) -> list[JSON]:
-        value = self.raw(key, True)
-        if not isinstance(value, list) or len(value) > limit:
-            raise PeerLayoutError(f"{self.where}.{key} must be a list of at most {limit} "
-                                  f"items, got {type(value).__name__}")
-        return value
+        offset=d.optional_integer("offset", 0, MAX_BYTES))

@@ -1,10 +1,12 @@
-"""Bounded JSON decoding of what peers send: kvconnect.bounded_json, and the two decoders
-built on it (kvconnect.framing.recv_message is tested in test_ipc.py; HandshakeMetadata here)."""
+"""Bounded JSON decoding of what peers send: kvconnect.bounded_json (loads, and the checked
+reader Doc / load_document every schema module reads through), and the two decoders built on
+it (kvconnect.framing.recv_message is tested in test_ipc.py; HandshakeMetadata here)."""
 
 from __future__ import annotations
 
 import json
 import time
+from types import MappingProxyType
 
 import pytest
 from hypothesis import given, settings
@@ -14,8 +16,11 @@ from kvconnect.bounded_json import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_INT_DIGITS,
     BoundedJSONError,
+    Doc,
+    load_document,
     loads,
     nesting_depth,
+    version_mismatch,
 )
 from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
 
@@ -121,3 +126,114 @@ def test_large_inputs_stay_cheap() -> None:
 def test_handshake_metadata_raises_only_metadata_error(doc) -> None:
     with pytest.raises(MetadataError):
         HandshakeMetadata.from_json(doc)
+
+
+# -- Doc and load_document: the one checked reader -------------------------------------------
+class _SchemaError(ValueError):
+    """Stands for a schema module's own error class."""
+
+
+_SAMPLE = {"n": 7, "neg": -3, "flag": True, "s": "abc", "empty": "", "null": None,
+           "items": [1, 2, 3], "names": ["a", "b"], "obj": {"x": 1},
+           "kids": [{"x": 1}, {"x": 2}]}
+
+
+def _doc() -> Doc:
+    return Doc(json.loads(json.dumps(_SAMPLE)), "doc", _SchemaError)
+
+
+def test_doc_reads_well_typed_fields() -> None:
+    d = _doc()
+    assert d.integer("n", 1, 7) == 7
+    assert d.integer("neg", -3, 0) == -3
+    assert d.integer("absent", default=9) == 9
+    assert d.optional_integer("null") is None and d.optional_integer("absent") is None
+    assert d.optional_integer("n") == 7
+    assert d.string("s", max_chars=3) == "abc"
+    assert d.string("empty") == "" and d.string("absent", default="x") == "x"
+    assert d.optional_string("null") is None and d.optional_string("s") == "abc"
+    assert d.boolean("flag") is True and d.boolean("absent", default=False) is False
+    assert d.array("items", 3) == [1, 2, 3]
+    assert d.strings("names", 2, min_chars=1) == ["a", "b"]
+    assert d.child("obj").integer("x") == 1 and d.child("obj").where == "doc.obj"
+    assert [(k.where, k.integer("x")) for k in d.children("kids", 2)] == \
+        [("doc.kids[0]", 1), ("doc.kids[1]", 2)]
+    assert d.raw("null") is None and d.raw("absent", None) is None
+    d.refuse_unknown(set(_SAMPLE))
+    # an in-process mapping with tuples (a config dict) reads as JSON does
+    assert Doc(MappingProxyType({"a": (1, 2)}), "m").array("a") == [1, 2]
+
+
+def _field_error(read) -> str:
+    """The message of the error class the Doc was built with (nothing else may escape)."""
+    with pytest.raises(_SchemaError) as err:
+        read(_doc())
+    assert type(err.value) is _SchemaError
+    return str(err.value)
+
+
+@pytest.mark.parametrize(("read", "field"), [
+    (lambda d: d.integer("missing"), "doc: missing field 'missing'"),
+    (lambda d: d.integer("flag"), "doc.flag"),          # a bool is not an int
+    (lambda d: d.integer("s"), "doc.s"),
+    (lambda d: d.integer("null"), "doc.null"),          # null is not absent for integer()
+    (lambda d: d.integer("n", maximum=6), "doc.n"),
+    (lambda d: d.integer("neg"), "doc.neg"),            # minimum 0 by default
+    (lambda d: d.optional_integer("flag"), "doc.flag"),
+    (lambda d: d.string("n"), "doc.n"),
+    (lambda d: d.string("s", max_chars=2), "doc.s"),
+    (lambda d: d.string("empty", min_chars=1), "doc.empty"),
+    (lambda d: d.string("null", default="x"), "doc.null"),
+    (lambda d: d.optional_string("items"), "doc.items"),
+    (lambda d: d.boolean("n"), "doc.n"),                # 1 is not true
+    (lambda d: d.boolean("missing"), "doc: missing field 'missing'"),
+    (lambda d: d.array("obj", 9), "doc.obj"),
+    (lambda d: d.array("items", 2), "doc.items"),
+    (lambda d: d.strings("items", 9), "doc.items[0]"),
+    (lambda d: d.strings("names", 9, max_chars=0), "doc.names[0]"),
+    (lambda d: d.child("items"), "doc.items"),
+    (lambda d: d.children("items", 9), "doc.items[0]"),
+    (lambda d: d.children("kids", 1), "doc.kids"),
+    (lambda d: d.refuse_unknown(set(_SAMPLE) - {"flag"}), "doc has unknown fields ['flag']"),
+])
+def test_doc_refuses_wrong_fields_naming_them(read, field: str) -> None:
+    message = _field_error(read)
+    assert message == field or message.startswith(field + " "), message
+
+
+@pytest.mark.parametrize("value", [None, [], "x", 3, True])
+def test_doc_of_a_non_object_raises_the_callers_error(value) -> None:
+    name = type(value).__name__
+    with pytest.raises(_SchemaError, match=f"^where must be an object, got {name}$"):
+        Doc(value, "where", _SchemaError)
+    with pytest.raises(BoundedJSONError):  # the default error class
+        Doc(value, "where")
+
+
+@pytest.mark.parametrize(("got", "expected"), [
+    (2, 3), (True, 1), (1.0, 1), ("1", 1), (1, "kvconnect.x/1"), (None, 1),
+    ("kvconnect.x/0", "kvconnect.x/1"),
+])
+def test_check_version_takes_only_the_exact_value(got, expected) -> None:
+    Doc({"v": expected}, "doc", _SchemaError).check_version("v", expected, "wire version")
+    assert version_mismatch(expected, expected, "wire version") is None
+    assert version_mismatch(got, expected, "wire version").startswith("unknown wire version ")
+    doc = {} if got is None else {"v": got}
+    with pytest.raises(_SchemaError, match=r"^doc: unknown wire version"):
+        Doc(doc, "doc", _SchemaError).check_version("v", expected, "wire version")
+
+
+def test_load_document_bounds_and_types() -> None:
+    text = json.dumps(_SAMPLE)
+    for data in (text, text.encode(), bytearray(text.encode())):
+        d = load_document(data, len(text), "peer", _SchemaError)
+        assert d.where == "peer" and d.value == _SAMPLE
+    size = len(text.encode())
+    accented = '{"a": "' + "\u00e9" * 10 + '"}'  # 19 characters, 29 bytes: bytes count
+    assert load_document(accented, 29, "peer", _SchemaError).string("a") == "\u00e9" * 10
+    refused = [(text, size - 1), (accented, 28),
+               ({"a": 1}, 100), (None, 100), ("[1]", 100), ("{", 100), (b"\xff{}", 100),
+               ("[" * 100 + "]" * 100, 1000), ('{"a": "\\ud800"}', 100)]
+    for data, max_bytes in refused:
+        with pytest.raises(_SchemaError, match="^peer "):
+            load_document(data, max_bytes, "peer", _SchemaError)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from kvconnect.bounded_json import JSON
 from kvconnect.framing import IpcError
 from kvconnect.ipc import PeerMapping
-from kvconnect.peer_layout import PeerLayout, PeerLayoutError
+from kvconnect.peer_layout import PeerLayout
 
 from ..copy.block_copy import BlockRegion, layout_block_region
 
@@ -30,10 +30,7 @@ def checked_layout(peer: str, reply: Mapping[str, JSON], num_tensors: int) -> Pe
     of the ``num_tensors`` tensors its chunk records mapped; :class:`IpcError` naming the
     field for anything missing, of the wrong type, out of range or listed twice."""
     where = f"export reply from {peer}: layout"
-    try:
-        layout = PeerLayout.from_json(reply.get("layout"), where=where)
-    except PeerLayoutError as exc:
-        raise IpcError(str(exc)) from None
+    layout = PeerLayout.from_json(reply.get("layout"), where=where, error=IpcError)
     for i, r, _ in layout.holders():
         if r.offset is None:
             raise IpcError(f"{where}.regions[{i}].offset is missing: an exporter places its "

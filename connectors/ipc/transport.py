@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvconnect.bounded_json import JSON, JSONObject
+from kvconnect.bounded_json import JSON, Doc, JSONObject
 from kvconnect.cache_source import KVCacheSource
 from kvconnect.framing import (
     IpcError,
@@ -375,10 +375,8 @@ class IpcTransport:
             send_message(sock, {"op": "export", "pid": os.getpid()})
             reply, fds = recv_message(sock, timeout=self.timeout)
             try:
-                if not isinstance(reply, dict) or reply.get("version") != WIRE_VERSION:
-                    raise IpcError(f"export reply from {peer} has wire version "
-                                   f"{reply.get('version') if isinstance(reply, dict) else None}"
-                                   f", want {WIRE_VERSION}")
+                Doc(reply, f"export reply from {peer}", IpcError).check_version(
+                    "version", WIRE_VERSION, "wire version")
                 remote_gpu = _local_ordinal(str(reply.get("device", "host")))
                 launch, extra = self._launch_device(remote_gpu)
                 # Every field of the peer's chunk records is validated there (IpcError).

@@ -16,11 +16,8 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
-from typing import Any
 
-from kvconnect.bounded_json import BoundedJSONError
-from kvconnect.bounded_json import loads as bounded_loads
-from kvconnect.checks import checked_int
+from kvconnect.bounded_json import Doc, json_int, json_list, load_document
 from kvconnect.peer_layout import PeerLayout, PeerLayoutError
 
 from ..errors import KVConnectorError
@@ -31,13 +28,15 @@ __all__ = [
     "HandshakeMetadata",
     "MetadataError",
     "RegionAddress",
+    "WIRE_VERSION",
 ]
 
+#: version of the metadata document (bump when a field changes)
+WIRE_VERSION = 2
 #: schema tag written into every metadata document; a different tag is rejected.
-HANDSHAKE_SCHEMA = "kvconnect.nixl.handshake/2"
+HANDSHAKE_SCHEMA = f"kvconnect.nixl.handshake/{WIRE_VERSION}"
 #: largest metadata document accepted from a peer, in bytes.
 MAX_METADATA_BYTES = 64 * 1024 * 1024
-_MAX_STR = 4096
 _MAX_ITEMS = 1 << 20
 _U64 = (1 << 64) - 1
 
@@ -48,62 +47,9 @@ class MetadataError(KVConnectorError, PeerLayoutError):
 
 # -- validation helpers --------------------------------------------------------------------------
 
-def _req(doc: dict, key: str, where: str) -> Any:
-    if key not in doc:
-        raise MetadataError(f"{where}: missing field {key!r}")
-    return doc[key]
-
-
-def _int(value: Any, what: str, lo: int = 0, hi: int = _U64) -> int:
-    try:
-        return checked_int(what, value, minimum=lo, maximum=hi)
-    except ValueError as exc:
-        raise MetadataError(str(exc)) from None
-
-
-def _str(value: Any, what: str, max_len: int = _MAX_STR) -> str:
-    if not isinstance(value, str):
-        raise MetadataError(f"{what} must be a string, got {type(value).__name__}")
-    if len(value) > max_len:
-        raise MetadataError(f"{what} is {len(value)} characters long (limit {max_len})")
-    return value
-
-
-def _list(value: Any, what: str, max_items: int = _MAX_ITEMS) -> list:
-    if not isinstance(value, list):
-        raise MetadataError(f"{what} must be a list, got {type(value).__name__}")
-    if len(value) > max_items:
-        raise MetadataError(f"{what} has {len(value)} items (limit {max_items})")
-    return value
-
-
-def _dict(value: Any, what: str) -> dict:
-    if not isinstance(value, dict):
-        raise MetadataError(f"{what} must be an object, got {type(value).__name__}")
-    return value
-
-
-def _document(data: object, max_bytes: int) -> dict:
-    """The metadata's top-level JSON object: ``data`` bytes or text of at most ``max_bytes``
-    bytes, parsed with bounded nesting depth and integer digits."""
-    if not isinstance(data, (bytes, bytearray, str)):
-        raise MetadataError(f"peer metadata must be JSON bytes or text, got "
-                            f"{type(data).__name__}")
-    # surrogatepass: a lone surrogate is counted here and refused by bounded_loads
-    size = len(data.encode("utf-8", "surrogatepass")) if isinstance(data, str) else len(data)
-    if size > max_bytes:
-        raise MetadataError(f"peer metadata is {size} bytes, above the {max_bytes}-byte limit")
-    try:  # nesting depth and integer digits bounded: no RecursionError, no 4300-digit ints
-        doc = bounded_loads(data)
-    except BoundedJSONError as exc:
-        raise MetadataError(f"peer metadata is not valid JSON: {exc}") from None
-    return _dict(doc, "metadata")
-
-
-def _agent_metadata(doc: dict, max_bytes: int) -> bytes:
+def _agent_metadata(d: Doc, max_bytes: int) -> bytes:
     """The NIXL agent metadata: ``agent_metadata_b64``, non-empty valid base64."""
-    b64 = _str(_req(doc, "agent_metadata_b64", "metadata"), "agent_metadata_b64",
-               max_len=max_bytes)
+    b64 = d.string("agent_metadata_b64", max_chars=max_bytes)
     try:
         agent_md = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -118,15 +64,16 @@ _REGION = (("base_ptr", 0, _U64), ("device_id", 0, 1 << 16))
 _EXTENT = (("addr", 0, _U64), ("length", 1, _U64), ("device_id", 0, 1 << 16))
 
 
-def _int_rows(doc: dict, key: str, fields: tuple[tuple[str, int, int], ...]
+def _int_rows(d: Doc, key: str, fields: tuple[tuple[str, int, int], ...]
               ) -> list[tuple[int, ...]]:
-    """``doc[key]``: a list of rows, each a list of one integer per field, within its bounds."""
+    """``d[key]``: a list of rows, each a list of one integer per field, within its bounds."""
     rows = []
-    for i, item in enumerate(_list(_req(doc, key, "metadata"), key)):
-        item = _list(item, f"{key}[{i}]", len(fields))
+    for i, item in enumerate(d.array(key, _MAX_ITEMS)):
+        what = f"{d.at(key)}[{i}]"
+        item = json_list(what, item, MetadataError, len(fields))
         if len(item) != len(fields):
-            raise MetadataError(f"{key}[{i}] must be [{', '.join(f[0] for f in fields)}]")
-        rows.append(tuple(_int(value, f"{key}[{i}].{name}", lo, hi)
+            raise MetadataError(f"{what} must be [{', '.join(f[0] for f in fields)}]")
+        rows.append(tuple(json_int(f"{what}.{name}", value, MetadataError, lo, hi)
                           for value, (name, lo, hi) in zip(item, fields, strict=True)))
     return rows
 
@@ -186,31 +133,26 @@ class HandshakeMetadata:
                   max_bytes: int = MAX_METADATA_BYTES) -> HandshakeMetadata:
         """Parse and validate a peer's metadata; raises :class:`MetadataError` on anything off
         (including ``data`` that is not bytes or text at all)."""
-        doc = _document(data, max_bytes)
-        schema = _str(_req(doc, "schema", "metadata"), "schema")
-        if schema != HANDSHAKE_SCHEMA:
-            raise MetadataError(f"unknown metadata schema {schema!r} (expected {HANDSHAKE_SCHEMA!r})")
-        agent_md = _agent_metadata(doc, max_bytes)
-        memory_type = _str(_req(doc, "memory_type", "metadata"), "memory_type")
+        d = load_document(data, max_bytes, "metadata", MetadataError)
+        d.check_version("schema", HANDSHAKE_SCHEMA, "metadata schema")
+        agent_md = _agent_metadata(d, max_bytes)
+        memory_type = d.string("memory_type")
         if memory_type not in ("DRAM", "VRAM"):
             raise MetadataError(f"memory_type must be 'DRAM' or 'VRAM', got {memory_type!r}")
-        try:
-            layout = PeerLayout.from_json(_req(doc, "layout", "metadata"))
-        except PeerLayoutError as exc:
-            raise MetadataError(str(exc)) from None
-        regions = [RegionAddress(ptr, dev) for ptr, dev in _int_rows(doc, "regions", _REGION)]
+        layout = PeerLayout.from_json(d.raw("layout"), error=MetadataError)
+        regions = [RegionAddress(ptr, dev) for ptr, dev in _int_rows(d, "regions", _REGION)]
         if len(regions) != len(layout.regions):
             raise MetadataError(f"{len(regions)} region addresses for "
                                 f"{len(layout.regions)} layout regions")
-        regs = [(addr, n, dev) for addr, n, dev in _int_rows(doc, "registrations", _EXTENT)]
+        regs = [(addr, n, dev) for addr, n, dev in _int_rows(d, "registrations", _EXTENT)]
         return cls(
-            engine_id=_str(_req(doc, "engine_id", "metadata"), "engine_id"),
-            agent_name=_str(_req(doc, "agent_name", "metadata"), "agent_name"),
+            engine_id=d.string("engine_id"),
+            agent_name=d.string("agent_name"),
             agent_metadata=agent_md,
             memory_type=memory_type,
             layout=layout,
             regions=tuple(regions),
             registrations=tuple(regs),
-            generation=_int(doc.get("generation", 0), "generation"),
-            incarnation=_str(doc.get("incarnation", ""), "incarnation", max_len=64),
+            generation=d.integer("generation", 0, _U64, default=0),
+            incarnation=d.string("incarnation", max_chars=64, default=""),
         )

@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ..bounded_json import JSON, JSONObject
-from ..checks import checked_int
+from ..bounded_json import JSON, Doc, JSONObject
+from ..checks import MAX_BYTES, checked_int
 from .geometry import LayoutPlan
 from .plan import plan_layout
-from .specs import KVCacheSpec, LayoutError, dict_list, dict_str, layout_int
+from .specs import KVCacheSpec, LayoutError
 
 __all__ = ["KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor"]
 
@@ -77,24 +77,14 @@ class KVCacheTensor:
     def from_dict(cls, d: Mapping[str, JSON], where: str = "kv_cache_tensor") -> KVCacheTensor:
         """The tensor :meth:`to_dict` described (``shared_by`` is accepted for ``layers``);
         any malformed field raises LayoutError."""
-        if not isinstance(d, Mapping) or "size" not in d or not ("layers" in d
-                                                                  or "shared_by" in d):
-            raise LayoutError(f"{where} must be a dict with size and layers")
-        unknown = sorted(map(str, set(d) - {"size", "layers", "shared_by", "layer_stride",
-                                             "block_stride", "offset", "host_resident"}))
-        if unknown:
-            raise LayoutError(f"{where} has unknown fields {unknown[:4]}")
-        names = dict_list(f"{where}.layers", d["layers"] if "layers" in d else d["shared_by"])
-        stride, block_stride = d.get("layer_stride"), d.get("block_stride")
-        host_resident = d.get("host_resident", False)
-        if not isinstance(host_resident, bool):
-            raise LayoutError(f"{where}.host_resident must be a bool")
-        return cls(layout_int(f"{where}.size", d["size"]),
-                   tuple(dict_str(f"{where}.layers", n) for n in names),
-                   None if stride is None else layout_int(f"{where}.layer_stride", stride),
-                   None if block_stride is None else layout_int(f"{where}.block_stride",
-                                                              block_stride),
-                   layout_int(f"{where}.offset", d.get("offset", 0), minimum=0), host_resident)
+        t = Doc(d, where, LayoutError)
+        t.refuse_unknown({"size", "layers", "shared_by", "layer_stride", "block_stride",
+                          "offset", "host_resident"})
+        names = t.strings("shared_by" if "shared_by" in d and "layers" not in d else "layers",
+                          max_chars=MAX_BYTES)
+        return cls(t.integer("size", 1), tuple(names),
+                   t.optional_integer("layer_stride", 1), t.optional_integer("block_stride", 1),
+                   t.integer("offset", 0, default=0), t.boolean("host_resident", default=False))
 
 
 @dataclass(frozen=True)
@@ -200,31 +190,20 @@ class KVCacheConfig:
         """The config :meth:`to_dict` described. Every field is checked (types, positive
         ints, known spec kinds and dtypes); anything malformed raises LayoutError. Whether
         the config can be laid out is :func:`plan_layout`'s to say."""
-        if not isinstance(d, Mapping):
-            raise LayoutError(f"a KV cache config must be a dict, got {type(d).__name__}")
-        known = {"num_blocks", "kv_cache_tensors", "kv_cache_groups", "layout",
-                 "kernel_block_size"}
-        missing = sorted(known - {"layout", "kernel_block_size"} - d.keys())
-        unknown = sorted(map(str, d.keys() - known))
-        if missing or unknown:
-            raise LayoutError(f"KV cache config: missing fields {missing}, unknown fields "
-                              f"{unknown[:4]}")
+        c = Doc(d, "KV cache config", LayoutError)
+        c.refuse_unknown({"num_blocks", "kv_cache_tensors", "kv_cache_groups", "layout",
+                          "kernel_block_size"})
         tensors = [KVCacheTensor.from_dict(t, f"kv_cache_tensors[{i}]") for i, t in
-                   enumerate(dict_list("kv_cache_tensors", d["kv_cache_tensors"]))]
+                   enumerate(c.array("kv_cache_tensors"))]
         groups = []
-        for i, g in enumerate(dict_list("kv_cache_groups", d["kv_cache_groups"])):
-            where = f"kv_cache_groups[{i}]"
-            if not isinstance(g, Mapping) or not {"layer_names", "kv_cache_spec"} <= g.keys():
-                raise LayoutError(f"{where} must be a dict with layer_names and kv_cache_spec")
-            names = dict_list(f"{where}.layer_names", g["layer_names"])
-            groups.append(KVCacheGroupSpec(tuple(dict_str(f"{where}.layer_names", n)
-                                                 for n in names),
-                                           KVCacheSpec.from_dict(g["kv_cache_spec"])))
-        kbs = d.get("kernel_block_size")
+        for i, g in enumerate(c.array("kv_cache_groups")):
+            group = Doc(g, f"kv_cache_groups[{i}]", LayoutError)
+            groups.append(KVCacheGroupSpec(tuple(group.strings("layer_names", max_chars=MAX_BYTES)),
+                                           KVCacheSpec.from_dict(group.raw("kv_cache_spec"))))
         return cls(
-            num_blocks=layout_int("num_blocks", d["num_blocks"]),
+            num_blocks=c.integer("num_blocks", 1),
             kv_cache_tensors=tuple(tensors),
             kv_cache_groups=tuple(groups),
-            layout=dict_str("layout", d.get("layout", "kv_split_nhd")),
-            kernel_block_size=None if kbs is None else layout_int("kernel_block_size", kbs),
+            layout=c.string("layout", MAX_BYTES, default="kv_split_nhd"),
+            kernel_block_size=c.optional_integer("kernel_block_size", 1),
         )

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..bounded_json import JSON, JSONObject
-from ..checks import checked_int
+from ..bounded_json import JSON, Doc, JSONObject, json_int, json_list, json_str
+from ..checks import MAX_BYTES
 from ..errors import KvconnectError
 
 __all__ = [
@@ -81,67 +81,45 @@ class KVCacheSpec:
         """The spec :meth:`to_dict` described; any malformed field raises LayoutError."""
         kinds = {c.__name__: c for c in (FullAttentionSpec, SlidingWindowSpec,
                                          MLAAttentionSpec, MambaSpec)}
-        if not isinstance(d, Mapping):
-            raise LayoutError(f"a KV cache spec must be a dict, got {type(d).__name__}")
-        d = dict(d)
-        kind = d.pop("kind", None)
+        kind = Doc(d, "a KV cache spec", LayoutError).raw("kind", None)
         if not isinstance(kind, str) or kind not in kinds:
             raise LayoutError(f"unknown KV cache spec kind {kind!r:.60}; expected one of "
                               f"{list(kinds)}")
-        unknown = sorted(map(str, set(d) - {f.name for f in fields(kinds[kind])}))
-        if unknown:
-            raise LayoutError(f"{kind} has no fields {unknown[:4]}")
+        spec = Doc(d, kind, LayoutError)
+        spec.refuse_unknown({"kind"} | {f.name for f in fields(kinds[kind])})
         args: dict[str, Any] = {}
-        for name, value in d.items():
-            where = f"{kind}.{name}"
+        for name in (n for n in d if n != "kind"):
             if name == "dtype":
-                args[name] = dict_dtype(where, value)
+                args[name] = _dtype(spec.at(name), d[name])
             elif name == "dtypes":
-                args[name] = tuple(dict_dtype(f"{where}[{i}]", x)
-                                   for i, x in enumerate(dict_list(where, value)))
+                args[name] = tuple(_dtype(f"{spec.at(name)}[{i}]", x)
+                                   for i, x in enumerate(spec.array(name)))
             elif name == "shapes":
-                args[name] = tuple(tuple(layout_int(f"{where}[{i}]", v)
-                                         for v in dict_list(f"{where}[{i}]", shape))
-                                   for i, shape in enumerate(dict_list(where, value)))
-            elif name == "page_size_padded" and value is None:
-                args[name] = None
-            else:
-                args[name] = layout_int(where, value)
+                rows = [json_list(f"{spec.at(name)}[{i}]", x, LayoutError)
+                        for i, x in enumerate(spec.array(name))]
+                args[name] = tuple(tuple(json_int(f"{spec.at(name)}[{i}]", v, LayoutError, 1)
+                                         for v in row) for i, row in enumerate(rows))
+            else:  # sizes and counts; page_size_padded may be null
+                args[name] = spec.optional_integer(name, 1) if name == "page_size_padded" \
+                    else spec.integer(name, 1)
         try:
             return kinds[kind](**args)
         except TypeError as exc:  # a required field is missing
             raise LayoutError(f"{kind}: {exc}") from None
 
 
-# -- fields of config dicts (from JSON): each malformed one raises LayoutError -------------------
 def layout_int(what: str, value: object, minimum: int = 1) -> int:
     """``value`` if it is an int ``>= minimum`` (:func:`kvconnect.checks.checked_int`), else
     :class:`LayoutError` naming ``what`` (config fields, sizes and counts of a layout)."""
+    return json_int(what, value, LayoutError, minimum)
+
+
+def _dtype(what: str, value: object) -> torch.dtype:
+    """A dtype field (name or torch.dtype) of a spec dict, or LayoutError."""
+    name = value if isinstance(value, torch.dtype) else json_str(what, value, LayoutError,
+                                                                 MAX_BYTES)
     try:
-        return checked_int(what, value, minimum=minimum)
-    except ValueError as exc:
-        raise LayoutError(str(exc)) from None
-
-
-def dict_str(what: str, value: object) -> str:
-    """A string field of a config dict, or LayoutError."""
-    if not isinstance(value, str):
-        raise LayoutError(f"{what} must be a string, got {type(value).__name__}")
-    return value
-
-
-def dict_list(what: str, value: object) -> list:
-    """A list field of a config dict, or LayoutError."""
-    if not isinstance(value, (list, tuple)):
-        raise LayoutError(f"{what} must be a list, got {type(value).__name__}")
-    return list(value)
-
-
-def dict_dtype(what: str, value: object) -> torch.dtype:
-    """A dtype field (name or torch.dtype) of a config dict, or LayoutError."""
-    try:
-        return dtype_from_name(value if isinstance(value, torch.dtype) else
-                               dict_str(what, value))
+        return dtype_from_name(name)
     except ValueError as exc:
         raise LayoutError(f"{what}: {exc}") from None
 

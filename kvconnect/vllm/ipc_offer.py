@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvconnect.bounded_json import version_mismatch
 from kvconnect.checks import checked_seconds
 from kvconnect.framing import (
     IpcError,
@@ -49,12 +50,12 @@ from kvconnect.unix_server import UnixServer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_OFFER_CLIENTS", "MAX_REQUEST_BYTES", "OFFER_VERSION", "REASONS",
+__all__ = ["MAX_OFFER_CLIENTS", "MAX_REQUEST_BYTES", "REASONS", "WIRE_VERSION",
            "FastPathDecision", "IpcOfferServer", "default_offer_dir", "ensure_offer_dir",
            "export_socket_name", "offer_socket_path", "request_offer"]
 
 #: the offer exchange's JSON layout; bump when a field changes meaning
-OFFER_VERSION = 1
+WIRE_VERSION = 1
 #: why a peer's blocks go through NIXL (``FastPathDecision.code``)
 REASONS = {
     "disabled": "kvconnect_ipc is false in this engine's kv_connector_extra_config",
@@ -264,14 +265,13 @@ class IpcOfferServer:
                 logger.warning("kvconnect ipc offer %s: %s", self.path, exc)
 
     def _reply(self, request: dict[str, Any], pid: int) -> dict[str, Any]:
-        head = {"version": OFFER_VERSION, "agent": self.agent, "engine_id": self.engine_id,
+        head = {"version": WIRE_VERSION, "agent": self.agent, "engine_id": self.engine_id,
                 "boot_id": kernel_boot_id()}
-        if request.get("op") != "ipc_offer" or not _is_exactly(request.get("version"),
-                                                               OFFER_VERSION):
-            return {**head, "ok": False, "code": "declined",
-                    "reason": f"unsupported request {request.get('op')!r:.60} version "
-                              f"{request.get('version')!r:.60} (want ipc_offer "
-                              f"{OFFER_VERSION}, an integer)"}
+        unsupported = version_mismatch(request.get("version"), WIRE_VERSION, "ipc_offer version") \
+            if request.get("op") == "ipc_offer" else \
+            f"unsupported request {request.get('op')!r:.60} (want ipc_offer)"
+        if unsupported:
+            return {**head, "ok": False, "code": "declined", "reason": unsupported}
         if request.get("agent") != self.agent or request.get("engine_id") != self.engine_id:
             return {**head, "ok": False, "code": "declined",
                     "reason": f"this socket serves agent {self.agent} of engine "
@@ -330,7 +330,7 @@ def request_offer(directory: str, agent: str, engine_id: str, timeout: float,
     with sock:
         try:
             creds = check_peer(sock)
-            send_message(sock, {"op": "ipc_offer", "version": OFFER_VERSION, "agent": agent,
+            send_message(sock, {"op": "ipc_offer", "version": WIRE_VERSION, "agent": agent,
                                 "engine_id": engine_id, "pid": os.getpid(),
                                 "boot_id": kernel_boot_id()})
             reply = recv_json(sock, timeout, max_bytes=MAX_REQUEST_BYTES)
@@ -343,9 +343,9 @@ def request_offer(directory: str, agent: str, engine_id: str, timeout: float,
 
 def _decide(reply: dict[str, Any], agent: str, engine_id: str, server_pid: int
             ) -> FastPathDecision:
-    if not _is_exactly(reply.get("version"), OFFER_VERSION):
-        return FastPathDecision.nixl("refused", f"offer version {reply.get('version')!r:.60}, "
-                                                f"want the integer {OFFER_VERSION}")
+    mismatch = version_mismatch(reply.get("version"), WIRE_VERSION, "offer version")
+    if mismatch:
+        return FastPathDecision.nixl("refused", mismatch)
     if reply.get("agent") != agent or reply.get("engine_id") != engine_id:
         return FastPathDecision.nixl(
             "refused", f"the socket answers for agent {reply.get('agent')!r:.80} of engine "

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvconnect.bounded_json import Doc
 from kvconnect.checks import checked_seconds
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
@@ -87,10 +88,7 @@ class FastPathSettings:
             raise PluginConfigError(f"kv_connector_extra_config must be a JSON object, got "
                                     f"{type(extra).__name__} {extra!r:.60}")
         where = "kv_connector_extra_config"
-        enabled = extra.get("kvconnect_ipc", True)
-        if not isinstance(enabled, bool):
-            raise PluginConfigError(f"{where} kvconnect_ipc must be true or false, got "
-                                    f"{enabled!r:.60}")
+        enabled = Doc(extra, where, PluginConfigError).boolean("kvconnect_ipc", default=True)
         try:
             timeout = checked_seconds(f"{where} kvconnect_ipc_timeout",
                                       extra.get("kvconnect_ipc_timeout", 10.0))
