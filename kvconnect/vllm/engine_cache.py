@@ -30,6 +30,8 @@ import torch
 
 from kvconnect.bounded_json import JSONObject
 from kvconnect.kv_cache import ExtensibleKVCache
+from kvconnect.layout import plan_layout
+from kvconnect.layout.foreign import config_from_vllm
 from kvconnect.vmm import AllocationOptions, probe_vmm
 
 from .cache import VllmKVCache
@@ -150,11 +152,11 @@ def _device_total_bytes(device: torch.device, backend: str) -> int:
     return int(torch.cuda.mem_get_info(device)[1])
 
 
-def _capacity_blocks(probe: VllmKVCache, device: torch.device, backend: str,
+def _capacity_blocks(per_block: int, device: torch.device, backend: str,
                      num_blocks: int) -> tuple[int, str]:
-    """Blocks to reserve (from KVCONNECT_KV_CAPACITY_BYTES, else the device's memory) and
-    where the figure came from; raises when it holds fewer than vLLM's ``num_blocks``."""
-    per_block = probe.cache.bytes_per_block
+    """Blocks of ``per_block`` bytes to reserve (from KVCONNECT_KV_CAPACITY_BYTES, else the
+    device's memory) and where the figure came from; raises when it holds fewer than vLLM's
+    ``num_blocks``."""
     wanted = capacity_bytes_from_env()
     source = f"{CAPACITY_ENV}={wanted}" if wanted is not None else "device total memory"
     if wanted is None:
@@ -195,9 +197,8 @@ def allocate_extensible_kv_cache(kv_cache_config: Any, device: torch.device, lay
     options = AllocationOptions(shareable=connector is not None,
                                 rdma_capable=connector is not None and backend != "host")
     num_blocks = int(kv_cache_config.num_blocks)
-    sizing = VllmKVCache(kv_cache_config, device, layout=layout, capacity_blocks=num_blocks,
-                         kernel_block_size=kernel, options=options)
-    capacity, source = _capacity_blocks(sizing, device, backend, num_blocks)
+    per_block = plan_layout(config_from_vllm(kv_cache_config, layout, kernel)).bytes_per_block
+    capacity, source = _capacity_blocks(per_block, device, backend, num_blocks)
     vkc = VllmKVCache(kv_cache_config, device, layout=layout, capacity_blocks=capacity,
                       kernel_block_size=kernel, options=options)
     vkc.allocate()  # reserve + one block (released again on its own failure)

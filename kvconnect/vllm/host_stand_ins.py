@@ -20,10 +20,49 @@ from typing import Any
 
 import torch
 
-from .conformance.probes import HostCopyBackendStandIn, HostStreamStandIn
+__all__ = ["HostCopyBackendStandIn", "HostEngineCopyBackendStandIn", "HostEventStandIn",
+           "HostStreamStandIn", "install_simple_cpu_offload_host_stand_ins"]
 
-__all__ = ["HostEngineCopyBackendStandIn", "HostEventStandIn",
-           "install_simple_cpu_offload_host_stand_ins"]
+
+class HostStreamStandIn:
+    """Stands in for ``torch.cuda.Stream`` on a CPU-only machine (no streams exist here)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return 0, 0
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class HostCopyBackendStandIn:
+    """Stands in for SimpleCPUOffload's ``DmaCopyBackend`` (``cuMemcpyBatchAsync``, CUDA
+    only): the same per-region rows (``base + block_id * stride(0)``, ``shape[1:]`` bytes),
+    copied synchronously on the CPU."""
+
+    def init(self, gpu_caches: dict[str, torch.Tensor], cpu_caches: dict[str, torch.Tensor],
+             *args: Any) -> None:
+        self.gpu_caches, self.cpu_caches = gpu_caches, cpu_caches
+
+    def copy(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool) -> int:
+        moved = 0
+        for name, dev in self.gpu_caches.items():
+            host = self.cpu_caches[name]
+            src, dst = (dev, host) if is_store else (host, dev)
+            for s, d in zip(src_blocks, dst_blocks, strict=True):
+                dst[d].copy_(src[s])
+                moved += src[s].numel() * src.element_size()
+        return moved
+
+    def launch_copy(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool,
+                    *args: Any, **kwargs: Any) -> None:
+        self.copy(src_blocks, dst_blocks, is_store)
+
+    def shutdown(self) -> None:
+        pass
 
 
 class HostEventStandIn:

@@ -8,8 +8,8 @@ afterwards, so they may patch classes for the life of that process.
 
 Two stand-ins replace what cannot exist on a CPU-only machine, and say so in their names:
 :class:`HostStreamStandIn` for ``torch.cuda.Stream`` and :class:`HostCopyBackendStandIn` for
-SimpleCPUOffload's ``cuMemcpyBatchAsync`` backend (it copies the same rows, synchronously).
-On CUDA (a probe's ``device``) SimpleCPUOffload keeps upstream's streams and its
+SimpleCPUOffload's ``cuMemcpyBatchAsync`` backend (it copies the same rows, synchronously),
+both from :mod:`kvconnect.vllm.host_stand_ins`, which CPU engines use too. On CUDA (a probe's ``device``) SimpleCPUOffload keeps upstream's streams and its
 ``DmaCopyBackend``. OffloadingConnector's CUDA worker is not created on either (it needs
 vLLM's compiled ``swap_blocks_batch``): :class:`OffloadingProbe` captures the canonical
 tensors upstream hands it and copies their rows the way that worker would (on the device's
@@ -28,8 +28,9 @@ import torch
 
 from kvconnect.views import block_span
 
-__all__ = ["PROBES", "ConnectorProbe", "GenericProbe", "HostCopyBackendStandIn",
-           "HostStreamStandIn", "NixlProbe", "NixlRegistrations", "OffloadingProbe", "Region",
+from ..host_stand_ins import HostCopyBackendStandIn, HostStreamStandIn
+
+__all__ = ["PROBES", "ConnectorProbe", "GenericProbe", "NixlProbe", "NixlRegistrations", "OffloadingProbe", "Region",
            "SimpleCPUOffloadProbe", "dma_copy", "probe_for"]
 
 
@@ -197,47 +198,6 @@ class NixlProbe(ConnectorProbe):
 
 
 # -- offload connectors ---------------------------------------------------------------------
-class HostStreamStandIn:
-    """Stands in for ``torch.cuda.Stream`` on a CPU-only machine (no streams exist here)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @staticmethod
-    def priority_range() -> tuple[int, int]:
-        return 0, 0
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-
-class HostCopyBackendStandIn:
-    """Stands in for SimpleCPUOffload's ``DmaCopyBackend`` (``cuMemcpyBatchAsync``, CUDA
-    only): the same per-region rows (``base + block_id * stride(0)``, ``shape[1:]`` bytes),
-    copied synchronously on the CPU."""
-
-    def init(self, gpu_caches: dict[str, torch.Tensor], cpu_caches: dict[str, torch.Tensor],
-             *args: Any) -> None:
-        self.gpu_caches, self.cpu_caches = gpu_caches, cpu_caches
-
-    def copy(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool) -> int:
-        moved = 0
-        for name, dev in self.gpu_caches.items():
-            host = self.cpu_caches[name]
-            src, dst = (dev, host) if is_store else (host, dev)
-            for s, d in zip(src_blocks, dst_blocks, strict=True):
-                dst[d].copy_(src[s])
-                moved += src[s].numel() * src.element_size()
-        return moved
-
-    def launch_copy(self, src_blocks: list[int], dst_blocks: list[int], is_store: bool,
-                    *args: Any, **kwargs: Any) -> None:
-        self.copy(src_blocks, dst_blocks, is_store)
-
-    def shutdown(self) -> None:
-        pass
-
-
 def _rows_region(t: torch.Tensor) -> Region:
     e = t.element_size()
     return Region(t.data_ptr(), t[0].numel() * e, t.stride(0) * e, t.shape[0])
