@@ -1,10 +1,7 @@
-"""Block ids: the one type the public API accepts (:data:`BlockIds`) and its one conversion
-(:func:`as_block_ids`), made where ids enter (a transport's ``fetch``, a copy plan's ``copy``,
-the offload connector's ``save``/``load``, ...). Below that edge every function takes the
-1-D ``int64`` ``np.ndarray`` it returns.
-
-Units: logical blocks. Torch-free: a ``torch.Tensor`` is recognised only once torch is
-imported (before that no value can be one).
+"""Block ids (logical blocks): the one type the public API accepts (:data:`BlockIds`) and its
+one conversion (:func:`as_block_ids`) where ids enter (a transport's ``fetch``, a copy plan's
+``copy``, the offload connector's ``save``/``load``); below that edge functions take the 1-D
+int64 ``np.ndarray`` it returns. Torch-free: a tensor is recognised once torch is imported.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from __future__ import annotations
 import operator
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
@@ -22,7 +19,7 @@ from .errors import KvconnectError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BlockIds", "BlockIdsError", "as_block_ids"]
+__all__ = ["BlockIds", "BlockIdsError", "as_block_ids", "merged_block_ids"]
 
 #: block ids as callers may pass them: ints in any iterable (a list, a tuple, a range), a 1-D
 #: integer numpy array or a 1-D integer torch tensor (any device)
@@ -52,6 +49,28 @@ def as_block_ids(values: BlockIds, what: str = "block ids", *,
         if low < 0:
             raise BlockIdsError(f"{what} must be non-negative, got {low}")
     return out
+
+
+def merged_block_ids(requests: Sequence[tuple[BlockIds, BlockIds]],
+                     names: tuple[str, str] = ("src_ids", "dst_ids"), *,
+                     allow_negative: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Several ``(ids, ids)`` requests as two 1-D int64 arrays, concatenated in request order
+    (:func:`as_block_ids` of each side, named by ``names``); ``ValueError`` when a request's
+    sides differ in length."""
+    firsts, seconds = [], []
+    for i, (x, y) in enumerate(requests):
+        a = as_block_ids(x, names[0], allow_negative=allow_negative)
+        b = as_block_ids(y, names[1], allow_negative=allow_negative)
+        if a.size != b.size:
+            one, two = (n.replace("_", " ") for n in names)
+            raise ValueError(f"request {i}: {a.size} {one} but {b.size} {two}")
+        firsts.append(a)
+        seconds.append(b)
+    if len(firsts) == 1:
+        return firsts[0], seconds[0]
+    empty = np.zeros(0, dtype=np.int64)
+    return (np.concatenate(firsts) if firsts else empty,
+            np.concatenate(seconds) if seconds else empty)
 
 
 def _convert(values: BlockIds, what: str) -> np.ndarray:

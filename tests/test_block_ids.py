@@ -75,3 +75,17 @@ def test_public_names_and_torch_free_import() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "[2, 1]"
+
+
+def test_merged_block_ids_concatenates_requests_and_names_a_mismatch() -> None:
+    from kvconnect.block_ids import merged_block_ids
+
+    src, dst = merged_block_ids([([1, 2], np.array([5, 6])), (torch.tensor([3]), (7,))])
+    assert (src.tolist(), dst.tolist()) == ([1, 2, 3], [5, 6, 7])
+    one = np.array([4], dtype=np.int64)
+    assert merged_block_ids([(one, one)])[0] is one  # one request: no copy
+    assert [a.tolist() for a in merged_block_ids([])] == [[], []]
+    with pytest.raises(ValueError, match="request 1: 2 remote ids but 1 local ids"):
+        merged_block_ids([([1], [2]), ([1, 2], [3])], ("remote_ids", "local_ids"))
+    with pytest.raises(BlockIdsError, match="local_ids must be non-negative"):
+        merged_block_ids([([1], [-2])], ("remote_ids", "local_ids"))

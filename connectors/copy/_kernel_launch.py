@@ -214,8 +214,9 @@ class KernelLauncher:
                 self._capture(slot, b)  # first use of this slot (the kernel is loaded)
             if self.mode == "graph" and slot.graph_exec and self._graph_launch is not None:
                 rc = self._graph_launch(slot.graph_exec, self._stream_handle())
-                if rc != 0:
-                    raise self._driver_error("graph_launch", rc, "a block copy's graph")
+                if rc != 0:  # a VmmError (a RuntimeError) named by the driver's error
+                    assert self._driver is not None
+                    raise self._driver.error("graph_launch", rc, "a block copy's graph")
             elif self.mode == "graph" and slot.graph is not None:
                 slot.graph.replay()
             else:  # eager mode, or a bucket's first copy: compile and load it uncaptured
@@ -245,11 +246,6 @@ class KernelLauncher:
             return contextlib.nullcontext()
         return torch.cuda.device(self._index)
 
-    def _driver_error(self, logical: str, rc: int, what: str) -> Exception:
-        """The ``VmmError`` (a ``RuntimeError``) of a failed driver call."""
-        assert self._driver is not None
-        return self._driver.error(logical, rc, what)
-
     def _stream_handle(self) -> int:
         """The launch device's current stream as a raw handle."""
         return raw_stream(self._index)
@@ -276,7 +272,8 @@ class KernelLauncher:
             rc = self._upload(slot.device.data_ptr(), slot.host.data_ptr(),
                               slot.host.numel() * 8, self._stream_handle())
             if rc != 0:
-                raise self._driver_error("memcpy_htod_async", rc, "the block ids upload")
+                assert self._driver is not None
+                raise self._driver.error("memcpy_htod_async", rc, "the block ids upload")
         else:
             slot.device.copy_(slot.host, non_blocking=True)
         launch(self.anchor, self.table, slot.device, **self.options, num_blocks=blocks)

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvconnect.block_ids import BlockIds, as_block_ids
+from kvconnect.block_ids import BlockIds, as_block_ids, merged_block_ids
 from kvconnect.bounded_json import JSONObject
 from kvconnect.peer_layout import LayoutRegion
 from kvconnect.views import block_span
@@ -363,14 +363,7 @@ class BlockCopyPlan:
         destination ids must be distinct across all of them. Returns the bytes moved."""
         if not requests:
             return 0
-        pairs = [(as_block_ids(s, "src_ids", allow_negative=True),
-                  as_block_ids(d, "dst_ids", allow_negative=True)) for s, d in requests]
-        for i, (s, d) in enumerate(pairs):
-            if s.size != d.size:
-                raise ValueError(f"request {i}: {s.size} source ids but {d.size} destination "
-                                 "ids")
-        return self.copy(np.concatenate([s for s, _ in pairs]),
-                         np.concatenate([d for _, d in pairs]), method=method)
+        return self.copy(*merged_block_ids(requests, allow_negative=True), method=method)
 
     def check_ids(self, src: np.ndarray, dst: np.ndarray) -> None:
         """``ValueError`` unless every id is in range and no destination id repeats."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvconnect.block_ids import BlockIds, as_block_ids
+from kvconnect.block_ids import BlockIds, merged_block_ids
 from kvconnect.bounded_json import JSON, Doc, JSONObject
 from kvconnect.cache_source import KVCacheSource
 from kvconnect.framing import (
@@ -462,7 +462,8 @@ class IpcTransport:
     def _launch(self, peer: str, entry: _Peer,
                 requests: Sequence[tuple[BlockIds, BlockIds]]) -> PendingFetch:
         started = time.perf_counter()
-        src, dst = _merged_ids(requests)
+        # the one conversion of a fetch's ids; check_ids reports ids out of range (negative too)
+        src, dst = merged_block_ids(requests, ("remote_ids", "local_ids"), allow_negative=True)
         if src.size:
             entry.plan.check_ids(src, dst)
         cross, local = entry.cross, entry.local_device
@@ -532,24 +533,6 @@ class IpcTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _merged_ids(requests: Sequence[tuple[BlockIds, BlockIds]]
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """Every request's ids as two int64 arrays, in request order (the one conversion of a
-    fetch's ids; the plan's ``check_ids`` then reports ids out of range, negative ones too)."""
-    src, dst = [], []
-    for i, (r, lo) in enumerate(requests):
-        a = as_block_ids(r, "remote_ids", allow_negative=True)
-        b = as_block_ids(lo, "local_ids", allow_negative=True)
-        if a.size != b.size:
-            raise ValueError(f"request {i}: {a.size} remote ids but {b.size} local ids")
-        src.append(a)
-        dst.append(b)
-    if len(src) == 1:
-        return src[0], dst[0]
-    empty = np.zeros(0, dtype=np.int64)
-    return (np.concatenate(src) if src else empty), (np.concatenate(dst) if dst else empty)
 
 
 def _receiver(ctx: TransportContext, registration: object = None) -> IpcTransport:

@@ -538,8 +538,6 @@ class CPUOffloadConnector:
 
     # -- validation ------------------------------------------------------------
     def _validate_ids(self, block_ids: BlockIds, op: str) -> list[int]:
-        """The edge's one conversion; ids outside the committed blocks (negative ones too)
-        are reported here with the valid range."""
         ids = as_block_ids(block_ids, f"{op}() block_ids", allow_negative=True).tolist()
         bad = [b for b in ids if not 0 <= b < self._num_blocks]
         if bad:
