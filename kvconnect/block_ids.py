@@ -37,12 +37,11 @@ class BlockIdsError(KvconnectError, TypeError, ValueError):
 
 def as_block_ids(values: BlockIds, what: str = "block ids", *,
                  allow_negative: bool = False) -> np.ndarray:
-    """``values`` as a 1-D int64 array (``values`` itself when it is one already: converting
-    again below the edge costs nothing). Raises
-    :class:`BlockIdsError` naming ``what`` for bools, floats, other non-integers, an array or
-    tensor that is not 1-D integer, and (unless ``allow_negative``: the caller's range check
-    reports them, naming the valid range) negative ids. Upper bounds are the caller's to
-    check (they depend on the region)."""
+    """``values`` as a 1-D int64 array (``values`` itself when it is one: converting again
+    below the edge costs nothing). :class:`BlockIdsError` naming ``what`` for non-integers
+    (bools, floats, ...), an array or tensor that is not 1-D integer, and negative ids unless
+    ``allow_negative`` (the caller's range check names the valid range). Upper bounds are the
+    caller's to check (they depend on the region)."""
     out = _convert(values, what)
     if not allow_negative and out.size:
         low = min(out.tolist()) if out.size <= _SMALL_ID_LIST else int(out.min())

@@ -1,13 +1,8 @@
-"""``cuMemcpyBatchAsync``: many pointer-to-pointer copies in one driver call, through the
-package's one driver binding (:mod:`kvconnect.vmm._driver_api`, which also holds the
-``cuMemcpyHtoDAsync_v2`` and ``cuGraphLaunch`` entries of :mod:`._kernel_launch`).
-
-The table has both ABIs: CUDA 13's ``cuMemcpyBatchAsync_v2`` (no ``failIdx``) is used where the
-driver exports it, else CUDA 12.8's ``cuMemcpyBatchAsync`` (which reports the failing copy).
-The copies run on the copy engines; sources are read in stream order
-(``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``). Arrays are passed as numpy buffers: no Python loop
-per copy. Errors: :class:`~kvconnect.vmm._driver_api.DriverLibraryError` without a CUDA
-driver, :class:`~kvconnect.vmm.VmmError` (named by the driver's error) for the rest.
+"""``cuMemcpyBatchAsync`` (many pointer-to-pointer copies in one driver call) through the
+package's one driver binding, :mod:`kvconnect.vmm._driver_api`: CUDA 13's ABI
+(``cuMemcpyBatchAsync_v2``) where the driver exports it, else CUDA 12.8's (with ``failIdx``).
+Copies run on the copy engines, sources read in stream order; arrays pass as numpy buffers.
+Errors: ``DriverLibraryError`` without a CUDA driver, else ``VmmError`` (the driver's name).
 """
 
 from __future__ import annotations
@@ -30,9 +25,8 @@ def batch_entry() -> tuple[api.DriverLibrary, str]:
     Raises ``DriverLibraryError`` without libcuda, ``VmmError`` when the driver has no batch
     copy (CUDA < 12.8)."""
     lib = api.load_library(api.CUDA)
-    for logical in BATCH_ENTRIES:
-        if lib.has(logical):
-            return lib, logical
+    if logical := next((e for e in BATCH_ENTRIES if lib.has(e)), None):
+        return lib, logical
     raise VmmError("cuMemcpyBatchAsync", "symbol not exported",
                    f"{lib.path} has no batch memcpy (a CUDA 12.8 or newer driver has)")
 

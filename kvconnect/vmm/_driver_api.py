@@ -20,13 +20,11 @@ carries its own attribute numbers.
 Where the driver exports a versioned symbol that the header maps the plain name to, the table
 names the versioned one (``cuMemsetD8_v2``, ``cuDevicePrimaryCtxRelease_v2``, ...). It never
 picks ``_v2`` blindly: CUDA 13's ``cuCtxSynchronize_v2`` takes a context argument, so the table
-binds plain ``cuCtxSynchronize``. ``cuMemcpyBatchAsync`` has one entry per ABI: the CUDA 12.8
-one with a ``failIdx`` argument (``cuMemcpyBatchAsync``, HIP's ``hipMemcpyBatchAsync``) and
-CUDA 13's without (``cuMemcpyBatchAsync_v2``); a CUDA 13 driver exports both.
+binds plain ``cuCtxSynchronize``. ``cuMemcpyBatchAsync`` has an entry per ABI: CUDA 12.8's
+with ``failIdx`` (HIP's twin too) and CUDA 13's ``_v2`` without; a CUDA 13 driver has both.
 
-Besides the VMM calls, the table holds what the block-copy engine calls on CUDA streams
-(``cuMemcpyHtoDAsync_v2``, ``cuGraphLaunch``, ``cuMemcpyBatchAsync``): the one binding of the
-driver in the package, loaded once per process by :func:`load_library`.
+The table also holds the block-copy engine's stream calls: it is the package's one binding of
+the driver, loaded once per process by :func:`load_library`.
 """
 
 from __future__ import annotations
