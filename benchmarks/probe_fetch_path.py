@@ -219,7 +219,7 @@ def _time_one_copy(plan: BlockCopyPlan, nb: int, k: int, rng: np.random.Generato
     """p50 microseconds of the pieces of ``iters`` whole copies of ``k`` random blocks (ids
     -> array + checks, ``plan.copy``, event + completion wait) and of a plain copy of the same
     bytes, interleaved; plus the p99 of the whole and of the plain copy."""
-    from kvconnect.connectors.copy.block_copy import as_block_ids
+    from kvconnect.block_ids import as_block_ids
 
     a = torch.empty(k * plan.bytes_per_block, dtype=torch.uint8, device=DEV)
     b = torch.empty_like(a)
@@ -350,7 +350,7 @@ def _fetch_like(plan: BlockCopyPlan, remote: Any, local: Any, iters: int,
     """p50 microseconds of ``iters`` copies timed as ``IpcTransport.fetch`` times its
     ``seconds``, and of the pieces; ids as lists (as the harness passes them) or arrays.
     ``slice_ids``: convert, check and launch that many ids at a time (a pipelined fetch)."""
-    from kvconnect.connectors.copy.block_copy import as_block_ids
+    from kvconnect.block_ids import as_block_ids
 
     n = len(remote)
     times: dict[str, list[float]] = {k: [] for k in ("whole", "ids", "check", "submit", "wait")}

@@ -32,10 +32,11 @@ Units: bytes, seconds, logical blocks for block ids; GB/s are 1e9 bytes per seco
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from kvconnect.block_ids import BlockIds
 from kvconnect.bounded_json import JSON, JSONObject
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class Transport(Protocol):
 
     def open_peer(self, peer: str, offer: Mapping[str, JSON]) -> float: ...
 
-    def fetch(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int], *,
+    def fetch(self, peer: str, remote_ids: BlockIds, local_ids: BlockIds, *,
               timeout: float | None = None) -> FetchResult: ...
 
     def invalidate(self, peer: str | None = None) -> None: ...

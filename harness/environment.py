@@ -18,6 +18,7 @@ from typing import Any
 
 from kvconnect.errors import KvconnectError
 from kvconnect.framing import kernel_boot_id
+from kvconnect.vmm._driver_api import CUDA, optional_library
 
 #: test hook: pretend to run on another host. ``"<boot id>"`` for this process, or
 #: ``"<worker>=<boot id>"`` for one worker of a local run (e.g. ``decode0=other-host``)
@@ -105,26 +106,17 @@ def ucx_version() -> str | None:
 
 def cuda_driver_version() -> str | None:
     """The CUDA driver version (``cuDriverGetVersion``) or None without a driver."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
+    lib = optional_library(CUDA)
     v = ctypes.c_int(0)
-    try:
-        if lib.cuDriverGetVersion(ctypes.byref(v)) != 0:
-            return None
-    except AttributeError:
+    if lib is None or not lib.has("driver_get_version") \
+            or lib.try_call("driver_get_version", ctypes.byref(v)) != 0:
         return None
     return f"{v.value // 1000}.{(v.value % 1000) // 10}"
 
 
 def cuda_driver_present() -> bool:
     """Cheap pre-check: can libcuda be loaded at all? (torch needs it for CUDA.)"""
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
+    return optional_library(CUDA) is not None
 
 
 def rdma_devices() -> list[str]:

@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 
+from kvconnect.block_ids import merged_block_ids
 from kvconnect.peer_layout import PeerLayout
 
 from .config import DECODE, PREFILL, RunConfig, pair_name, worker_name
 from .content import cache_rows, content_key, generate, paired_owners
 from .report import SweepPoint
 from .steps import mib
-from .transports import id_arrays, reference_copy_gbps
+from .transports import reference_copy_gbps
 
 #: blocks regenerated at once when a sweep point is verified (bounds the scratch memory)
 _VERIFY_BATCH = 64
@@ -80,7 +81,8 @@ def _one_size(worker: Any, p: int, info: dict[str, Any], transport: str, blocks:
     receiver = worker.transport(transport)
     budget = time.monotonic() + cfg.timeout / 2
 
-    remote, local = id_arrays(remote_ids, local_ids)
+    # converted before the timed fetches (see _Offer.id_arrays in .decode)
+    remote, local = merged_block_ids([(remote_ids, local_ids)], ("remote_ids", "local_ids"))
 
     def fetch() -> Any:
         result = receiver.fetch(prefill, remote, local, timeout=cfg.timeout)

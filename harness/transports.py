@@ -13,21 +13,11 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
-from kvconnect.connectors.copy.block_copy import as_block_ids
 from kvconnect.units import gbps
 
-__all__ = ["id_arrays", "reference_copy_gbps"]
-
-
-def id_arrays(remote_ids: list[int], local_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Block ids as int64 arrays, converted once before a fetch is timed: a transport's
-    ``fetch`` takes a sequence of ints or a 1-D integer array, and converting a Python list
-    inside it is host work on the timed path (H200 host, 4096 ids: ~126 us of a 1 GiB fetch's
-    ~745 us; benchmarks/results/probe-shapes-h200.json)."""
-    return as_block_ids(remote_ids, "remote block ids"), as_block_ids(local_ids, "local block ids")
+__all__ = ["reference_copy_gbps"]
 
 
 def reference_copy_gbps(nbytes: int, src: str, dst: str, repeats: int = 5) -> float:

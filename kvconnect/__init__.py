@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 #: submodule -> the public names it defines (the one list of kvconnect's exports)
 _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     "errors": ("KvconnectError",),
+    "block_ids": ("BlockIds", "BlockIdsError", "as_block_ids", "merged_block_ids",),
     "bounded_json": ("JSON", "JSONObject",),
     "cache_source": ("KVCacheSource",),
     "framing": ("IpcError", "PeerError", "PeerRefusedError",),

@@ -3,8 +3,9 @@ machine without a GPU (no GPU can exist where the CPU tests run).
 
 :class:`SimulatedDriverLibraryNoGpu` stands in for the ``DriverLibrary`` that
 :class:`kvconnect.vmm.cuda.CudaVmmDriver` (and the HIP driver) call: it answers every entry
-point the driver uses, with configurable device attributes and ``cuMemCreate`` refusals, and
-records every call. It allocates nothing; the real driver is exercised by the ``gpu`` tests
+point the driver uses (and the block-copy engine's stream calls: ``cuMemcpyBatchAsync``,
+``cuMemcpyHtoDAsync_v2``, ``cuGraphLaunch``), with configurable device attributes and
+``cuMemCreate`` refusals, and records every call. It allocates and copies nothing; the real driver is exercised by the ``gpu`` tests
 on the GPU machine.
 """
 
@@ -30,8 +31,12 @@ class SimulatedDriverLibraryNoGpu:
 
     def __init__(self, backend: api.Backend, *, gdr: int = 1, posix: int = 1,
                  refuse_rdma: bool = False, refuse_posix: bool = False, oom: bool = False,
-                 granularity: int = 2 * MiB) -> None:
+                 granularity: int = 2 * MiB, missing: frozenset[str] = frozenset(),
+                 driver_version: int = 13000, stream_rc: int = 0) -> None:
         self.backend = backend
+        #: logical entries this library does not export; the version cuDriverGetVersion
+        #: reports; the status every stream call returns (a failed batch fails at copy 1)
+        self.missing, self.driver_version, self.stream_rc = missing, driver_version, stream_rc
         self.path = f"simulated-{backend.name}"
         self.attrs = {backend.attr_vmm: 1, backend.attr_posix_fd: posix,
                       backend.attr_gpudirect_rdma_with_vmm: gdr, backend.attr_fabric: 0}
@@ -47,7 +52,12 @@ class SimulatedDriverLibraryNoGpu:
 
     # DriverLibrary interface ------------------------------------------------------------------
     def has(self, logical: str) -> bool:
-        return logical in api.ENTRIES
+        return logical in api.ENTRIES and logical not in self.missing
+
+    def raw(self, logical: str) -> Any:
+        if not self.has(logical):
+            raise VmmError(self.symbol(logical), "symbol not exported")
+        return lambda *args: self.try_call(logical, *args)
 
     def symbol(self, logical: str) -> str:
         return api.ENTRIES[logical].symbol(self.backend.name) or logical
@@ -157,6 +167,24 @@ class SimulatedDriverLibraryNoGpu:
 
     def _ctx_synchronize(self) -> int:
         return 0
+
+    def _driver_get_version(self, out: Any) -> int:
+        deref(out).value = self.driver_version
+        return 0
+
+    def _memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> int:
+        return self.stream_rc
+
+    def _graph_launch(self, graph_exec: int, stream: int) -> int:
+        return self.stream_rc
+
+    def _memcpy_batch_async(self, *args: Any) -> int:  # CUDA 12.8 ABI: failIdx at 7
+        if self.stream_rc:
+            deref(args[7]).value = 1
+        return self.stream_rc
+
+    def _memcpy_batch_async_v2(self, *args: Any) -> int:
+        return self.stream_rc
 
 
 def simulated_driver(cls: type = CudaVmmDriver, **kw: Any) -> tuple[Any, SimulatedDriverLibraryNoGpu]:

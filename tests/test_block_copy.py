@@ -21,14 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvconnect.block_ids import as_block_ids
 from kvconnect.connectors.copy._host_block_copy import HostRowCopier, host_row_copier
 from kvconnect.connectors.copy._kernel_launch import bucket_sizes, grid_programs
-from kvconnect.connectors.copy.block_copy import (
-    BlockCopyPlan,
-    BlockRegion,
-    as_block_ids,
-    block_runs,
-)
+from kvconnect.connectors.copy.block_copy import BlockCopyPlan, BlockRegion, block_runs
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -16,6 +16,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -57,7 +58,11 @@ HIP_INCLUDE = _find("hip/hip_runtime_api.h", ("ROCM_PATH", "HIP_PATH"), ["/opt/r
 CUDA_STRUCTS = {api.CUmemLocation: ("CUmemLocation", ""),
                 api.CUmemAllocationProp: ("CUmemAllocationProp", ""),
                 api.CUmemAllocFlags: ("CUmemAllocationProp", "allocFlags"),
-                api.CUmemAccessDesc: ("CUmemAccessDesc", "")}
+                api.CUmemAccessDesc: ("CUmemAccessDesc", ""),
+                api.CUmemcpyAttributes: ("CUmemcpyAttributes", "")}
+#: what cuda.h has only from a version on (``CUDA_VERSION``): compared where the header has it
+CUDA_SINCE = {"CUmemcpyAttributes": 12080, "CU_MEMCPY_SRC_ACCESS_ORDER_STREAM": 12080,
+              "CU_MEM_LOCATION_TYPE_INVALID": 12080}
 HIP_STRUCTS = {api.HipMemLocation: ("hipMemLocation", ""),
                api.HipMemAllocationProp: ("hipMemAllocationProp", ""),
                api.HipMemAllocFlags: ("hipMemAllocationProp", "allocFlags"),
@@ -72,9 +77,12 @@ HIP_NAMES = {
     "CU_MEM_ALLOC_GRANULARITY_MINIMUM": "hipMemAllocationGranularityMinimum",
     "CU_MEM_ALLOC_GRANULARITY_RECOMMENDED": "hipMemAllocationGranularityRecommended",
     "HIP_ERROR_OUT_OF_MEMORY": "hipErrorOutOfMemory",
+    "CU_MEMCPY_SRC_ACCESS_ORDER_STREAM": "hipMemcpySrcAccessOrderStream",
+    "CU_MEM_LOCATION_TYPE_INVALID": "hipMemLocationTypeInvalid",
     "HIP_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED":
         "hipDeviceAttributeVirtualMemoryManagementSupported",
-    # newer HIP only: compared where the header has them
+    # newer HIP only (these two, and the two batch-copy ones above): compared where the
+    # header has them
     "HIP_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_HIP_VMM_SUPPORTED":
         "hipDeviceAttributeGPUDirectRDMAWithHipVMMSupported",
     "HIP_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED":
@@ -160,17 +168,30 @@ def _ctypes_image(struct: type[ctypes.Structure], handle_types: int) -> list[int
     return list(bytes(p))
 
 
+def _cuda_version(include: str) -> int:
+    """``CUDA_VERSION`` of ``include/cuda.h``."""
+    text = Path(include, "cuda.h").read_text(errors="replace")
+    found = re.search(r"^#define CUDA_VERSION (\d+)", text, re.MULTILINE)
+    assert found, "cuda.h defines no CUDA_VERSION"
+    return int(found.group(1))
+
+
 @pytest.mark.skipif(CC is None or CUDA_INCLUDE is None, reason="no cuda.h or C compiler here")
 def test_cuda_table_matches_cuda_h(tmp_path: Path) -> None:
+    assert CUDA_INCLUDE is not None
+    version = _cuda_version(CUDA_INCLUDE)
     constants = {n: getattr(api, n) for n in dir(api)
-                 if n.startswith(("CU_", "CUDA_")) and type(getattr(api, n)) is int}
+                 if n.startswith(("CU_", "CUDA_")) and type(getattr(api, n)) is int
+                 and CUDA_SINCE.get(n, 0) <= version}
     assert len(constants) >= 15
-    exprs = {**_layout_exprs(CUDA_STRUCTS), **{f"const.{n}": n for n in constants}}
+    structs = {k: v for k, v in CUDA_STRUCTS.items()
+               if CUDA_SINCE.get(k.__name__, 0) <= version}
+    exprs = {**_layout_exprs(structs), **{f"const.{n}": n for n in constants}}
     got = _probe(tmp_path, CUDA_INCLUDE, "cuda.h", [], "CUmemAllocationProp",
                  "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC", exprs)
     image = got.pop("image")
     assert {k: v for k, v in got.items() if not k.startswith("const.")} == \
-        _ctypes_layout(CUDA_STRUCTS)
+        _ctypes_layout(structs)
     assert {k[len("const."):]: v for k, v in got.items() if k.startswith("const.")} == constants
     # every field lands where the driver reads it
     assert _ctypes_image(api.CUmemAllocationProp, api.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -184,7 +205,7 @@ def test_hip_table_matches_hip_runtime_api_h(tmp_path: Path) -> None:
     text = "".join(Path(p).read_text(errors="replace")
                    for p in glob.glob(os.path.join(HIP_INCLUDE, "hip", "*.h")))
     names = {k: v for k, v in HIP_NAMES.items() if v in text}
-    assert len(names) >= len(HIP_NAMES) - 2  # only the newer attributes may be missing
+    assert len(names) >= len(HIP_NAMES) - 4  # only the newer names may be missing
     exprs = {**_layout_exprs(HIP_STRUCTS), **{f"const.{k}": v for k, v in names.items()}}
     got = _probe(tmp_path, HIP_INCLUDE, "hip/hip_runtime_api.h", ["-D__HIP_PLATFORM_AMD__"],
                  "hipMemAllocationProp", HIP_NAMES["CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"],

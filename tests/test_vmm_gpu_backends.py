@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _simulated_driver import SimulatedDriverLibraryNoGpu, create_props, simulated_driver
+from _simulated_driver import SimulatedDriverLibraryNoGpu, create_props, deref, simulated_driver
 
 from kvconnect.vmm import _driver_api as api
 from kvconnect.vmm.base import (
@@ -59,6 +59,9 @@ CUDA_LAYOUTS: dict[type[ctypes.Structure], tuple[int, list[tuple[str, int, int]]
     api.CUmemAllocFlags: (8, [("compressionType", 0, 1), ("gpuDirectRDMACapable", 1, 1),
                               ("usage", 2, 2), ("reserved", 4, 4)]),
     api.CUmemAccessDesc: (12, [("location", 0, 8), ("flags", 8, 4)]),
+    # cuda.h of CUDA 13.0 (batch copies, CUDA >= 12.8); hipMemcpyAttributes is the same
+    api.CUmemcpyAttributes: (24, [("srcAccessOrder", 0, 4), ("srcLocHint", 4, 8),
+                                  ("dstLocHint", 12, 8), ("flags", 20, 4)]),
 }
 # hip_runtime_api.h: hipMemAllocationProp is 32 bytes (its 4-byte allocFlags, which lacks
 # reserved[4], sits at 24 and the struct pads to 8-byte alignment); the rest as CUDA's.
@@ -110,6 +113,9 @@ def test_constants_match_headers() -> None:
     # 110 in cuda.h (112 is CU_DEVICE_ATTRIBUTE_SPARSE_CUDA_ARRAY_SUPPORTED)
     assert api.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED == 110
     assert api.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED == 128
+    # batch copies (cuda.h of CUDA 13.0; hipMemcpySrcAccessOrderStream, hipMemLocationTypeInvalid)
+    assert api.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM == 1
+    assert api.CU_MEM_LOCATION_TYPE_INVALID == 0
     assert (api.CUDA_ERROR_OUT_OF_MEMORY, api.CUDA_ERROR_NOT_PERMITTED,
             api.CUDA_ERROR_NOT_SUPPORTED, api.CUDA_ERROR_NO_DEVICE) == (2, 800, 801, 100)
     # hipDeviceAttribute_t, counted from hipDeviceAttributeCudaCompatibleBegin = 0
@@ -124,8 +130,8 @@ def test_constants_match_headers() -> None:
 # ---------------------------------------------------------------------------------------------
 # Symbol table: names, twins, arities (prototypes in cuda.h / hip_runtime_api.h)
 # ---------------------------------------------------------------------------------------------
-#: CUDA symbol -> (HIP twin per HIPIFY / hip_runtime_api.h, parameter count in cuda.h)
-EXPECTED_TWINS: dict[str, tuple[str, int]] = {
+#: CUDA symbol -> (HIP twin per HIPIFY / hip_runtime_api.h or None, parameter count in cuda.h)
+EXPECTED_TWINS: dict[str, tuple[str | None, int]] = {
     "cuInit": ("hipInit", 1),
     "cuGetErrorName": ("hipGetErrorName", 2),
     "cuGetErrorString": ("hipGetErrorString", 2),
@@ -155,6 +161,11 @@ EXPECTED_TWINS: dict[str, tuple[str, int]] = {
     "cuMemGetAllocationPropertiesFromHandle": ("hipMemGetAllocationPropertiesFromHandle", 2),
     "cuMemExportToShareableHandle": ("hipMemExportToShareableHandle", 4),
     "cuMemImportFromShareableHandle": ("hipMemImportFromShareableHandle", 3),
+    # the block-copy engine's stream work (cuda.h of CUDA 13.0)
+    "cuMemcpyHtoDAsync_v2": ("hipMemcpyHtoDAsync", 4),
+    "cuGraphLaunch": ("hipGraphLaunch", 2),
+    "cuMemcpyBatchAsync": ("hipMemcpyBatchAsync", 9),  # CUDA 12.8 ABI: with failIdx
+    "cuMemcpyBatchAsync_v2": (None, 8),  # CUDA 13 ABI: without; HIP has no twin
 }
 #: HIP-only entries (implicit context) and HIP signatures that differ from CUDA's
 HIP_ONLY = {"hipSetDevice": 1, "hipDeviceSynchronize": 0}
@@ -204,6 +215,10 @@ def test_versioned_symbols_only_where_the_abi_matches() -> None:
     assert names["ctx_push_current"] == "cuCtxPushCurrent_v2"
     # CUDA 13's cuCtxSynchronize_v2 takes a CUcontext: the plain symbol is the right one
     assert names["ctx_synchronize"] == "cuCtxSynchronize"
+    assert names["memcpy_htod_async"] == "cuMemcpyHtoDAsync_v2"
+    # cuMemcpyBatchAsync: one entry per ABI (12.8 with failIdx, 13.0's _v2 without)
+    assert (names["memcpy_batch_async"], names["memcpy_batch_async_v2"]) == \
+        ("cuMemcpyBatchAsync", "cuMemcpyBatchAsync_v2")
 
 
 def test_pointer_sized_types() -> None:
@@ -719,3 +734,83 @@ def test_one_driver_per_device_and_one_fallback_warning(monkeypatch: pytest.Monk
     finally:
         for t in tensors:
             t.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The one binding: the copy engine, the kit and the harness call the driver through the table
+# (a simulated library stands in for libcuda; no GPU here)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def simulated_libcuda(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Install a simulated CUDA library as the process's loaded libcuda; returns a setter
+    ``install(**kw) -> library``."""
+    import contextlib
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+
+    def install(**kw: Any) -> SimulatedDriverLibraryNoGpu:
+        lib = SimulatedDriverLibraryNoGpu(api.CUDA, **kw)
+        monkeypatch.setitem(api._LOADED, ("cuda", None), lib)
+        return lib
+    return install
+
+
+def _batch(n: int = 3) -> tuple[Any, Any, Any]:
+    import numpy as np
+
+    return (np.arange(n, dtype=np.uint64) + 0x1000, np.arange(n, dtype=np.uint64) + 0x2000,
+            np.full(n, 64, dtype=np.uint64))
+
+
+def test_memcpy_batch_calls_the_tables_cuda13_entry(simulated_libcuda: Any) -> None:
+    from kvconnect.connectors.copy._cuda_memcpy_batch import memcpy_batch
+
+    lib = simulated_libcuda()
+    memcpy_batch(*_batch(), stream=0x5, device_index=0)
+    [(name, args)] = [c for c in lib.calls if c[0].startswith("memcpy_batch")]
+    assert name == "memcpy_batch_async_v2" and len(args) == 8  # CUDA 13 ABI: no failIdx
+    assert args[3] == 3 and args[-1] == 0x5
+    attrs = deref(args[4])
+    assert attrs.srcAccessOrder == api.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    assert attrs.srcLocHint.type == api.CU_MEM_LOCATION_TYPE_INVALID
+
+
+def test_memcpy_batch_falls_back_to_the_cuda12_abi_and_names_the_failing_copy(
+        simulated_libcuda: Any) -> None:
+    from kvconnect.connectors.copy._cuda_memcpy_batch import memcpy_batch
+
+    lib = simulated_libcuda(missing=frozenset({"memcpy_batch_async_v2"}), stream_rc=1)
+    with pytest.raises(VmmError, match=r"cuMemcpyBatchAsync failed: CUDA_ERROR_INVALID_VALUE "
+                                       r"\(3 copies, at copy 1\)"):
+        memcpy_batch(*_batch(), stream=0x5, device_index=0)
+    assert [len(a) for n, a in lib.calls if n == "memcpy_batch_async"] == [9]
+
+
+def test_memcpy_batch_unavailable_without_either_entry(simulated_libcuda: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from kvconnect.connectors.copy import _cuda_memcpy_batch as batch
+
+    simulated_libcuda(missing=frozenset({"memcpy_batch_async", "memcpy_batch_async_v2"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "no batch memcpy (a CUDA 12.8 or newer driver has)" in \
+        str(batch.memcpy_batch_available())
+    with pytest.raises(VmmError, match="cuMemcpyBatchAsync failed: symbol not exported"):
+        batch.memcpy_batch(*_batch(), stream=0x5, device_index=0)
+
+
+def test_kit_and_harness_probe_the_driver_through_the_table(
+        simulated_libcuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from kvconnect.harness.environment import cuda_driver_present, cuda_driver_version
+    from kvconnect.vllm.conformance.options import gpu_absent_reason
+
+    simulated_libcuda(driver_version=12080)
+    assert cuda_driver_present() and cuda_driver_version() == "12.8"
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert "torch" in str(gpu_absent_reason("cuda:0"))  # past the driver check

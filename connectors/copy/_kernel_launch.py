@@ -23,7 +23,8 @@ with small kernels of its own, which these graphs never use.
 Modes (:data:`LAUNCH_MODES`): ``graph`` (default) as above; ``eager``: the same upload and
 kernel issued one by one (a driver memcpy, then Triton's launcher, tens of microseconds of
 Python); kept for measurements and used when graph capture fails (logged once). Where the
-CUDA driver library cannot be called through ctypes (not CUDA), uploads use torch.
+CUDA driver library cannot be loaded (not CUDA), uploads use torch. Driver calls go through
+the package's one binding of the driver (:mod:`kvconnect.vmm._driver_api`).
 
 Units: bytes for sizes, logical blocks for ids and buckets, seconds for deadlines.
 """
@@ -43,6 +44,7 @@ import torch
 
 from kvconnect.bounded_json import JSONObject
 from kvconnect.polling import poll_until
+from kvconnect.vmm import _driver_api as api
 
 from ._cuda_streams import current_device, current_stream, raw_stream
 
@@ -106,17 +108,6 @@ def wait_events(events: Sequence[torch.cuda.Event], timeout: float, what: str = 
             return
 
 
-def _driver_call(name: str) -> Callable[..., int] | None:
-    """A ctypes driver entry of :mod:`._cuda_memcpy_batch` by function name, or None where
-    libcuda cannot be loaded."""
-    from . import _cuda_memcpy_batch as drv
-
-    try:
-        return getattr(drv, name)()
-    except drv.MemcpyBatchUnavailable:
-        return None
-
-
 @dataclass
 class _Slot:
     """One staging slot: pinned and device ids buffers of one bucket, and its graph."""
@@ -170,8 +161,10 @@ class KernelLauncher:
             if np.any(rel % word):  # word_size() chose a word dividing every value
                 raise AssertionError("descriptor table is not word-aligned")
             self.table = torch.from_numpy(rel // word).to(device)
-        self._upload = _driver_call("memcpy_htod_async_entry")
-        self._graph_launch = _driver_call("graph_launch_entry")
+        #: the CUDA driver's table (None without libcuda: torch uploads, replay() replays)
+        self._driver = api.optional_library(api.CUDA)
+        self._upload = self._driver.raw("memcpy_htod_async") if self._driver else None
+        self._graph_launch = self._driver.raw("graph_launch") if self._driver else None
         self._pool: Any = None
         self._capture_stream: Any = None
         self._warned = False
@@ -221,8 +214,9 @@ class KernelLauncher:
                 self._capture(slot, b)  # first use of this slot (the kernel is loaded)
             if self.mode == "graph" and slot.graph_exec and self._graph_launch is not None:
                 rc = self._graph_launch(slot.graph_exec, self._stream_handle())
-                if rc != 0:
-                    raise RuntimeError(f"cuGraphLaunch of a block copy failed with CUresult {rc}")
+                if rc != 0:  # a VmmError (a RuntimeError) named by the driver's error
+                    assert self._driver is not None
+                    raise self._driver.error("graph_launch", rc, "a block copy's graph")
             elif self.mode == "graph" and slot.graph is not None:
                 slot.graph.replay()
             else:  # eager mode, or a bucket's first copy: compile and load it uncaptured
@@ -278,7 +272,8 @@ class KernelLauncher:
             rc = self._upload(slot.device.data_ptr(), slot.host.data_ptr(),
                               slot.host.numel() * 8, self._stream_handle())
             if rc != 0:
-                raise RuntimeError(f"cuMemcpyHtoDAsync of block ids failed with CUresult {rc}")
+                assert self._driver is not None
+                raise self._driver.error("memcpy_htod_async", rc, "the block ids upload")
         else:
             slot.device.copy_(slot.host, non_blocking=True)
         launch(self.anchor, self.table, slot.device, **self.options, num_blocks=blocks)

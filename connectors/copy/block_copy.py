@@ -36,15 +36,14 @@ Units: bytes for lengths, offsets, strides and addresses; logical blocks for ids
 from __future__ import annotations
 
 import logging
-import operator
-import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvconnect.block_ids import BlockIds, as_block_ids, merged_block_ids
 from kvconnect.bounded_json import JSONObject
 from kvconnect.peer_layout import LayoutRegion
 from kvconnect.views import block_span
@@ -61,7 +60,6 @@ __all__ = [
     "LAUNCH_MODES",
     "BlockCopyPlan",
     "BlockRegion",
-    "as_block_ids",
     "block_runs",
     "kernel_available",
     "layout_block_region",
@@ -178,61 +176,6 @@ def kernel_available(device: torch.device | str | None = None) -> str | None:
     except ImportError as exc:
         return f"Triton is not installed ({exc})"
     return None
-
-
-#: id lists up to this long are checked for bools in Python (numpy's per-call cost is more)
-_SMALL_ID_LIST = 32
-
-
-def _refuse_bools(values: list[int] | tuple[int, ...], packed: np.ndarray, what: str) -> None:
-    """``TypeError`` if ``values`` (just packed into ``packed``) holds a bool: struct takes
-    True as 1, so only the 0s and 1s can be bools; look at those alone."""
-    if len(values) <= _SMALL_ID_LIST:  # a decode fetch: a C-level scan, no numpy call
-        if 0 not in values and 1 not in values:
-            return
-        suspects = range(len(values))
-    else:
-        suspects = np.flatnonzero(packed <= 1).tolist()
-    for i in suspects:
-        if isinstance(values[i], bool):
-            raise TypeError(f"{what} must hold ints, got a bool ({values[i]})")
-
-
-def as_block_ids(values: Iterable[int] | torch.Tensor | np.ndarray, what: str) -> np.ndarray:
-    """Block ids as a 1-D int64 array: the one check every transfer's ids pass (copy plans,
-    NIXL descriptors, the ipc and offload connectors). ``TypeError`` naming ``what`` for
-    bools, floats, non-integers or a tensor / array that is not 1-D integer. Ranges are the
-    caller's to check (they depend on the region)."""
-    if isinstance(values, torch.Tensor):
-        if (values.dim() != 1 or values.is_floating_point() or values.is_complex()
-                or values.dtype == torch.bool):
-            raise TypeError(f"{what} must be a 1-D integer tensor, got {values.dtype} of shape "
-                            f"{tuple(values.shape)}")
-        return values.detach().cpu().numpy().astype(np.int64, copy=False)
-    if isinstance(values, (list, tuple)):
-        if not values:
-            return np.zeros(0, dtype=np.int64)
-        try:  # ints: the fastest conversion (no per-element Python code; ~2x array.array)
-            fast = np.empty(len(values), dtype=np.int64)  # writable (torch.from_numpy)
-            struct.pack_into(f"{len(values)}q", fast.data, 0, *values)
-        except (struct.error, TypeError, OverflowError):
-            pass  # a float, a huge value, ...: the checks below name it
-        else:
-            _refuse_bools(values, fast, what)
-            return fast
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1 or values.dtype.kind not in "iu":
-            raise TypeError(f"{what} must be a 1-D integer array, got {values.dtype}")
-        return values.astype(np.int64, copy=False)
-    out = []
-    for v in values:
-        if isinstance(v, bool):
-            raise TypeError(f"{what} must hold ints, got a bool ({v})")
-        try:
-            out.append(operator.index(v))
-        except TypeError:
-            raise TypeError(f"{what} must hold ints, got {type(v).__name__} {v!r}") from None
-    return np.asarray(out, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -381,19 +324,20 @@ class BlockCopyPlan:
         return method
 
     # -- copies ----------------------------------------------------------------------------
-    def copy(self, src_ids: Iterable[int] | torch.Tensor | np.ndarray,
-             dst_ids: Iterable[int] | torch.Tensor | np.ndarray, *,
-             method: str | None = None, validate: bool = True) -> int:
+    def copy(self, src_ids: BlockIds, dst_ids: BlockIds, *, method: str | None = None,
+             validate: bool = True) -> int:
         """Copy logical blocks ``src_ids[i]`` to ``dst_ids[i]`` in every region pair.
 
         Asynchronous on CUDA (ordered on the launch device's current stream; the
         ``memcpy_batch`` method on a side stream joined back to it); synchronous on the host.
-        Raises ``ValueError`` for mismatched lengths, ids out of range or destination ids
-        repeated (``validate=False`` skips these checks for callers that made them already).
-        Returns the bytes moved (``len(ids) * bytes_per_block``).
+        Raises ``BlockIdsError`` for ids that are not ints (an int64 array passes unchanged),
+        ``ValueError`` for mismatched lengths, ids out of range or destination ids repeated
+        (``validate=False`` skips these checks for callers that made them already). Returns
+        the bytes moved (``len(ids) * bytes_per_block``).
         """
-        src = as_block_ids(src_ids, "src_ids")
-        dst = as_block_ids(dst_ids, "dst_ids")
+        # negative ids: check_ids reports them with the valid range (or the caller did)
+        src = as_block_ids(src_ids, "src_ids", allow_negative=True)
+        dst = as_block_ids(dst_ids, "dst_ids", allow_negative=True)
         if src.size != dst.size:
             raise ValueError(f"{src.size} source ids but {dst.size} destination ids")
         if src.size == 0:
@@ -413,19 +357,13 @@ class BlockCopyPlan:
             self._copy_torch(src, dst)
         return int(src.size) * self.bytes_per_block
 
-    def copy_many(self, requests: Sequence[tuple[Any, Any]], *, method: str | None = None
-                  ) -> int:
+    def copy_many(self, requests: Sequence[tuple[BlockIds, BlockIds]], *,
+                  method: str | None = None) -> int:
         """Several ``(src_ids, dst_ids)`` requests merged into **one** copy (one launch):
         destination ids must be distinct across all of them. Returns the bytes moved."""
         if not requests:
             return 0
-        pairs = [(as_block_ids(s, "src_ids"), as_block_ids(d, "dst_ids")) for s, d in requests]
-        for i, (s, d) in enumerate(pairs):
-            if s.size != d.size:
-                raise ValueError(f"request {i}: {s.size} source ids but {d.size} destination "
-                                 "ids")
-        return self.copy(np.concatenate([s for s, _ in pairs]),
-                         np.concatenate([d for _, d in pairs]), method=method)
+        return self.copy(*merged_block_ids(requests, allow_negative=True), method=method)
 
     def check_ids(self, src: np.ndarray, dst: np.ndarray) -> None:
         """``ValueError`` unless every id is in range and no destination id repeats."""
@@ -536,7 +474,7 @@ class BlockCopyPlan:
         memcpy_batch(dsts, srcs, sizes, self._stream.cuda_stream, self.device.index or 0)
         current.wait_stream(self._stream)
 
-    def read_blocks(self, side: str, ids: Iterable[int] | torch.Tensor | np.ndarray,
+    def read_blocks(self, side: str, ids: BlockIds,
                     device: torch.device | str | None = None) -> torch.Tensor:
         """A copy of logical blocks ``ids`` of the ``"src"`` or ``"dst"`` side as one
         ``(len(ids), bytes_per_block)`` uint8 tensor on ``device`` (default: the first

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvconnect.block_ids import BlockIds, merged_block_ids
 from kvconnect.bounded_json import JSON, Doc, JSONObject
 from kvconnect.cache_source import KVCacheSource
 from kvconnect.framing import (
@@ -64,7 +65,7 @@ from kvconnect.unix_server import UnixServer
 
 from ..copy._cuda_streams import current_stream, synchronize
 from ..copy._kernel_launch import wait_events
-from ..copy.block_copy import LAUNCH_MODES, BlockCopyPlan, as_block_ids, layout_block_region
+from ..copy.block_copy import LAUNCH_MODES, BlockCopyPlan, layout_block_region
 from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from ..transport import FetchResult, TransportContext, TransportSpec
 from ._cache_state import CacheState
@@ -432,16 +433,16 @@ class IpcTransport:
         return BlockCopyPlan(src, dst, device=launch, method=self.method, launch=self.launch)
 
     # -- transfers -----------------------------------------------------------------------
-    def fetch(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int], *,
+    def fetch(self, peer: str, remote_ids: BlockIds, local_ids: BlockIds, *,
               timeout: float | None = None) -> FetchResult:
         """Copy ``peer``'s logical blocks ``remote_ids[i]`` into our ``local_ids[i]`` with one
         launch and wait (at most ``timeout`` seconds) until they are in place. Raises
-        ``ValueError`` / ``TypeError`` for bad ids, :class:`KVConnectorError` when
+        ``BlockIdsError`` / ``ValueError`` for bad ids, :class:`KVConnectorError` when
         :meth:`open_peer` was not called (or the cache changed since),
         :class:`KVTransferError` when the copy fails or times out."""
         return self.fetch_many(peer, [(remote_ids, local_ids)], timeout=timeout)
 
-    def fetch_many(self, peer: str, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+    def fetch_many(self, peer: str, requests: Sequence[tuple[BlockIds, BlockIds]],
                    *, timeout: float | None = None) -> FetchResult:
         """Several ``(remote_ids, local_ids)`` requests to ``peer`` as **one** launch (local
         ids distinct across all of them), waited for like :meth:`fetch`. Work already queued
@@ -451,8 +452,7 @@ class IpcTransport:
             synchronize(index)
         return self._launch(peer, entry, requests).wait(timeout)
 
-    def start(self, peer: str, requests: Sequence[tuple[Sequence[int], Sequence[int]]]
-              ) -> PendingFetch:
+    def start(self, peer: str, requests: Sequence[tuple[BlockIds, BlockIds]]) -> PendingFetch:
         """Launch the copy of every ``(remote_ids, local_ids)`` request to ``peer`` as one
         launch and return at once (on CUDA; the host copies synchronously). The copy is
         ordered after work queued on this cache's current stream, and that stream's later
@@ -460,9 +460,10 @@ class IpcTransport:
         return self._launch(peer, self._entry(peer), requests)
 
     def _launch(self, peer: str, entry: _Peer,
-                requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> PendingFetch:
+                requests: Sequence[tuple[BlockIds, BlockIds]]) -> PendingFetch:
         started = time.perf_counter()
-        src, dst = _merged_ids(requests)
+        # the one conversion of a fetch's ids; check_ids reports ids out of range (negative too)
+        src, dst = merged_block_ids(requests, ("remote_ids", "local_ids"), allow_negative=True)
         if src.size:
             entry.plan.check_ids(src, dst)
         cross, local = entry.cross, entry.local_device
@@ -532,22 +533,6 @@ class IpcTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _merged_ids(requests: Sequence[tuple[Sequence[int], Sequence[int]]]
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """Every request's ids as two int64 arrays, in request order."""
-    src, dst = [], []
-    for i, (r, lo) in enumerate(requests):
-        a, b = as_block_ids(r, "remote_ids"), as_block_ids(lo, "local_ids")
-        if a.size != b.size:
-            raise ValueError(f"request {i}: {a.size} remote ids but {b.size} local ids")
-        src.append(a)
-        dst.append(b)
-    if len(src) == 1:
-        return src[0], dst[0]
-    empty = np.zeros(0, dtype=np.int64)
-    return (np.concatenate(src) if src else empty), (np.concatenate(dst) if dst else empty)
 
 
 def _receiver(ctx: TransportContext, registration: object = None) -> IpcTransport:

@@ -8,16 +8,16 @@ uncommitted memory. Units: bytes for addresses and lengths, blocks for block ids
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TypeAlias, TypeVar
 
 import numpy as np
 
+from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.tensor import Chunk
 from kvconnect.views import PagedRegion, page_holders
 from kvconnect.vmm import parse_device
 
-from ..copy.block_copy import as_block_ids
 from ..errors import KVConnectorError
 
 __all__ = [
@@ -51,7 +51,7 @@ def memory_type_for_device(device: object) -> tuple[str, int]:
     return ("DRAM", 0) if kind == "host" else ("VRAM", index)
 
 
-def region_descriptors(regions: Sequence[PagedRegion], block_ids: Iterable[int] | None = None, *,
+def region_descriptors(regions: Sequence[PagedRegion], block_ids: BlockIds | None = None, *,
                        device_id: int | None = None) -> np.ndarray:
     """Transfer descriptors for blocks of committed regions: an ``N x 3`` uint64 array of
     ``(address, length, device_id)`` rows, region-major.
@@ -63,7 +63,7 @@ def region_descriptors(regions: Sequence[PagedRegion], block_ids: Iterable[int] 
     index for CUDA). Lengths are ``block_len`` bytes; addresses advance by ``block_stride``.
     """
     parts = []
-    ids = None if block_ids is None else as_block_ids(block_ids, "block_ids")
+    ids = None if block_ids is None else as_block_ids(block_ids, "block_ids", allow_negative=True)
     for region in regions:
         nblocks = int(region.num_blocks)
         if ids is None:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvconnect.block_ids import BlockIds
 from kvconnect.bounded_json import JSON, JSONObject
 
 from ..errors import KVConnectorError
@@ -82,7 +83,7 @@ class NixlTransport:
         self._unreported_setup[peer] = setup
         return setup
 
-    def fetch(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int], *,
+    def fetch(self, peer: str, remote_ids: BlockIds, local_ids: BlockIds, *,
               timeout: float | None = None) -> FetchResult:
         """READ ``peer``'s blocks ``remote_ids`` into ``local_ids`` (raises
         :class:`~kvconnect.connectors.errors.KVTransferError` on failure or deadline)."""
@@ -90,7 +91,7 @@ class NixlTransport:
         if cached is None:
             raise KVConnectorError(f"nixl: no open peer {peer!r}; call open_peer() first")
         engine = cached[1]
-        res = self.worker.read_blocks(engine, list(remote_ids), list(local_ids),
+        res = self.worker.read_blocks(engine, remote_ids, local_ids,
                                       timeout=self.timeout if timeout is None else timeout)
         via = res.backend
         used = self.attribution(engine) if self.attribution is not None else []

@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.cache_source import KVCacheSource
 from kvconnect.peer_layout import LayoutFacts, PeerLayout, layout_facts
 from kvconnect.polling import poll_until
 from kvconnect.views import PagedRegion
 
-from ..copy.block_copy import as_block_ids
 from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
 from ..transport import FetchResult
 from .agent import (
@@ -402,8 +402,7 @@ class NixlRegionWorker:
                                               offsets, counts)
 
     # -- transfers -----------------------------------------------------------
-    def read_blocks(self, peer: str, remote_block_ids: Sequence[int] | np.ndarray,
-                    local_block_ids: Sequence[int] | np.ndarray, *,
+    def read_blocks(self, peer: str, remote_block_ids: BlockIds, local_block_ids: BlockIds, *,
                     timeout: float | None = None, notif: bytes | None = None) -> FetchResult:
         """READ blocks ``remote_block_ids`` of ``peer`` into local ``local_block_ids`` (pairwise),
         for every region; block until done or ``timeout`` seconds pass.
@@ -419,8 +418,9 @@ class NixlRegionWorker:
         transfer regions) and ``backend`` as NIXL reports it (``query_xfer_backend``).
         """
         entry, plan = self._read_target(peer)
-        remote = as_block_ids(remote_block_ids, "remote_block_ids")
-        local = as_block_ids(local_block_ids, "local_block_ids")
+        # negative ids: read_indices reports them with the valid range
+        remote = as_block_ids(remote_block_ids, "remote_block_ids", allow_negative=True)
+        local = as_block_ids(local_block_ids, "local_block_ids", allow_negative=True)
         if remote.size != local.size:
             raise ValueError(f"{remote.size} remote block ids but {local.size} local ones")
         if remote.size == 0:

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.cache_source import KVCacheSource
 from kvconnect.checks import checked_int
 from kvconnect.peer_layout import PeerLayout
@@ -62,7 +63,6 @@ from ..copy._cuda_streams import current_stream, use_stream
 from ..copy.block_copy import (
     BlockCopyPlan,
     BlockRegion,
-    as_block_ids,
     block_runs,
     layout_block_region,
 )
@@ -377,7 +377,7 @@ class CPUOffloadConnector:
             self.rebind()
 
     # -- operations ------------------------------------------------------------
-    def save(self, block_ids: Iterable[int] | torch.Tensor,
+    def save(self, block_ids: BlockIds,
              keys: Sequence[Hashable] | None = None) -> OffloadHandle:
         """Copy GPU blocks ``block_ids`` into the pool under ``keys`` (default: the ids).
 
@@ -406,7 +406,7 @@ class CPUOffloadConnector:
             logger.debug("CPU offload evicted %d keys", len(reservation.evicted))
         return handle
 
-    def load(self, block_ids: Iterable[int] | torch.Tensor,
+    def load(self, block_ids: BlockIds,
              keys: Sequence[Hashable] | None = None) -> OffloadHandle:
         """Copy the pool blocks saved under ``keys`` (default: the ids) into GPU blocks
         ``block_ids``; marks the keys most recently used.
@@ -537,8 +537,8 @@ class CPUOffloadConnector:
             st.free_event = done
 
     # -- validation ------------------------------------------------------------
-    def _validate_ids(self, block_ids: Iterable[int] | torch.Tensor, op: str) -> list[int]:
-        ids = as_block_ids(block_ids, f"{op}() block_ids").tolist()
+    def _validate_ids(self, block_ids: BlockIds, op: str) -> list[int]:
+        ids = as_block_ids(block_ids, f"{op}() block_ids", allow_negative=True).tolist()
         bad = [b for b in ids if not 0 <= b < self._num_blocks]
         if bad:
             cap = self._src.capacity_blocks

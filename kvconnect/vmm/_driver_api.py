@@ -20,7 +20,11 @@ carries its own attribute numbers.
 Where the driver exports a versioned symbol that the header maps the plain name to, the table
 names the versioned one (``cuMemsetD8_v2``, ``cuDevicePrimaryCtxRelease_v2``, ...). It never
 picks ``_v2`` blindly: CUDA 13's ``cuCtxSynchronize_v2`` takes a context argument, so the table
-binds plain ``cuCtxSynchronize``.
+binds plain ``cuCtxSynchronize``. ``cuMemcpyBatchAsync`` has an entry per ABI: CUDA 12.8's
+with ``failIdx`` (HIP's twin too) and CUDA 13's ``_v2`` without; a CUDA 13 driver has both.
+
+The table also holds the block-copy engine's stream calls: it is the package's one binding of
+the driver, loaded once per process by :func:`load_library`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ CUdeviceptr = ctypes.c_ulonglong
 CUmemGenericAllocationHandle = ctypes.c_ulonglong
 #: ``CUcontext`` / ``hipCtx_t``: opaque pointers
 CUcontext = ctypes.c_void_p
+#: ``CUstream`` / ``hipStream_t`` and ``CUgraphExec`` / ``hipGraphExec_t``: opaque pointers
+CUstream = ctypes.c_void_p
+CUgraphExec = ctypes.c_void_p
 
 # -- constants (cuda.h, CUDA 12.6.3; identical hip* values in hip_runtime_api.h) --------------
 CUDA_SUCCESS = 0
@@ -67,6 +74,9 @@ CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3  # hipMemAccessFlagsProtReadWrite
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0  # hipMemAllocationGranularityMinimum
 CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1  # hipMemAllocationGranularityRecommended
 CU_MEM_ALLOCATION_COMP_NONE = 0x0
+# batch copies (cuda.h of CUDA 12.8 and later)
+CU_MEM_LOCATION_TYPE_INVALID = 0x0  # hipMemLocationTypeInvalid
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1  # hipMemcpySrcAccessOrderStream
 
 # CUdevice_attribute (cuda.h). NB: 110, not 112 (112 is SPARSE_CUDA_ARRAY_SUPPORTED).
 CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
@@ -114,6 +124,15 @@ class CUmemAccessDesc(ctypes.Structure):
     """``CUmemAccessDesc`` (12 bytes): ``{CUmemLocation location; CUmemAccess_flags flags;}``."""
 
     _fields_ = [("location", CUmemLocation), ("flags", ctypes.c_int)]
+
+
+class CUmemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` (24 bytes; CUDA >= 12.8): ``{CUmemcpySrcAccessOrder
+    srcAccessOrder; CUmemLocation srcLocHint, dstLocHint; unsigned int flags;}``; HIP's
+    ``hipMemcpyAttributes`` has the same layout."""
+
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", CUmemLocation),
+                ("dstLocHint", CUmemLocation), ("flags", ctypes.c_uint)]
 
 
 class HipMemLocation(ctypes.Structure):
@@ -236,6 +255,16 @@ SYMBOLS: tuple[Entry, ...] = (
           "hipMemExportToShareableHandle", (_vp, CUmemGenericAllocationHandle, _int, _ull)),
     Entry("mem_import_from_shareable_handle", "cuMemImportFromShareableHandle",
           "hipMemImportFromShareableHandle", (_P(CUmemGenericAllocationHandle), _vp, _int)),
+    # stream work of the block-copy engine (optional: an old driver lacks the batch copy)
+    Entry("memcpy_htod_async", "cuMemcpyHtoDAsync_v2", "hipMemcpyHtoDAsync",
+          (CUdeviceptr, _vp, _size, CUstream)),
+    Entry("graph_launch", "cuGraphLaunch", "hipGraphLaunch", (CUgraphExec, CUstream)),
+    # (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, [failIdx,] stream): arrays of
+    # CUdeviceptr / size_t passed as pointers
+    Entry("memcpy_batch_async", "cuMemcpyBatchAsync", "hipMemcpyBatchAsync",
+          (_vp, _vp, _vp, _size, _P(CUmemcpyAttributes), _vp, _size, _P(_size), CUstream)),
+    Entry("memcpy_batch_async_v2", "cuMemcpyBatchAsync_v2", None,
+          (_vp, _vp, _vp, _size, _P(CUmemcpyAttributes), _vp, _size, CUstream)),
 )
 
 ENTRIES: dict[str, Entry] = {e.logical: e for e in SYMBOLS}
@@ -413,3 +442,12 @@ def load_library(backend: Backend, path: str | None = None) -> DriverLibrary:
             _LOADED[key] = lib
             return lib
         raise DriverLibraryError("; ".join(errors) or f"no library for {backend.name}")
+
+
+def optional_library(backend: Backend) -> DriverLibrary | None:
+    """:func:`load_library` of ``backend``'s default sonames, or None where none loads (no such
+    driver on this machine, or one lacking a required symbol)."""
+    try:
+        return load_library(backend)
+    except DriverLibraryError:
+        return None

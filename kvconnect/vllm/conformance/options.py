@@ -9,13 +9,13 @@ CUDA in a process that will fork cases.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Sequence
 
 from kvconnect.checks import check_can_create_file, checked_seconds, parse_whole_number
 from kvconnect.errors import KvconnectError
 from kvconnect.layout.formats import VLLM_LAYOUTS
+from kvconnect.vmm._driver_api import CUDA, optional_library
 
 __all__ = ["OptionError", "check_output_path", "gpu_absent_reason", "parse_caches",
            "parse_device", "parse_layouts", "parse_positive", "parse_timeout"]
@@ -103,10 +103,8 @@ def check_output_path(flag: str, path: str | None) -> None:
 
 def gpu_absent_reason(device: str) -> str | None:
     """None when ``device`` (``cuda[:N]``) names a GPU this machine has; else why not. The
-    CUDA driver is loaded, devices are counted through NVML (CUDA stays uninitialised)."""
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    CUDA driver is loaded (the package's one binding of it), devices are counted through NVML (CUDA stays uninitialised)."""
+    if optional_library(CUDA) is None:
         return f"no GPU: {device} was asked for, but no CUDA driver is installed " \
                "(libcuda.so.1 cannot be loaded)"
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
