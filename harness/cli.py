@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Sequence
 
 from kvconnect.errors import KvconnectError
+from kvconnect.interrupts import InterruptSignals
 
 from .arguments import DEFAULT_BLOCKS, build_parser, layout_names
 from .config import PREFILL, RunConfig
@@ -36,7 +37,7 @@ from .faults import (
     missing_transports,
     specs_from_config,
 )
-from .lifetime import InterruptSignals, exit_now
+from .lifetime import exit_now
 from .rendezvous import Membership, membership_from_env, parse_hostport
 from .report import EXIT_USAGE, Report
 from .report_files import ReportPathError, check_report_path, same_report_file

@@ -36,6 +36,7 @@ from typing import Any
 from kvconnect.child import exit_signal_name, exit_text, log_tail
 from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
+from kvconnect.interrupts import InterruptSignals
 from kvconnect.leftovers import become_subreaper
 
 from .cleanup import ProcessRecord, check_cleanup, take_baseline
@@ -45,7 +46,6 @@ from .display import Display
 from .faults import restarted_workers, specs_from_config
 from .faultwatch import FaultWatch
 from .launch import launch_method, preload_worker_modules, start_worker
-from .lifetime import InterruptSignals
 from .report import FAIL, PASS, SKIP, Check, Report, SweepPoint, Transfer, signal_name
 from .restarts import Restarts
 from .rundir import process_start_ticks, run_dir
@@ -81,7 +81,7 @@ def run_local(cfg: RunConfig, report: Report, display: Display,
               signals: InterruptSignals | None = None) -> None:
     """Run the whole validation with local worker processes, filling ``report``.
 
-    A SIGINT / SIGTERM raised through ``signals`` (:class:`~.lifetime.InterruptSignals`)
+    A SIGINT / SIGTERM raised through ``signals`` (:class:`kvconnect.interrupts.InterruptSignals`)
     stops the run: the workers are told to abort, then stopped and reaped, and ``report``
     records the signal and every worker's phase (:meth:`Report.interrupt`)."""
     before = take_baseline()

@@ -378,7 +378,7 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
         raise
     try:
         _work(ctl, cfg, m, report)
-    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (lifetime.InterruptSignals)
+    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (kvconnect.interrupts)
         signum = getattr(exc, "signum", signal.SIGINT)
         report.interrupt(signum, "run", {m.name: ctl.current_phase})
         ctl.finish(error=f"interrupted by {signal_name(signum)}")  # the others stop too

@@ -25,9 +25,7 @@ from kvconnect import KvconnectError
 ALLOWED = {
     # signals, not errors: KeyboardInterrupt subclasses so that they pass every
     # `except Exception` (and `except KvconnectError`) on their way to the top
-    "kvconnect.harness.lifetime.RunInterrupted":
-        "a SIGINT/SIGTERM/SIGHUP; must not be caught by except Exception",
-    "kvconnect.vllm.conformance.cli.Interrupted":
+    "kvconnect.interrupts.Interrupted":
         "a SIGINT/SIGTERM/SIGHUP; must not be caught by except Exception",
 }
 #: optional dependencies a module may import at module level (vLLM; triton for the CUDA copy

@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvconnect.interrupts import Interrupted, InterruptSignals
 from kvconnect.layout.formats import VLLM_LAYOUTS
 
 from .options import (
@@ -193,19 +193,6 @@ def _show(r: dict[str, Any], jsonl: str | None) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM / SIGHUP / SIGINT during a run: cases in flight are killed, what finished is
-    written, the exit status is 128 + the signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    raise Interrupted(signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -217,22 +204,23 @@ def main(argv: list[str] | None = None) -> int:
     connectors = list(args.connectors) + (list(STOCK_AND_PATCHED) if args.stock_and_patched
                                           else [])
     done: list[dict[str, Any]] = []
-    previous = {s: signal.signal(s, _on_signal)
-                for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    try:
-        if args.engine:
-            return _engine_main(args, argv, connectors, done)
-        return _api_main(args, argv, connectors, done)
-    except Interrupted as exc:
-        print(f"kvconnect-conformance: interrupted by {exc}; {len(done)} results kept",
-              file=sys.stderr)
-        if args.json:
-            _write(args.json, json.dumps({"meta": run_metadata(argv), "interrupted": str(exc),
-                                          "results": done}, indent=1))
-        return 128 + exc.signum
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    # a signal kills the cases in flight (their children die with the Interrupted unwinding
+    # through the runner), keeps what finished and exits 128 + the signal
+    with InterruptSignals() as signals:
+        try:
+            with signals.interruptible():
+                if args.engine:
+                    return _engine_main(args, argv, connectors, done)
+                return _api_main(args, argv, connectors, done)
+        except Interrupted as exc:
+            signals.stop_raising()
+            print(f"kvconnect-conformance: interrupted by {exc}; {len(done)} results kept",
+                  file=sys.stderr)
+            if args.json:
+                _write(args.json, json.dumps({"meta": run_metadata(argv),
+                                              "interrupted": str(exc), "results": done},
+                                             indent=1))
+            return 128 + exc.signum
 
 
 def _api_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
