@@ -91,7 +91,7 @@ def test_every_exception_is_a_kvconnect_error() -> None:
     ("kvconnect.connectors.nixl.agent.NixlUnavailableError", ImportError),
     ("kvconnect.connectors.nixl.handshake.MetadataError", ValueError),
     ("kvconnect.connectors.registry.UnknownTransportError", KeyError),
-    ("kvconnect.harness.cli.UsageError", ValueError),
+    ("kvconnect.errors.OptionError", ValueError),
 ])
 def test_standard_bases_are_kept(name: str, mixin: type) -> None:
     """``except ValueError`` (and the like) callers keep working."""
