@@ -26,10 +26,11 @@ from typing import Any
 
 from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
+from kvconnect.verdicts import FAIL, PASS, SKIP, Check
 
 from .config import RunConfig
 from .faults import FaultEffects, FaultPlan, FaultSpec, specs_from_config
-from .report import FAIL, PASS, SKIP, Check, SweepPoint, Transfer
+from .report import SweepPoint, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class SocketControl(Control):
         self._send({"op": "phase", "phase": phase})
 
     def _send_check(self, check: Check) -> None:
-        self._send({"op": "check", "check": asdict(check)})
+        self._send({"op": "check", "check": check.to_json()})
 
     def _send_transfer(self, t: Transfer) -> None:
         self._send({"op": "transfer", "transfer": asdict(t)})

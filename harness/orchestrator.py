@@ -38,6 +38,7 @@ from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
 from kvconnect.interrupts import InterruptSignals
 from kvconnect.leftovers import become_subreaper
+from kvconnect.verdicts import FAIL, PASS, SKIP, Check
 
 from .cleanup import ProcessRecord, check_cleanup, take_baseline
 from .config import DECODE, PREFILL, RunConfig, worker_name
@@ -46,7 +47,7 @@ from .display import Display
 from .faults import restarted_workers, specs_from_config
 from .faultwatch import FaultWatch
 from .launch import launch_method, preload_worker_modules, start_worker
-from .report import FAIL, PASS, SKIP, Check, Report, SweepPoint, Transfer, signal_name
+from .report import Report, SweepPoint, Transfer, signal_name
 from .restarts import Restarts
 from .rundir import process_start_ticks, run_dir
 from .watchdog import UNRESPONSIVE, Judge, StallClock

@@ -17,8 +17,8 @@ from typing import Any
 
 from kvconnect.child import exit_signal_name
 from kvconnect.framing import send_message
+from kvconnect.verdicts import PASS
 
-from .report import PASS
 from .workerset import LocalWorker
 
 log = logging.getLogger("kvconnect.harness.orchestrator")

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvconnect.interrupts import Interrupted, InterruptSignals
 from kvconnect.layout.formats import VLLM_LAYOUTS
+from kvconnect.verdicts import PASS
 
 from .options import (
     OptionError,
@@ -243,7 +244,7 @@ def _api_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
     if args.markdown:
         _write(args.markdown, render_markdown(results, title="Conformance results",
                                               preamble=f"`{meta['command']}`"))
-    return EXIT_OK if all(r["status"] == "pass" for r in results + pd) else EXIT_FAILED
+    return EXIT_OK if all(r["status"] == PASS for r in results + pd) else EXIT_FAILED
 
 
 def _show_engine(r: dict[str, Any], jsonl: str | None) -> None:
@@ -275,7 +276,7 @@ def _engine_main(args: argparse.Namespace, argv: list[str], connectors: list[str
     if args.markdown:
         _write(args.markdown, render_engine_markdown(
             out["results"], title="Engine conformance results", preamble=f"`{meta['command']}`"))
-    return EXIT_OK if all(r["status"] == "pass" for r in out["results"]) else EXIT_FAILED
+    return EXIT_OK if all(r["status"] == PASS for r in out["results"]) else EXIT_FAILED
 
 
 def _run_pd(args: argparse.Namespace, connectors: list[str]) -> list[dict[str, Any]]:
