@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
@@ -42,6 +42,48 @@ COORDINATOR_GRACE_S = 5.0
 #: :attr:`PeerFailure.data` ``cause`` of a worker that gave up on the coordinator's answer:
 #: the coordinator's failure (stopped or starved), not the worker's
 COORDINATOR_SILENT = "coordinator_silent"
+
+
+class WorkerMessage(TypedDict, total=False):
+    """What a worker sends the coordinator: ``op`` (always there) names the kind and the
+    fields it carries (``hello``: role, rank, pid, info, standby; ``phase``; ``check``;
+    ``transfer``; ``sweep``: point; ``fault``; ``set``: key, value; ``get``: id, key,
+    timeout; ``peer``: id, peer, incarnation, timeout; ``error``: phase, message, data;
+    ``progress``, ``done``, ``hb``: nothing). The coordinator dispatches on ``op``."""
+
+    op: str
+    role: str
+    rank: int
+    pid: int
+    info: dict[str, Any]
+    standby: bool
+    phase: str
+    check: dict[str, Any]
+    transfer: dict[str, Any]
+    point: dict[str, Any]
+    fault: dict[str, Any]
+    key: str
+    value: Any
+    id: int
+    timeout: float
+    peer: str
+    incarnation: int
+    message: str
+    data: dict[str, Any]
+
+
+class CoordinatorMessage(TypedDict, total=False):
+    """What the coordinator sends a worker: ``config`` (config, incarnation), ``standby``,
+    ``value`` (id, key, value) and ``fail`` (id, message) answering a request, ``abort``
+    (message)."""
+
+    op: str
+    config: dict[str, Any]
+    incarnation: int
+    id: int
+    key: str
+    value: Any
+    message: str
 
 
 class PeerFailure(KvconnectError, RuntimeError):
@@ -185,7 +227,7 @@ class SocketControl(Control):
         self._sock = sock
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._replies: dict[int, dict[str, Any]] = {}
+        self._replies: dict[int, CoordinatorMessage] = {}
         self._abort: str | None = None
         self._next_id = 0
         self._closing = False
@@ -229,7 +271,7 @@ class SocketControl(Control):
         return cls(sock, f"{role}{rank}", config, incarnation)
 
     # -- sending ---------------------------------------------------------------------------
-    def _send(self, msg: dict[str, Any]) -> None:
+    def _send(self, msg: WorkerMessage) -> None:
         with self._send_lock:
             send_message(self._sock, msg)
 
@@ -270,7 +312,7 @@ class SocketControl(Control):
         value = reply.get("value")
         return int(value) if isinstance(value, int) and value > incarnation else None
 
-    def _request(self, msg: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
+    def _request(self, msg: WorkerMessage, timeout: float, what: str) -> CoordinatorMessage:
         """Send ``msg`` with a fresh id; the coordinator's reply (``value`` or ``fail``)."""
         with self._cond:
             self._next_id += 1
@@ -291,7 +333,7 @@ class SocketControl(Control):
             return self._replies.pop(rid)
 
     def finish(self, error: str | None = None, data: dict[str, Any] | None = None) -> None:
-        msg: dict[str, Any] = {"op": "done"}
+        msg: WorkerMessage = {"op": "done"}
         if error is not None:
             msg = {"op": "error", "phase": self.current_phase, "message": error,
                    "data": dict(data or {})}
@@ -323,7 +365,7 @@ class SocketControl(Control):
             op = msg.get("op")
             with self._cond:
                 if op in ("value", "fail"):
-                    self._replies[int(msg.get("id", -1))] = msg
+                    self._replies[int(msg.get("id", -1))] = cast(CoordinatorMessage, msg)
                 elif op == "abort":
                     self._abort = str(msg.get("message", "run aborted by the coordinator"))
                 self._cond.notify_all()
