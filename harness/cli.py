@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 
 from kvconnect.errors import KvconnectError, OptionError
-from kvconnect.interrupts import InterruptSignals
+from kvconnect.interrupts import InterruptSignals, exit_now
 
 from .arguments import DEFAULT_BLOCKS, build_parser, layout_names
 from .config import PREFILL, RunConfig
@@ -37,7 +37,6 @@ from .faults import (
     missing_transports,
     specs_from_config,
 )
-from .lifetime import exit_now
 from .rendezvous import Membership, membership_from_env, parse_hostport
 from .report import EXIT_USAGE, Report
 from .report_files import ReportPathError, check_report_path, same_report_file
