@@ -45,18 +45,10 @@ COORDINATOR_SILENT = "coordinator_silent"
 
 
 class WorkerMessage(TypedDict, total=False):
-    """What a worker sends the coordinator: ``op`` (always there) names the kind and the
-    fields it carries (``hello``: role, rank, pid, info, standby; ``phase``; ``check``;
-    ``transfer``; ``sweep``: point; ``fault``; ``set``: key, value; ``get``: id, key,
-    timeout; ``peer``: id, peer, incarnation, timeout; ``error``: phase, message, data;
-    ``progress``, ``done``, ``hb``: nothing). The coordinator dispatches on ``op``."""
+    """A worker's message to the coordinator; ``op`` (always set) picks the coordinator's
+    ``_op_*`` handler, which reads the fields of its kind."""
 
     op: str
-    role: str
-    rank: int
-    pid: int
-    info: dict[str, Any]
-    standby: bool
     phase: str
     check: dict[str, Any]
     transfer: dict[str, Any]
@@ -73,9 +65,8 @@ class WorkerMessage(TypedDict, total=False):
 
 
 class CoordinatorMessage(TypedDict, total=False):
-    """What the coordinator sends a worker: ``config`` (config, incarnation), ``standby``,
-    ``value`` (id, key, value) and ``fail`` (id, message) answering a request, ``abort``
-    (message)."""
+    """The coordinator's message to a worker: ``op`` ``config``, ``standby``, ``value`` or
+    ``fail`` (answering request ``id``), ``abort``."""
 
     op: str
     config: dict[str, Any]

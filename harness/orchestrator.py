@@ -42,12 +42,7 @@ from kvconnect.verdicts import FAIL, PASS, SKIP, Check
 
 from .cleanup import ProcessRecord, check_cleanup, take_baseline
 from .config import DECODE, PREFILL, RunConfig, worker_name
-from .control import (
-    COORDINATOR_GRACE_S,
-    COORDINATOR_SILENT,
-    CoordinatorMessage,
-    WorkerMessage,
-)
+from .control import COORDINATOR_GRACE_S, COORDINATOR_SILENT, CoordinatorMessage, WorkerMessage
 from .display import Display
 from .faults import restarted_workers, specs_from_config
 from .faultwatch import FaultWatch

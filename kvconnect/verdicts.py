@@ -1,11 +1,6 @@
-"""The check vocabulary of both command lines: :data:`PASS`, :data:`FAIL`, :data:`SKIP`,
-:data:`REFUSED`, and :class:`Check`, one verdict (torch-free, imports nothing of kvconnect).
-
-``kvconnect-validate``'s report lists :class:`Check` rows (``Check.to_json``);
-``kvconnect-conformance`` keeps a case's checks as ``{name: {"status": ..., evidence...}}``
-with the same statuses (``refused``: kvconnect's bounding declined a layout before anything
-was registered, not a fault).
-"""
+"""The check vocabulary of both command lines (torch-free): :class:`Check` rows in
+``kvconnect-validate``'s report, ``{name: {"status": ..., evidence...}}`` in a conformance
+case, with the same statuses (:data:`REFUSED`: kvconnect declined a layout, not a fault)."""
 
 from __future__ import annotations
 

@@ -171,13 +171,10 @@ def _write(path: str, text: str) -> None:
         raise
 
 
-def _show(r: dict[str, Any], jsonl: str | None) -> None:
-    from .report import evidence
-
-    unchecked = r.get("unchecked") or {}
-    note = f" (not checked: {', '.join(unchecked)})" if unchecked else ""
-    print(f"{r['connector'].rsplit(':', 1)[-1]:<36} {r['layout']:<6} {r['status']:<8} "
-          f"{evidence(r)}{note}", flush=True)
+def _keep(r: dict[str, Any], line: str, done: list[dict[str, Any]], jsonl: str | None) -> None:
+    """A finished result: printed as ``line``, kept in ``done``, appended to ``--jsonl``."""
+    done.append(r)
+    print(line, flush=True)
     if jsonl:
         with open(jsonl, "a") as f:
             f.write(json.dumps(r) + "\n")
@@ -194,8 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     connectors = list(args.connectors) + (list(STOCK_AND_PATCHED) if args.stock_and_patched
                                           else [])
     done: list[dict[str, Any]] = []
-    # a signal kills the cases in flight (their children die with the Interrupted unwinding
-    # through the runner), keeps what finished and exits 128 + the signal
     with InterruptSignals() as signals:
         try:
             with signals.interruptible():
@@ -216,11 +211,13 @@ def main(argv: list[str] | None = None) -> int:
 def _api_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
               done: list[dict[str, Any]]) -> int:
     from . import run_conformance
-    from .report import render_markdown
+    from .report import evidence, render_markdown
 
     def shown(r: dict[str, Any]) -> None:
-        done.append(r)
-        _show(r, args.jsonl)
+        unchecked = r.get("unchecked") or {}
+        note = f" (not checked: {', '.join(unchecked)})" if unchecked else ""
+        _keep(r, f"{r['connector'].rsplit(':', 1)[-1]:<36} {r['layout']:<6} {r['status']:<8} "
+                 f"{evidence(r)}{note}", done, args.jsonl)
 
     results = run_conformance(connectors, args.layouts, timeout=args.timeout or 180.0,
                               on_result=shown, num_blocks=args.num_blocks,
@@ -236,24 +233,14 @@ def _api_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
     return EXIT_OK if all(r["status"] == PASS for r in results + pd) else EXIT_FAILED
 
 
-def _show_engine(r: dict[str, Any], jsonl: str | None) -> None:
-    from .report import engine_evidence
-
-    print(f"engine {r['connector'].rsplit(':', 1)[-1]:<34} {r['cache']:<10} {r['mode']:<6} "
-          f"{r['status']:<11} {engine_evidence(r)}", flush=True)
-    if jsonl:
-        with open(jsonl, "a") as f:
-            f.write(json.dumps(r) + "\n")
-
-
 def _engine_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
                  done: list[dict[str, Any]]) -> int:
     from .engine import run_engine_conformance
-    from .report import render_engine_markdown
+    from .report import engine_evidence, render_engine_markdown
 
     def shown(r: dict[str, Any]) -> None:
-        done.append(r)
-        _show_engine(r, args.jsonl)
+        _keep(r, f"engine {r['connector'].rsplit(':', 1)[-1]:<34} {r['cache']:<10} "
+                 f"{r['mode']:<6} {r['status']:<11} {engine_evidence(r)}", done, args.jsonl)
 
     out = run_engine_conformance(connectors, caches=args.caches,
                                  modes=dict.fromkeys(connectors, args.engine_mode),
