@@ -76,8 +76,8 @@ def _coordinator_run(shape: tuple[int, int], rounds: int, value: str, out_dir: s
     from kvconnect.harness.config import RunConfig
     from kvconnect.harness.control import SocketControl
     from kvconnect.harness.display import Display
-    from kvconnect.harness.lifetime import InterruptSignals
     from kvconnect.harness.report import Report
+    from kvconnect.interrupts import InterruptSignals
 
     def start(method: str, args: list[str], log_path: str, listener: Any) -> Child:
         path, role, rank = args[1], args[3], int(args[5])

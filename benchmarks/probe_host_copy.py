@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from kvconnect.connectors.copy._host_block_copy import HostRowCopier, host_row_copier
+from kvconnect.units import gbps
 
 #: most iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
 IOV_MAX = 1024
@@ -247,19 +248,19 @@ def probe(mib: int, run_kib: int, reps: int, threads: list[int], only: list[str]
                  for s, d in zip(s_idx[:64].tolist(), d_idx[:64].tolist(), strict=True))
         rows[name] = times if ok else "wrong bytes"
     out = {"mib": mib, "run_kib": run_kib, "blocks": blocks, "engines": {}}
-    best_ref = nbytes / min(min(ref), min(tref_t)) / 1e9
+    best_ref = gbps(nbytes, min(min(ref), min(tref_t)))
     for name, times in rows.items():
         if isinstance(times, str):
             out["engines"][name] = {"error": times}
             continue
-        gbps = nbytes / min(times) / 1e9
-        out["engines"][name] = {"best_gbps": round(gbps, 2),
-                                "median_gbps": round(nbytes / statistics.median(times) / 1e9, 2),
-                                "ratio_to_best_reference": round(gbps / best_ref, 3)}
+        best = gbps(nbytes, min(times))
+        out["engines"][name] = {"best_gbps": round(best, 2),
+                                "median_gbps": round(gbps(nbytes, statistics.median(times)), 2),
+                                "ratio_to_best_reference": round(best / best_ref, 3)}
         if name in library:
             out["engines"][name]["engine"] = library[name][1].last_engine
-        print(f"{mib:5d} MiB {run_kib:4d} KiB runs  {name:24s} {gbps:8.2f} GB/s  "
-              f"ratio {gbps / best_ref:5.2f}", flush=True)
+        print(f"{mib:5d} MiB {run_kib:4d} KiB runs  {name:24s} {best:8.2f} GB/s  "
+              f"ratio {best / best_ref:5.2f}", flush=True)
     return out  # the mappings close when their last view is collected
 
 

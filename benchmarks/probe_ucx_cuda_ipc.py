@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from kvconnect.units import gbps
+
 MIB = 1024 * 1024
 TAG = "KVC-PROBE "
 #: how many bytes of each process log the JSON keeps (the rest stays in --logs)
@@ -179,7 +181,7 @@ def initiator(args: argparse.Namespace) -> int:
     timed = sorted(times[1:]) or times
     sec = timed[len(timed) // 2]
     _say({"seconds": sec, "first_seconds": times[0], "total_seconds": total,
-          "iters": len(times) - 1, "gbps": nbytes / sec / 1e9, "reference_gbps": ref,
+          "iters": len(times) - 1, "gbps": gbps(nbytes, sec), "reference_gbps": ref,
           "verified": verified, "bytes": nbytes})
     agent.release_xfer_handle(handle)
     agent.remove_remote_agent(remote)
@@ -203,7 +205,7 @@ def _reference(view: torch.Tensor) -> float:
         if i:
             times.append(time.perf_counter() - t0)
     times.sort()
-    return view.numel() / times[len(times) // 2] / 1e9
+    return gbps(view.numel(), times[len(times) // 2])
 
 
 # -- the orchestrator --------------------------------------------------------------------------

@@ -8,7 +8,13 @@ import argparse
 import re
 from collections.abc import Callable
 
-from kvconnect.checks import MAX_BYTES, checked_positive, checked_seconds, parse_whole_number
+from kvconnect.checks import (
+    MAX_BYTES,
+    checked_positive,
+    checked_seconds,
+    option_type,
+    parse_whole_number,
+)
 
 from .config import ROLES
 from .faults import PHASES, FaultSpec, FaultSpecError, fault_names, parse_fault
@@ -27,14 +33,8 @@ MAX_GBPS = 1e6
 def _int_at_least(minimum: int, maximum: int = MAX_COUNT) -> Callable[[str], int]:
     """An argparse type: a whole number in ``[minimum, maximum]`` typed in ASCII digits
     (:func:`kvconnect.checks.parse_whole_number`)."""
-
-    def parse(text: str) -> int:
-        try:
-            return parse_whole_number("the value", text, minimum=minimum, maximum=maximum)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse
+    return option_type(lambda text: parse_whole_number("the value", text, minimum=minimum,
+                                                       maximum=maximum))
 
 
 _positive_int = _int_at_least(1)
@@ -42,21 +42,12 @@ _non_negative_int = _int_at_least(0)
 _seed = _int_at_least(0, MAX_BYTES)
 
 
-def _positive_float(text: str) -> float:
-    """``--min-gbps``: a number above 0, at most :data:`MAX_GBPS`, in ASCII digits."""
-    try:
-        return checked_positive("the value", text, maximum=MAX_GBPS, unit="GB/s: ")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _seconds(text: str) -> float:
-    """``--timeout``: seconds above 0 and at most a day (:data:`kvconnect.checks.MAX_SECONDS`:
-    every deadline of the run is derived from it), in ASCII digits."""
-    try:
-        return checked_seconds("the value", text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+#: ``--min-gbps``: a number above 0, at most :data:`MAX_GBPS`, in ASCII digits
+_positive_float = option_type(lambda text: checked_positive("the value", text, maximum=MAX_GBPS,
+                                                            unit="GB/s: "))
+#: ``--timeout``: seconds above 0 and at most a day (:data:`kvconnect.checks.MAX_SECONDS`:
+#: every deadline of the run is derived from it), in ASCII digits
+_seconds = option_type(lambda text: checked_seconds("the value", text))
 
 
 def _transports(text: str) -> list[str]:

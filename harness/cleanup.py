@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from kvconnect.leftovers import children
+from kvconnect.verdicts import FAIL, PASS, Check
 
 from .footprint import Footprint
 from .launch import fd_target, open_fds
-from .report import FAIL, PASS, Check, Report
+from .report import Report
 from .rundir import Owner, process_start_ticks, run_dir_base
 
 #: prefixes of what the toolkit creates in the temporary directory

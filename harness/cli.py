@@ -18,7 +18,8 @@ import time
 import traceback
 from collections.abc import Sequence
 
-from kvconnect.errors import KvconnectError
+from kvconnect.errors import KvconnectError, OptionError
+from kvconnect.interrupts import InterruptSignals, exit_now
 
 from .arguments import DEFAULT_BLOCKS, build_parser, layout_names
 from .config import PREFILL, RunConfig
@@ -36,7 +37,6 @@ from .faults import (
     missing_transports,
     specs_from_config,
 )
-from .lifetime import InterruptSignals, exit_now
 from .rendezvous import Membership, membership_from_env, parse_hostport
 from .report import EXIT_USAGE, Report
 from .report_files import ReportPathError, check_report_path, same_report_file
@@ -49,10 +49,6 @@ MAX_WORKERS_PER_ROLE = 64
 MAX_BLOCKS = 1_000_000
 
 
-class UsageError(KvconnectError, ValueError):
-    """Bad arguments or configuration (exit code 2)."""
-
-
 def _resolve_transports(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """``(transports, modules)``: load each ``--transport-module`` (they register their
     transports), then check ``--transports`` against the registry; without ``--transports``
@@ -63,20 +59,20 @@ def _resolve_transports(args: argparse.Namespace) -> tuple[list[str], list[str]]
     try:
         load_transport_modules(modules)
     except KvconnectError as exc:
-        raise UsageError(f"--transport-module: {exc}") from None
+        raise OptionError(f"--transport-module: {exc}") from None
     known = transport_names()
     if args.transports is None:
         return list(known), modules
     chosen = [_registered_name(t, known) for t in args.transports]
     bad = [t for t, name in zip(args.transports, chosen, strict=True) if name is None]
     if bad:
-        raise UsageError(f"--transports: unknown transport(s) {', '.join(bad)}; choose from "
+        raise OptionError(f"--transports: unknown transport(s) {', '.join(bad)}; choose from "
                          f"{', '.join(known)} (a transport of another package needs "
                          "--transport-module MODULE)")
     names = [n for n in chosen if n is not None]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise UsageError(f"--transports: {', '.join(twice)} listed twice (names match "
+        raise OptionError(f"--transports: {', '.join(twice)} listed twice (names match "
                          "regardless of case)")
     return names, modules
 
@@ -99,17 +95,17 @@ def _check_output_path(flag: str, path: str | None) -> None:
     try:
         check_report_path(flag, path)
     except ReportPathError as exc:
-        raise UsageError(str(exc)) from None
+        raise OptionError(str(exc)) from None
 
 
 def _check_layout(cfg: RunConfig, explicit_blocks: bool = False) -> None:
     """Reject unknown presets (listing the known ones) and configs the preset cannot build;
-    with ``--sizes``, grow ``num_blocks`` to hold the largest size (UsageError when
+    with ``--sizes``, grow ``num_blocks`` to hold the largest size (OptionError when
     ``--num-blocks`` was given and is too small)."""
     from kvconnect import layout
 
     if cfg.layout not in layout.PRESETS:
-        raise UsageError(f"--layout {cfg.layout!r} is not a known preset; choose from "
+        raise OptionError(f"--layout {cfg.layout!r} is not a known preset; choose from "
                          + ", ".join(layout_names()))
     try:
         config = layout.preset(cfg.layout, num_blocks=cfg.num_blocks, num_layers=cfg.num_layers)
@@ -117,55 +113,55 @@ def _check_layout(cfg: RunConfig, explicit_blocks: bool = False) -> None:
             per_block = layout.plan_layout(config).bytes_per_block
             need = -(-max(cfg.sweep_sizes) // per_block)
             if explicit_blocks and cfg.num_blocks < need:
-                raise UsageError(f"--sizes up to {max(cfg.sweep_sizes)} bytes needs --num-blocks "
+                raise OptionError(f"--sizes up to {max(cfg.sweep_sizes)} bytes needs --num-blocks "
                                  f"of at least {need} ({per_block} bytes per block of "
                                  f"{cfg.layout} with {cfg.num_layers} layers); got "
                                  f"{cfg.num_blocks}")
             if need > MAX_BLOCKS:
-                raise UsageError(f"--sizes up to {max(cfg.sweep_sizes)} bytes needs {need} "
+                raise OptionError(f"--sizes up to {max(cfg.sweep_sizes)} bytes needs {need} "
                                  f"blocks, more than {MAX_BLOCKS}")
             if need > cfg.num_blocks:
                 cfg.num_blocks = need
                 layout.preset(cfg.layout, num_blocks=need, num_layers=cfg.num_layers)
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"--layout {cfg.layout} with --num-layers {cfg.num_layers} and "
+        raise OptionError(f"--layout {cfg.layout} with --num-layers {cfg.num_layers} and "
                          f"--num-blocks {cfg.num_blocks}: {exc}") from None
 
 
 def build_config(args: argparse.Namespace) -> tuple[RunConfig, Membership | None]:
-    """Turn parsed arguments into a RunConfig (+ multi-host membership). UsageError if bad."""
+    """Turn parsed arguments into a RunConfig (+ multi-host membership). OptionError if bad."""
     if args.prefill > MAX_WORKERS_PER_ROLE or args.decode > MAX_WORKERS_PER_ROLE:
-        raise UsageError(f"--prefill and --decode are limited to {MAX_WORKERS_PER_ROLE} each")
+        raise OptionError(f"--prefill and --decode are limited to {MAX_WORKERS_PER_ROLE} each")
     num_blocks = DEFAULT_BLOCKS if args.num_blocks is None else args.num_blocks
     if num_blocks < 4:
-        raise UsageError(f"--num-blocks must be at least 4 (a non-contiguous block set needs "
+        raise OptionError(f"--num-blocks must be at least 4 (a non-contiguous block set needs "
                          f"room), got {num_blocks}")
     if num_blocks > MAX_BLOCKS:
-        raise UsageError(f"--num-blocks {num_blocks} is unreasonably large (max {MAX_BLOCKS})")
+        raise OptionError(f"--num-blocks {num_blocks} is unreasonably large (max {MAX_BLOCKS})")
     transfer = args.transfer_blocks
     if transfer is None:
         transfer = min(24, num_blocks // 2)
     if not 2 <= transfer <= num_blocks - 1:
-        raise UsageError(f"--transfer-blocks must be between 2 and --num-blocks - 1 = "
+        raise OptionError(f"--transfer-blocks must be between 2 and --num-blocks - 1 = "
                          f"{num_blocks - 1} (so the set can be non-contiguous), "
                          f"got {transfer}")
     if args.sizes is None and (args.warmup != 5 or args.iters != 20):
-        raise UsageError("--warmup and --iters shape the --sizes sweep: give --sizes too")
+        raise OptionError("--warmup and --iters shape the --sizes sweep: give --sizes too")
     _check_output_path("--json", args.json)
     _check_output_path("--junit", args.junit)
     if args.json and args.junit and same_report_file(args.json, args.junit):
-        raise UsageError("--json and --junit name the same file")
+        raise OptionError("--json and --junit name the same file")
     membership = _membership(args)
     faults: list[FaultSpec] = list(args.inject or [])
     try:
         check_faults(faults, args.prefill, args.decode, multi_host=membership is not None)
     except FaultSpecError as exc:
-        raise UsageError(str(exc)) from None
+        raise OptionError(str(exc)) from None
     transports, modules = _resolve_transports(args)
     if args.transports is not None:
         missing = missing_transports(faults, transports)
         if missing:
-            raise UsageError("; ".join(missing))
+            raise OptionError("; ".join(missing))
     cfg = RunConfig(
         num_prefill=args.prefill, num_decode=args.decode, layout=args.layout,
         num_blocks=num_blocks, num_layers=args.num_layers, transfer_blocks=transfer,
@@ -182,13 +178,13 @@ def _membership(args: argparse.Namespace) -> Membership | None:
     m = _membership_of(args)
     if m is None:
         if args.rendezvous_token_file is not None:
-            raise UsageError("--rendezvous-token-file is for multi-host runs (--rendezvous, or "
+            raise OptionError("--rendezvous-token-file is for multi-host runs (--rendezvous, or "
                              "the variables torchrun / srun set)")
         return None
     try:
         token = load_token(args.rendezvous_token_file, os.environ, timeout=args.timeout)
     except TokenError as exc:
-        raise UsageError(str(exc)) from None
+        raise OptionError(str(exc)) from None
     return dataclasses.replace(m, token=token)
 
 
@@ -197,26 +193,26 @@ def _membership_of(args: argparse.Namespace) -> Membership | None:
                                   ("--rank", args.rank)) if v is not None]
     if given and len(given) < 3:
         missing = sorted({"--rendezvous", "--role", "--rank"} - set(given))
-        raise UsageError(f"multi-host mode needs --rendezvous, --role and --rank together; "
+        raise OptionError(f"multi-host mode needs --rendezvous, --role and --rank together; "
                          f"missing {', '.join(missing)}")
     world = args.prefill + args.decode
     if args.rendezvous:
         try:
             host, port = parse_hostport(args.rendezvous)
         except ValueError as exc:
-            raise UsageError(f"--rendezvous: {exc}") from None
+            raise OptionError(f"--rendezvous: {exc}") from None
         limit = args.prefill if args.role == PREFILL else args.decode
         if args.rank >= limit:
-            raise UsageError(f"--rank {args.rank} is out of range for --role {args.role}: "
+            raise OptionError(f"--rank {args.rank} is out of range for --role {args.role}: "
                              f"there are {limit} {args.role} workers (ranks 0..{limit - 1})")
         return Membership(host=host, port=port, role=args.role, rank=args.rank,
                           num_prefill=args.prefill, num_decode=args.decode, source="cli")
     try:
         m = membership_from_env(os.environ, args.prefill, args.decode)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise OptionError(str(exc)) from None
     if m is not None and m.world_size != world:
-        raise UsageError(f"WORLD_SIZE {m.world_size} from the launcher does not match "
+        raise OptionError(f"WORLD_SIZE {m.world_size} from the launcher does not match "
                          f"--prefill {args.prefill} + --decode {args.decode} = {world}")
     return m
 
@@ -260,7 +256,7 @@ def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg, membership = build_config(args)
-    except UsageError as exc:
+    except OptionError as exc:
         return _usage_error(parser, exc)
     started = time.monotonic()
     display = Display(live=False if (args.plain or args.quiet) else None, quiet=args.quiet,
@@ -271,7 +267,7 @@ def _run(argv: Sequence[str] | None, signals: InterruptSignals) -> int:
         with signals.interruptible():
             try:
                 _check_layout(cfg, explicit_blocks=args.num_blocks is not None)
-            except UsageError as exc:
+            except OptionError as exc:
                 return _usage_error(parser, exc)
             if _preflight(run):
                 run.stage = "run"
@@ -371,7 +367,7 @@ def _resources_suffice(cfg: RunConfig, membership: Membership | None, report: Re
     return False
 
 
-def _usage_error(parser: argparse.ArgumentParser, exc: UsageError) -> int:
+def _usage_error(parser: argparse.ArgumentParser, exc: OptionError) -> int:
     parser.print_usage(sys.stderr)
     print(f"kvconnect-validate: error: {exc}", file=sys.stderr)
     return EXIT_USAGE

@@ -22,14 +22,15 @@ import socket
 import threading
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
+from kvconnect.verdicts import FAIL, PASS, SKIP, Check
 
 from .config import RunConfig
 from .faults import FaultEffects, FaultPlan, FaultSpec, specs_from_config
-from .report import FAIL, PASS, SKIP, Check, SweepPoint, Transfer
+from .report import SweepPoint, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,39 @@ COORDINATOR_GRACE_S = 5.0
 #: :attr:`PeerFailure.data` ``cause`` of a worker that gave up on the coordinator's answer:
 #: the coordinator's failure (stopped or starved), not the worker's
 COORDINATOR_SILENT = "coordinator_silent"
+
+
+class WorkerMessage(TypedDict, total=False):
+    """A worker's message to the coordinator; ``op`` (always set) picks the coordinator's
+    ``_op_*`` handler, which reads the fields of its kind."""
+
+    op: str
+    phase: str
+    check: dict[str, Any]
+    transfer: dict[str, Any]
+    point: dict[str, Any]
+    fault: dict[str, Any]
+    key: str
+    value: Any
+    id: int
+    timeout: float
+    peer: str
+    incarnation: int
+    message: str
+    data: dict[str, Any]
+
+
+class CoordinatorMessage(TypedDict, total=False):
+    """The coordinator's message to a worker: ``op`` ``config``, ``standby``, ``value`` or
+    ``fail`` (answering request ``id``), ``abort``."""
+
+    op: str
+    config: dict[str, Any]
+    incarnation: int
+    id: int
+    key: str
+    value: Any
+    message: str
 
 
 class PeerFailure(KvconnectError, RuntimeError):
@@ -184,7 +218,7 @@ class SocketControl(Control):
         self._sock = sock
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._replies: dict[int, dict[str, Any]] = {}
+        self._replies: dict[int, CoordinatorMessage] = {}
         self._abort: str | None = None
         self._next_id = 0
         self._closing = False
@@ -228,7 +262,7 @@ class SocketControl(Control):
         return cls(sock, f"{role}{rank}", config, incarnation)
 
     # -- sending ---------------------------------------------------------------------------
-    def _send(self, msg: dict[str, Any]) -> None:
+    def _send(self, msg: WorkerMessage) -> None:
         with self._send_lock:
             send_message(self._sock, msg)
 
@@ -236,7 +270,7 @@ class SocketControl(Control):
         self._send({"op": "phase", "phase": phase})
 
     def _send_check(self, check: Check) -> None:
-        self._send({"op": "check", "check": asdict(check)})
+        self._send({"op": "check", "check": check.to_json()})
 
     def _send_transfer(self, t: Transfer) -> None:
         self._send({"op": "transfer", "transfer": asdict(t)})
@@ -269,7 +303,7 @@ class SocketControl(Control):
         value = reply.get("value")
         return int(value) if isinstance(value, int) and value > incarnation else None
 
-    def _request(self, msg: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
+    def _request(self, msg: WorkerMessage, timeout: float, what: str) -> CoordinatorMessage:
         """Send ``msg`` with a fresh id; the coordinator's reply (``value`` or ``fail``)."""
         with self._cond:
             self._next_id += 1
@@ -290,7 +324,7 @@ class SocketControl(Control):
             return self._replies.pop(rid)
 
     def finish(self, error: str | None = None, data: dict[str, Any] | None = None) -> None:
-        msg: dict[str, Any] = {"op": "done"}
+        msg: WorkerMessage = {"op": "done"}
         if error is not None:
             msg = {"op": "error", "phase": self.current_phase, "message": error,
                    "data": dict(data or {})}
@@ -322,7 +356,7 @@ class SocketControl(Control):
             op = msg.get("op")
             with self._cond:
                 if op in ("value", "fail"):
-                    self._replies[int(msg.get("id", -1))] = msg
+                    self._replies[int(msg.get("id", -1))] = cast(CoordinatorMessage, msg)
                 elif op == "abort":
                     self._abort = str(msg.get("message", "run aborted by the coordinator"))
                 self._cond.notify_all()

@@ -19,7 +19,9 @@ import sys
 import time
 from typing import TextIO
 
-from .report import FAIL, PASS, SKIP, Check, Report, SweepPoint, Transfer, sweep_averages
+from kvconnect.verdicts import FAIL, PASS, SKIP, Check
+
+from .report import Report, SweepPoint, Transfer, sweep_averages
 
 _STYLE = {PASS: "green", FAIL: "bold red", SKIP: "yellow"}
 

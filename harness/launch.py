@@ -37,7 +37,7 @@ def launch_method(cfg: RunConfig) -> str:
 
 def preload_worker_modules() -> None:
     """Import what every worker needs once, before forking (never initialises a device)."""
-    import kvconnect.connectors  # noqa: F401  (every built-in transport, offload, copy)
+    import kvconnect.connectors  # noqa: F401  (offload, copy, registry: every built-in transport)
     import kvconnect.kv_cache  # noqa: F401
 
     from . import decode, prefill, scenario, transports, worker  # noqa: F401

@@ -36,17 +36,18 @@ from typing import Any
 from kvconnect.child import exit_signal_name, exit_text, log_tail
 from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
+from kvconnect.interrupts import InterruptSignals
 from kvconnect.leftovers import become_subreaper
+from kvconnect.verdicts import FAIL, PASS, SKIP, Check
 
 from .cleanup import ProcessRecord, check_cleanup, take_baseline
 from .config import DECODE, PREFILL, RunConfig, worker_name
-from .control import COORDINATOR_GRACE_S, COORDINATOR_SILENT
+from .control import COORDINATOR_GRACE_S, COORDINATOR_SILENT, CoordinatorMessage, WorkerMessage
 from .display import Display
 from .faults import restarted_workers, specs_from_config
 from .faultwatch import FaultWatch
 from .launch import launch_method, preload_worker_modules, start_worker
-from .lifetime import InterruptSignals
-from .report import FAIL, PASS, SKIP, Check, Report, SweepPoint, Transfer, signal_name
+from .report import Report, SweepPoint, Transfer, signal_name
 from .restarts import Restarts
 from .rundir import process_start_ticks, run_dir
 from .watchdog import UNRESPONSIVE, Judge, StallClock
@@ -81,7 +82,7 @@ def run_local(cfg: RunConfig, report: Report, display: Display,
               signals: InterruptSignals | None = None) -> None:
     """Run the whole validation with local worker processes, filling ``report``.
 
-    A SIGINT / SIGTERM raised through ``signals`` (:class:`~.lifetime.InterruptSignals`)
+    A SIGINT / SIGTERM raised through ``signals`` (:class:`kvconnect.interrupts.InterruptSignals`)
     stops the run: the workers are told to abort, then stopped and reaped, and ``report``
     records the signal and every worker's phase (:meth:`Report.interrupt`)."""
     before = take_baseline()
@@ -315,7 +316,7 @@ class Coordinator(Restarts):
                 self._on_eof(w, payload)
             self._tick()
 
-    def _on_message(self, w: LocalWorker, msg: dict[str, Any]) -> None:
+    def _on_message(self, w: LocalWorker, msg: WorkerMessage) -> None:
         now = time.monotonic()
         w.last_seen = now
         op = msg.get("op")
@@ -332,59 +333,59 @@ class Coordinator(Restarts):
                               state="dead", kill=True, cause="malformed_message")
 
     # -- one handler per message op (_HANDLERS); KeyError / TypeError / ValueError: malformed
-    def _op_phase(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_phase(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         w.phase = str(msg["phase"])
         self.display.phase(w.name, w.phase)
 
-    def _op_check(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_check(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         check = Check.from_json(msg["check"])
         check.worker = w.name
         self.report.checks.append(check)
         self.watch.observe(check, now)
         self.display.check(check)
 
-    def _op_fault(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_fault(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         record = msg["fault"]
         if self.watch.fired(w.name, record) is None:
             raise ValueError(f"no such fault aimed at {w.name}: {record!r}")
         self.display.message(f"{w.name}: --inject {record['fault']} fires in phase "
                              f"{record['in_phase']}")
 
-    def _op_peer(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_peer(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         self.peer_queries.append(PeerQuery(
             w, int(msg["id"]), str(msg["peer"]), int(msg["incarnation"]),
             now + min(PEER_QUERY_GRACE_S, max(0.0, float(msg["timeout"])))))
         self._answer_peer_queries()
 
-    def _op_transfer(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_transfer(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         t = Transfer.from_json(msg["transfer"])
         self.report.transfers.append(t)
         self.display.transfer(t)
 
-    def _op_sweep(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_sweep(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         point = SweepPoint.from_json(msg["point"])
         self.report.sweep.append(point)
         self.display.sweep(point)
 
-    def _op_progress(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_progress(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         """Nothing but progress (``last_progress`` moved on already)."""
 
-    def _op_set(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_set(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         key = str(msg["key"])
         if not key.startswith(w.name + "/"):
             raise ValueError(f"{w.name} may only publish its own keys, not {key!r}")
         self.store[key] = msg.get("value")
         self._resolve(key)
 
-    def _op_get(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_get(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         self._on_get(w, int(msg["id"]), str(msg["key"]), float(msg["timeout"]))
 
-    def _op_done(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_done(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         w.state = "done"
         w.phase = "done"
         self.display.phase(w.name, "done")
 
-    def _op_error(self, w: LocalWorker, msg: dict[str, Any], now: float) -> None:
+    def _op_error(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         phase = str(msg.get("phase", w.phase))
         text = str(msg.get("message"))
         failure = msg.get("data")
@@ -445,7 +446,7 @@ class Coordinator(Restarts):
                 keep.append(wt)
         self.waiters = keep
 
-    def _reply(self, w: LocalWorker, msg: dict[str, Any]) -> None:
+    def _reply(self, w: LocalWorker, msg: CoordinatorMessage) -> None:
         if w.sock is None or w.state in ("failed", "dead"):
             return
         try:

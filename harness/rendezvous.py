@@ -35,12 +35,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvconnect.checks import parse_whole_number
+from kvconnect.verdicts import FAIL, PASS, Check
 
 from .config import DECODE, PREFILL, RunConfig, worker_name
 from .control import HEARTBEAT_S, Control, PeerFailure
 from .display import Display
 from .environment import EnvironmentProblem
-from .report import FAIL, PASS, Check, Report, SweepPoint, Transfer, signal_name
+from .report import Report, SweepPoint, Transfer, signal_name
 from .rundir import run_dir
 from .store_auth import (
     RendezvousRefused,
@@ -334,11 +335,11 @@ class StoreControl(Control):
             self.failure = Check(f"worker/{self.name}", FAIL, f"{self.name} failed in phase "
                                  f"{self.current_phase}: {error}", self.name,
                                  data={"phase": self.current_phase, **(data or {})})
-        result = {"checks": [asdict(c) for c in self.checks],
+        result = {"checks": [c.to_json() for c in self.checks],
                   "transfers": [asdict(t) for t in self.transfers],
                   "sweep": [p.to_json() for p in self.sweep_points],
                   "phase": self.current_phase, "error": error,
-                  "failure": asdict(self.failure) if self.failure is not None else None}
+                  "failure": self.failure.to_json() if self.failure is not None else None}
         try:
             if error is not None:
                 text = (f"{self.name} failed in phase {self.current_phase}: "
@@ -378,7 +379,7 @@ def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) 
         raise
     try:
         _work(ctl, cfg, m, report)
-    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (lifetime.InterruptSignals)
+    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (kvconnect.interrupts)
         signum = getattr(exc, "signum", signal.SIGINT)
         report.interrupt(signum, "run", {m.name: ctl.current_phase})
         ctl.finish(error=f"interrupted by {signal_name(signum)}")  # the others stop too

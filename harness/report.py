@@ -1,4 +1,5 @@
-"""The result of a validation run: checks, transfers, environment; JSON and JUnit output.
+"""The result of a validation run: checks (:class:`kvconnect.verdicts.Check`), transfers,
+environment; JSON and JUnit output.
 
 A :class:`Report` is filled by the coordinator as workers send their results, then written
 as JSON (``--json``), JUnit XML (``--junit``) and a final table (see :mod:`.display`).
@@ -16,16 +17,12 @@ from typing import Any
 
 from kvconnect.child import signal_name
 from kvconnect.units import gbps
+from kvconnect.verdicts import CHECK_STATUSES, FAIL, PASS, SKIP, Check
 
 from .report_files import write_report
 
 #: identifies the JSON layout; bump when a field changes meaning
 SCHEMA = "kvconnect-validate/1"
-
-PASS = "pass"
-FAIL = "fail"
-SKIP = "skip"
-STATUSES = (PASS, FAIL, SKIP)
 
 #: exit codes of ``kvconnect-validate``; a run stopped by a signal exits ``128 + signal``
 #: (130 after SIGINT, 143 after SIGTERM), as a shell reports a process the signal killed
@@ -34,35 +31,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
 EXIT_SIGNAL_BASE = 128
-
-
-@dataclass
-class Check:
-    """One verdict. ``worker`` is who produced it (``prefill0``, ``decode1``, ``coordinator``).
-
-    ``detail`` is for people; ``data`` holds the same facts for programs (JSON values, e.g.
-    ``{"block": 17, "offset": 4093}``): tests and tools read ``data``, never ``detail``.
-    """
-
-    name: str
-    status: str
-    detail: str = ""
-    worker: str = ""
-    seconds: float = 0.0
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"check status must be one of {STATUSES}, got {self.status!r}")
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Check:
-        data = obj.get("data") or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"check data must be a JSON object, got {type(data).__name__}")
-        return cls(name=str(obj["name"]), status=str(obj["status"]),
-                   detail=str(obj.get("detail", "")), worker=str(obj.get("worker", "")),
-                   seconds=float(obj.get("seconds", 0.0)), data=dict(data))
 
 
 @dataclass
@@ -265,7 +233,7 @@ class Report:
         return EXIT_OK if self.passed else EXIT_FAILED
 
     def counts(self) -> dict[str, int]:
-        out = {s: 0 for s in STATUSES}
+        out = dict.fromkeys(CHECK_STATUSES, 0)
         for c in self.checks:
             out[c.status] += 1
         return out
@@ -305,7 +273,7 @@ class Report:
             "config": self.config,
             "environment": self.environment,
             "workers": self.workers,
-            "checks": [asdict(c) for c in self.checks],
+            "checks": [c.to_json() for c in self.checks],
             "transfers": [asdict(t) for t in self.transfers],
             "sweep": [p.to_json() for p in self.sweep],
             "sweep_average_gbps": sweep_averages(self.sweep),

@@ -17,8 +17,9 @@ from typing import Any
 
 from kvconnect.child import exit_signal_name
 from kvconnect.framing import send_message
+from kvconnect.verdicts import PASS
 
-from .report import PASS
+from .control import CoordinatorMessage
 from .workerset import LocalWorker
 
 log = logging.getLogger("kvconnect.harness.orchestrator")
@@ -41,7 +42,7 @@ class Restarts:
     def _running(self, w: LocalWorker) -> None:
         raise NotImplementedError
 
-    def _reply(self, w: LocalWorker, msg: dict[str, Any]) -> None:
+    def _reply(self, w: LocalWorker, msg: CoordinatorMessage) -> None:
         raise NotImplementedError
 
     def _add_check(self, name: str, status: str, detail: str = "",

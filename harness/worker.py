@@ -17,11 +17,11 @@ import sys
 import traceback
 
 from kvconnect.framing import IpcError
+from kvconnect.interrupts import exit_now
 
 from . import environment
 from .config import ROLES
 from .control import Control, PeerFailure
-from .lifetime import exit_now
 
 log = logging.getLogger("kvconnect.harness.worker")
 

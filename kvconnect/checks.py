@@ -17,14 +17,18 @@ setting and the accepted form.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 __all__ = ["MAX_BYTES", "MAX_SECONDS", "check_can_create_file", "checked_int",
-           "checked_positive", "checked_seconds", "parse_whole_number", "round_up"]
+           "checked_positive", "checked_seconds", "option_type", "parse_whole_number",
+           "round_up"]
 
 #: largest size or offset in bytes that round-trips through every platform call we make:
 #: ``ssize_t``/``off_t`` (mmap lengths and offsets, cuMemAddressReserve sizes) on 64-bit Linux
@@ -38,6 +42,7 @@ _WHOLE = re.compile(r"-?[0-9]+(?:_[0-9]+)*")
 #: a decimal number as users type it: ASCII digits, optional fraction and exponent
 _DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _ASCII_SPACE = " \t\r\n"
+_T = TypeVar("_T")
 
 
 def checked_int(what: str, value: object, *, minimum: int = 1, maximum: int = MAX_BYTES) -> int:
@@ -124,3 +129,16 @@ def check_can_create_file(directory: str) -> None:
     fd, probe = tempfile.mkstemp(prefix=".kvconnect-probe-", dir=directory)
     os.close(fd)
     os.unlink(probe)
+
+
+def option_type(parse: Callable[..., _T], *args: Any, **kwargs: Any) -> Callable[[str], _T]:
+    """An argparse ``type`` (both CLIs) from a checker called as ``parse(text, *args,
+    **kwargs)``: its ``ValueError`` (:class:`~kvconnect.errors.OptionError` included)
+    becomes argparse's usage error (exit 2), with the checker's message."""
+    def parse_arg(text: str) -> _T:
+        try:
+            return parse(text, *args, **kwargs)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse_arg.__name__ = getattr(parse, "__name__", "value").removeprefix("parse_")
+    return parse_arg

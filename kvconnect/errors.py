@@ -11,9 +11,14 @@ tests/test_error_root.py walks every module and checks it.
 
 from __future__ import annotations
 
-__all__ = ["KvconnectError"]
+__all__ = ["KvconnectError", "OptionError"]
 
 
 class KvconnectError(Exception):
     """Base of every exception kvconnect defines (the message says what was wrong and what to
     do). Catch it to handle "our" errors without swallowing foreign ones."""
+
+
+class OptionError(KvconnectError, ValueError):
+    """A bad command-line option or configuration value (both CLIs exit 2 on it); the message
+    names the option, its rule and what to give instead."""

@@ -34,8 +34,9 @@ import socket
 import struct
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .bounded_json import BoundedJSONError
 from .bounded_json import loads as bounded_loads
@@ -202,7 +203,8 @@ def _send_frame(sock: socket.socket, kind: int, body: bytes, fds: Sequence[int],
         sock.sendall(data[sent:])
 
 
-def send_message(sock: socket.socket, payload: dict, fds: Sequence[int] = ()) -> None:
+def send_message(sock: socket.socket, payload: Mapping[str, Any], fds: Sequence[int] = ()
+                 ) -> None:
     """Send one JSON object and any number (up to :data:`MAX_FDS`) of fds, which stay owned
     by the caller. Raises ValueError (before sending anything) for too many fds or an oversized payload, OSError when the socket fails."""
     if len(fds) > MAX_FDS:

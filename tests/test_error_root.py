@@ -25,9 +25,7 @@ from kvconnect import KvconnectError
 ALLOWED = {
     # signals, not errors: KeyboardInterrupt subclasses so that they pass every
     # `except Exception` (and `except KvconnectError`) on their way to the top
-    "kvconnect.harness.lifetime.RunInterrupted":
-        "a SIGINT/SIGTERM/SIGHUP; must not be caught by except Exception",
-    "kvconnect.vllm.conformance.cli.Interrupted":
+    "kvconnect.interrupts.Interrupted":
         "a SIGINT/SIGTERM/SIGHUP; must not be caught by except Exception",
 }
 #: optional dependencies a module may import at module level (vLLM; triton for the CUDA copy
@@ -93,7 +91,7 @@ def test_every_exception_is_a_kvconnect_error() -> None:
     ("kvconnect.connectors.nixl.agent.NixlUnavailableError", ImportError),
     ("kvconnect.connectors.nixl.handshake.MetadataError", ValueError),
     ("kvconnect.connectors.registry.UnknownTransportError", KeyError),
-    ("kvconnect.harness.cli.UsageError", ValueError),
+    ("kvconnect.errors.OptionError", ValueError),
 ])
 def test_standard_bases_are_kept(name: str, mixin: type) -> None:
     """``except ValueError`` (and the like) callers keep working."""

@@ -5,7 +5,7 @@
   :class:`~kvconnect.layout.LayoutError`, nothing else.
 - ``kvconnect-validate``'s argument parsing (``build_parser().parse_args`` then
   ``build_config``; no run is started): argparse's usage error (SystemExit 2) or the
-  harness's UsageError, nothing else.
+  kvconnect.errors.OptionError, nothing else.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import _reliability as fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvconnect.errors import OptionError
 from kvconnect.layout import PRESETS, KVCacheConfig, LayoutError, plan_layout, preset
 
 
@@ -72,12 +73,12 @@ argvs = st.lists(st.one_of(st.tuples(st.sampled_from(_FLAGS), _VALUES).map(list)
 
 def test_cli_arguments_parse_or_fail_with_a_usage_error() -> None:
     """Random argument lists: a RunConfig within bounds, argparse's usage error (exit 2)
-    or UsageError."""
+    or OptionError."""
     from kvconnect.harness import cli
 
     n = fuzz.examples(1000)
     tally = fuzz.Tally("kvconnect-validate arguments: build_parser + build_config",
-                       "SystemExit(2) / UsageError", n)
+                       "SystemExit(2) / OptionError", n)
 
     @fuzz.fuzz_settings(1000)
     @given(argvs)
@@ -88,10 +89,10 @@ def test_cli_arguments_parse_or_fail_with_a_usage_error() -> None:
                 args = cli.build_parser().parse_args(argv)
             return cli.build_config(args)
 
-        got = tally.run(parse, (SystemExit, cli.UsageError))
+        got = tally.run(parse, (SystemExit, OptionError))
         if isinstance(got, SystemExit):
             assert got.code in (0, 2), got.code  # 0: --help
-        elif not isinstance(got, cli.UsageError):
+        elif not isinstance(got, OptionError):
             cfg, _ = got
             assert 1 <= cfg.num_prefill <= cli.MAX_WORKERS_PER_ROLE
             assert 2 <= cfg.transfer_blocks < cfg.num_blocks

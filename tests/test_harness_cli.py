@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvconnect.errors import OptionError
 from kvconnect.harness import arguments, cli
 from kvconnect.harness.config import RunConfig
 from kvconnect.harness.rendezvous import membership_from_env, parse_hostport
@@ -116,7 +117,7 @@ def test_transports_are_matched_as_registered(fast_ipc_registered: None, typed: 
 def test_transports_named_twice_or_unknown_are_refused(fast_ipc_registered: None, typed: str,
                                                        message: str) -> None:
     args = arguments.build_parser().parse_args(["--transports", typed, "--device", "host"])
-    with pytest.raises(cli.UsageError, match=re.escape(message)):
+    with pytest.raises(OptionError, match=re.escape(message)):
         cli.build_config(args)
 
 

@@ -1,4 +1,4 @@
-"""How harness processes end: SIGINT / SIGTERM become one RunInterrupted where it is safe."""
+"""How harness processes end: SIGINT / SIGTERM become one Interrupted where it is safe."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from kvconnect.harness.lifetime import InterruptSignals, RunInterrupted
+from kvconnect.interrupts import Interrupted, InterruptSignals
 
 
 def _signal_self(signum: int) -> None:
@@ -22,7 +22,7 @@ def test_a_signal_raises_only_where_the_run_may_stop(signum: int) -> None:
     with InterruptSignals() as signals:
         _signal_self(signum)  # outside interruptible(): recorded, not raised
         assert signals.signum == signum
-        with pytest.raises(RunInterrupted) as info, signals.interruptible():
+        with pytest.raises(Interrupted) as info, signals.interruptible():
             pass  # entering raises what arrived before
         assert info.value.signum == signum and isinstance(info.value, KeyboardInterrupt)
         with signals.interruptible():

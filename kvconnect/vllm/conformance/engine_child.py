@@ -27,6 +27,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from kvconnect.verdicts import SKIP
+
 __all__ = ["SCENARIOS", "main"]
 
 
@@ -107,12 +109,12 @@ def _sleep_wake(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     from .compat import vllm_version
 
     if os.environ.get("KVCONNECT_EXTENSIBLE_KV") != "1":
-        return {"status": "skip", "reason": "plain cache: the plugin's release / recommit "
+        return {"status": SKIP, "reason": "plain cache: the plugin's release / recommit "
                                             "needs the extensible cache"}
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     if not hasattr(get_kv_transfer_group(), "unregister_kv_caches"):
-        return {"status": "skip", "reason": f"vLLM {vllm_version()}'s connector API has no "
+        return {"status": SKIP, "reason": f"vLLM {vllm_version()}'s connector API has no "
                                             "unregister_kv_caches / restore_kv_caches"}
     released = llm.collective_rpc("kvconnect_release_kv_cache")
     llm.collective_rpc("kvconnect_recommit_kv_cache")

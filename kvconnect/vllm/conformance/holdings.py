@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from kvconnect.verdicts import FAIL, PASS
+
 __all__ = ["addressed_runs", "held_tensors", "holdings_check"]
 
 _SKIP = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
@@ -120,5 +122,5 @@ def holdings_check(connector: Any, handed: dict[str, torch.Tensor],
             bad.append({"attribute": path[:120], "shape": list(t.shape),
                         "offset_bytes": a - base, "span_bytes": n,
                         "uncommitted_bytes": outside})
-    return {"status": "fail" if bad else "pass", "held_views": views,
+    return {"status": FAIL if bad else PASS, "held_views": views,
             "views_reaching_uncommitted": len(bad), "examples": bad[:4]}

@@ -1,8 +1,8 @@
 """The kit's option checks, shared by the CLI and the pytest plugin (no vLLM, no CUDA init).
 
-Each checker returns the parsed value or raises :class:`OptionError` (a ``ValueError``)
-saying what was wrong and what to give instead; callers turn it into their usage error
-(exit 2, pytest's ``UsageError``). :func:`gpu_absent_reason` is an environment check (exit
+Each checker returns the parsed value or raises :class:`kvconnect.errors.OptionError` (a
+``ValueError``; the harness's option error too) saying what was wrong and what to give
+instead; callers turn it into their usage error (exit 2, pytest's ``UsageError``). :func:`gpu_absent_reason` is an environment check (exit
 3): it loads the CUDA driver library and counts devices through NVML, never initialising
 CUDA in a process that will fork cases.
 """
@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 
 from kvconnect.checks import check_can_create_file, checked_seconds, parse_whole_number
-from kvconnect.errors import KvconnectError
+from kvconnect.errors import OptionError
 from kvconnect.layout.formats import VLLM_LAYOUTS
 from kvconnect.vmm._driver_api import CUDA, optional_library
 
@@ -22,10 +22,6 @@ __all__ = ["OptionError", "check_output_path", "gpu_absent_reason", "parse_cache
 
 #: the caches engine mode runs a connector over (see :mod:`.engine`)
 ENGINE_CACHES = ("extensible", "plain")
-
-
-class OptionError(KvconnectError, ValueError):
-    """A bad option value; the message names the option's rule."""
 
 
 def parse_layouts(text: str) -> list[str]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name
 from kvconnect.ports import free_tcp_port
+from kvconnect.verdicts import FAIL, PASS, REFUSED
 
 __all__ = ["run_pd", "transfers_over_nixl"]
 
@@ -177,7 +178,7 @@ def _decode(spec: dict[str, Any], p: dict[str, Any], workdir: str, send: Any) ->
     errors = sorted(worker.get_block_ids_with_load_errors()) if done else []
     digest, nbytes = _digest(cache, local)
     ok = done and not errors and digest == p["digest"]
-    send({"result": {"status": "pass" if ok else "fail", "received": done,
+    send({"result": {"status": PASS if ok else FAIL, "received": done,
                      "load_error_blocks": errors[:8], "bytes": nbytes,
                      "byte_exact": digest == p["digest"], "matched_tokens": count,
                      "async": is_async, "local_ids": local, "remote_ids": p["remote_ids"]}})
@@ -279,7 +280,7 @@ def _transfer(spec: dict[str, Any], sides: list[_Side], out: dict[str, Any], dea
     if p is None or "error" in p:
         err = (p or {}).get("error", "prefill gave no parameters")
         # kvconnect's bounding declining a layout, before registering: not a fault
-        out.update(status="refused" if "LayoutError" in err else "fail",
+        out.update(status=REFUSED if "LayoutError" in err else FAIL,
                    stage=prefill.stage, evidence=err.strip().splitlines()[-1][:400])
         return
     decode = _Side("decode", _decode, spec, p, decode_dir)
@@ -287,7 +288,7 @@ def _transfer(spec: dict[str, Any], sides: list[_Side], out: dict[str, Any], dea
     d = decode.until("result", deadline)
     sent = prefill.until("done_sending", min(deadline, time.monotonic() + 10))
     if d is None or "error" in d:
-        out.update(status="fail", stage=decode.stage,
+        out.update(status=FAIL, stage=decode.stage,
                    evidence=(d or {}).get("error", "decode gave no result")[-600:])
     else:
         out.update(d["result"])
@@ -303,5 +304,5 @@ def _end_sides(sides: list[_Side], out: dict[str, Any]) -> None:
             out.update(status="fault", signal=sig, side=name, evidence=f"{name} died by {sig}")
     for side in sides:
         errors = side.log_errors()
-        if out.get("status") != "pass":
+        if out.get("status") != PASS:
             out[f"{side.name}_log_errors"] = errors

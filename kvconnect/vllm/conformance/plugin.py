@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from kvconnect.errors import KvconnectError
+from kvconnect.verdicts import PASS
 
 if TYPE_CHECKING:
     from _pytest._code.code import TerminalRepr
@@ -126,7 +127,7 @@ class ConformanceItem(_KitItem):
         method = "spawn" if is_cuda_device(self.spec["device"]) else "fork"
         (result,) = run_cases([self.spec], timeout=self.timeout, start_method=method)
         self.user_properties.append(("kvconnect_conformance", json.dumps(result)))
-        if result["status"] != "pass":
+        if result["status"] != PASS:
             raise ConformanceFailure(result)
 
 
@@ -148,7 +149,7 @@ class EngineConformanceItem(_KitItem):
         out = run_engine_conformance([self.connector], timeout=self.timeout, device=self.device)
         self.user_properties.append(("kvconnect_engine_conformance", json.dumps(out)))
         ext = next(r for r in out["results"] if r["cache"] == "extensible")
-        if ext["status"] != "pass":
+        if ext["status"] != PASS:
             raise ConformanceFailure(ext)
 
 

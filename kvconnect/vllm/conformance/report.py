@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvconnect.verdicts import FAIL, PASS, SKIP
+
 __all__ = ["CHECK_COLUMNS", "ENGINE_COLUMNS", "engine_evidence", "evidence",
            "render_engine_markdown", "render_markdown", "render_pd_markdown", "summary_counts"]
 
@@ -43,7 +45,7 @@ def evidence(r: dict[str, Any]) -> str:
         if co.get("regions_outside"):
             parts.append(f"{co['regions_outside']}/{co['regions']} regions outside")
     geo = checks.get("block_geometry", {})
-    if geo.get("status") == "fail" and geo.get("uncovered_kv_bytes_per_block"):
+    if geo.get("status") == FAIL and geo.get("uncovered_kv_bytes_per_block"):
         parts.append(f"{geo['uncovered_kv_bytes_per_block']} KV bytes/block not covered")
     for name in ("transfer", "offload_round_trip"):
         c = checks.get(name, {})
@@ -61,7 +63,7 @@ def evidence(r: dict[str, Any]) -> str:
         parts.append(f"holds {co['views_reaching_uncommitted']} views reaching uncommitted "
                      f"memory")
     left = checks.get("leftovers", {})
-    if left.get("status") == "fail":
+    if left.get("status") == FAIL:
         parts.append(str(left.get("error", "left processes running"))[:160])
     if r.get("stray_output"):
         parts.append(f"wrote {r['stray_output']['bytes']} bytes that are not the kit's to its "
@@ -139,14 +141,14 @@ def engine_evidence(r: dict[str, Any]) -> str:
     moved = checks.get("transfer") or checks.get("reload") or {}
     if r.get("status") == "inconclusive":  # the evidence already says why
         moved = {}
-    if moved.get("status") == "pass" and "control_zeroed_bytes" in moved:
+    if moved.get("status") == PASS and "control_zeroed_bytes" in moved:
         parts.append(f"consumer's tokens equal the reference; zeroing "
                      f"{moved['control_zeroed_bytes']} bytes of the producer's KV changed the "
                      f"control prompt's tokens (the consumer read it)")
-    elif moved.get("status") == "pass":
+    elif moved.get("status") == PASS:
         parts.append(f"{moved.get('num_cached_tokens')} prompt tokens from the connector, "
                      f"greedy tokens equal the reference")
-    elif moved.get("status") in ("fail", "skip"):
+    elif moved.get("status") in (FAIL, SKIP):
         parts.append(str(moved.get("reason") or f"tokens {moved.get('tokens')} vs reference "
                                                   f"{moved.get('reference')}")[:200])
     ext = r.get("extent") or {}
@@ -154,7 +156,7 @@ def engine_evidence(r: dict[str, Any]) -> str:
         parts.append(f"reserved {ext['reserved_bytes'] / 2**30:.1f} GiB, committed "
                      f"{ext['committed_bytes'] / 2**30:.2f} GiB ({ext.get('handle_type')})")
     sw = checks.get("sleep_wake", {})
-    if sw.get("status") == "skip" and r.get("mode") == "reload":
+    if sw.get("status") == SKIP and r.get("mode") == "reload":
         parts.append(f"sleep/wake not checked: {sw.get('reason')}")
     return "; ".join(parts).replace("|", "/") or "-"
 

@@ -33,6 +33,7 @@ from typing import Any
 from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name, exit_text, log_tail
 from kvconnect.errors import KvconnectError
 from kvconnect.leftovers import become_subreaper, children, end_leftovers, is_subreaper
+from kvconnect.verdicts import FAIL, PASS, REFUSED
 
 __all__ = ["DEFAULT_TIMEOUT", "RESULT_FILE", "START_METHODS", "case_status", "check_timeout",
            "run_cases", "warm_up"]
@@ -72,11 +73,11 @@ def case_status(result: dict[str, Any]) -> str:
     if result.get("status") in ("fault", "timeout", "error"):
         return str(result["status"])
     checks = result.get("checks", {})
-    if checks.get("register", {}).get("status") == "refused":
-        return "refused"
-    if not checks or any(c.get("status") == "fail" for c in checks.values()):
-        return "fail"
-    return "pass"
+    if checks.get("register", {}).get("status") == REFUSED:
+        return REFUSED
+    if not checks or any(c.get("status") == FAIL for c in checks.values()):
+        return FAIL
+    return PASS
 
 
 def check_timeout(timeout: float) -> float:
@@ -240,9 +241,9 @@ def _leftovers_check(left: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``leftovers`` check: no process of the case's (its group, its session, an orphan
     of its tree) outlived it; those that did are named here (the kit ended them)."""
     if not left:
-        return {"status": "pass", "processes": 0}
+        return {"status": PASS, "processes": 0}
     names = ", ".join(f"{p['name']} (pid {p['pid']}, {p['found_by']})" for p in left[:5])
-    return {"status": "fail", "processes": len(left), "left": left[:20],
+    return {"status": FAIL, "processes": len(left), "left": left[:20],
             "error": f"left {len(left)} process(es) running after the case ended, ended by "
                      f"the kit: {names}"}
 

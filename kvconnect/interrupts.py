@@ -1,8 +1,6 @@
-"""How a harness process ends: leave without interpreter teardown, never outlive the parent.
-
-Imported by both the coordinator side (:mod:`.cli`) and worker processes (:mod:`.worker`),
-so it imports nothing else from the harness.
-"""
+"""How both command lines (``kvconnect-validate``, ``kvconnect-conformance``) end: SIGINT,
+SIGTERM and SIGHUP become one :class:`Interrupted` where a run may stop (forked children get
+the default handlers back: :mod:`kvconnect.child`); :func:`exit_now` skips teardown."""
 
 from __future__ import annotations
 
@@ -15,42 +13,34 @@ import threading
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+from .child import signal_name
 
-def exit_now(code: int) -> NoReturn:
-    """Flush logging and stdio, then leave without interpreter teardown (seconds saved on
-    torch's atexit work). Only for process entry points whose resources are all released
-    already."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:  # None: closed when the process started
-                stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+__all__ = ["InterruptSignals", "Interrupted", "exit_now"]
 
 
-class RunInterrupted(KeyboardInterrupt):
+class Interrupted(KeyboardInterrupt):
     """SIGINT, SIGTERM or SIGHUP arrived: the run stops, reports where it was, and exits
-    ``128 + signum``. A KeyboardInterrupt, so code that already stops on Ctrl-C stops."""
+    ``128 + signum``. A KeyboardInterrupt, so code that already stops on Ctrl-C stops (and no
+    ``except Exception`` catches it); ``str()`` is the signal's name (``SIGTERM``)."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signum)
+        super().__init__(signal_name(signum))
         self.signum = signum
 
 
 class InterruptSignals:
-    """SIGINT, SIGTERM and SIGHUP, turned into :class:`RunInterrupted` where it is safe.
+    """SIGINT, SIGTERM and SIGHUP, turned into :class:`Interrupted` where it is safe.
 
     While entered (main thread only), the first SIGINT, SIGTERM or SIGHUP is recorded in
-    :attr:`signum` and raised as :class:`RunInterrupted` where the main thread is, if it is
+    :attr:`signum` and raised as :class:`Interrupted` where the main thread is, if it is
     inside :meth:`interruptible` and :meth:`stop_raising` was not called; elsewhere it is
     only recorded (entering :meth:`interruptible` afterwards raises it at once). Later
     signals are recorded, never raised, so the cleanup the first one started (bounded by its
     own deadlines) runs to the end.
 
     CI timeouts and Kubernetes send SIGTERM, a terminal sends SIGINT (Ctrl-C) or SIGHUP (it
-    closed, an ssh session dropped): all end a run the same way. Outside the main thread entering does nothing (Python delivers signals there).
+    closed, an ssh session dropped): all end a run the same way. Outside the main thread
+    entering does nothing (Python delivers signals there).
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -82,7 +72,7 @@ class InterruptSignals:
         if (self.signum is not None and not self._raised and self._interruptible
                 and not self._stopped):
             self._raised = True
-            raise RunInterrupted(self.signum)
+            raise Interrupted(self.signum)
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
@@ -98,3 +88,17 @@ class InterruptSignals:
         """From now on a signal is only recorded in :attr:`signum`, never raised: call it
         when cleanup starts (teardown, summaries), which must run to the end."""
         self._stopped = True
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush logging and stdio, then leave without interpreter teardown (seconds saved on
+    torch's atexit work). Only for process entry points whose resources are all released
+    already."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:  # None: closed when the process started
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

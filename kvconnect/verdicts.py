@@ -1,0 +1,50 @@
+"""The check vocabulary of both command lines (torch-free): :class:`Check` rows in
+``kvconnect-validate``'s report, ``{name: {"status": ..., evidence...}}`` in a conformance
+case, with the same statuses (:data:`REFUSED`: kvconnect declined a layout, not a fault)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["CHECK_STATUSES", "FAIL", "PASS", "REFUSED", "SKIP", "Check"]
+
+PASS = "pass"
+FAIL = "fail"
+SKIP = "skip"
+REFUSED = "refused"
+CHECK_STATUSES = (PASS, FAIL, SKIP, REFUSED)
+
+
+@dataclass
+class Check:
+    """One verdict. ``worker`` is who produced it (``prefill0``, ``decode1``, ``coordinator``).
+
+    ``detail`` is for people; ``data`` holds the same facts for programs (JSON values, e.g.
+    ``{"block": 17, "offset": 4093}``): tests and tools read ``data``, never ``detail``.
+    """
+
+    name: str
+    status: str
+    detail: str = ""
+    worker: str = ""
+    seconds: float = 0.0
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in CHECK_STATUSES:
+            raise ValueError(f"check status must be one of {CHECK_STATUSES}, got "
+                             f"{self.status!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        """``{name, status, detail, worker, seconds, data}``, as reports write it."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Check:
+        data = obj.get("data") or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"check data must be a JSON object, got {type(data).__name__}")
+        return cls(name=str(obj["name"]), status=str(obj["status"]),
+                   detail=str(obj.get("detail", "")), worker=str(obj.get("worker", "")),
+                   seconds=float(obj.get("seconds", 0.0)), data=dict(data))
