@@ -30,7 +30,8 @@ lint: $(STAMP)
 	$(PY) -m ruff check kvconnect connectors harness tests scripts benchmarks
 	$(PY) scripts/typecheck.py
 
-# mypy over kvconnect/ and connectors/ (as kvconnect.connectors; see scripts/typecheck.py)
+# mypy over kvconnect/, connectors/ and harness/ (as kvconnect.connectors and kvconnect.harness;
+# see scripts/typecheck.py)
 typecheck: $(STAMP)
 	$(PY) scripts/typecheck.py
 

@@ -109,7 +109,7 @@ class _LayoutHelp(argparse.Action):
         kwargs.pop("help", None)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-    @property  # type: ignore[override]
+    @property
     def help(self) -> str:
         return f"KV cache layout preset (default {DEFAULT_LAYOUT}): {', '.join(layout_names())}"
 

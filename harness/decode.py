@@ -189,7 +189,7 @@ class DecodeWorker(WorkerSteps):
         ctl.phase(f"wait:{prefill}:round{round_no}")
         info = ctl.wait(prefill, f"round{round_no}", timeout=round_wait(cfg))
         self.note_incarnation(prefill, pair, round_no, info)
-        diffs = _layout_differences(self.layout, info.get("layout"))
+        diffs = _layout_differences(self.built_layout, info.get("layout"))
         if diffs:
             ctl.failed(f"compat/{pair}", f"{prefill}'s KV layout differs: "
                                          + "; ".join(diffs[:MAX_QUOTED]))
@@ -349,7 +349,7 @@ class DecodeWorker(WorkerSteps):
         """Digests of every block a fetch into ``local_ids`` must not touch."""
         dest = set(local_ids)
         others = [b for b in range(self.cfg.num_blocks) if b not in dest]
-        return [digest_blocks(cache_rows(self.cache, s), others) for s in owners(self.layout)]
+        return [digest_blocks(cache_rows(self.cache, s), others) for s in owners(self.built_layout)]
 
     def intact(self, guard: list[list[str]] | None,
                local_ids: list[int]) -> dict[str, Any] | None:
@@ -404,7 +404,7 @@ class DecodeWorker(WorkerSteps):
 
     def poison(self, local_ids: list[int]) -> None:
         """Overwrite the destination blocks with our own contents (a no-op transfer fails)."""
-        for spec in owners(self.layout):
+        for spec in owners(self.built_layout):
             fill(cache_rows(self.cache, spec), content_key(self.cfg.seed, self.name, spec),
                  local_ids)
 
@@ -415,7 +415,7 @@ class DecodeWorker(WorkerSteps):
         ``offset`` with its ``expected`` and ``got`` values (None where the bytes equal the
         expected pattern but not the prefill's digest)."""
         out = []
-        for lspec, rspec, j in paired_owners(self.layout, remote_layout):
+        for lspec, rspec, j in paired_owners(self.built_layout, remote_layout):
             rows = cache_rows(self.cache, lspec)
             got = digest_blocks(rows, local_ids)
             for i, (r, loc) in enumerate(zip(remote_ids, local_ids, strict=True)):

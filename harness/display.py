@@ -191,8 +191,9 @@ def summary_lines(report: Report, verbose: bool = False) -> list[tuple[str, str]
                         f"{_ref(t):>8}  {str(t.verified).lower():<8} {t.backend}"))
     out.extend(sweep_lines(report.sweep))
     if not verbose:
-        c = report.counts()
-        out.append(("", f"Checks: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped "
+        counts = report.counts()
+        out.append(("", f"Checks: {counts[PASS]} passed, {counts[FAIL]} failed, "
+                        f"{counts[SKIP]} skipped "
                         "(-v lists every check)"))
     out.append(("bold green" if report.passed else "bold red", report.summary()))
     return out

@@ -204,6 +204,9 @@ class Coordinator(Restarts):
     def _accept_all(self) -> bool:
         """Accept every worker's connection and hello; False (run failed) past the deadline
         or when a worker dies first."""
+        listener = self.listener
+        if listener is None:
+            raise RuntimeError("workers are accepted before the listener was opened")
         by_pid = {w.proc.pid: w for w in self.workers}
         deadline = time.monotonic() + self.cfg.timeout
         pending = set(by_pid)
@@ -214,10 +217,10 @@ class Coordinator(Restarts):
             if left <= 0:
                 self._startup_timeout([by_pid[p].name for p in sorted(pending)])
                 return False
-            ready, _, _ = select.select([self.listener], [], [], min(left, 0.2))
+            ready, _, _ = select.select([listener], [], [], min(left, 0.2))
             if not ready:
                 continue
-            conn, _ = self.listener.accept()
+            conn, _ = listener.accept()
             try:
                 w = self._admit(conn, by_pid, left)
             except _StartupFailed:

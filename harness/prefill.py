@@ -67,7 +67,7 @@ class PrefillWorker(WorkerSteps):
         self.prepare()
         t0 = time.perf_counter()
         nbytes = self.fill_all(self.name)
-        ctl.passed("content/fill", f"{cfg.num_blocks} blocks x {len(owners(self.layout))} "
+        ctl.passed("content/fill", f"{cfg.num_blocks} blocks x {len(owners(self.built_layout))} "
                                    f"regions ({mib(nbytes)}) filled with position-dependent "
                                    "contents", time.perf_counter() - t0)
         for round_no in (1, 2):
@@ -102,7 +102,7 @@ class PrefillWorker(WorkerSteps):
         info = {
             "pid": os.getpid(), "boot_id": self.boot_id, "hostname": environment.hostname(),
             "incarnation": ctl.incarnation,
-            "layout": self.layout.to_json(), "digests": digests,
+            "layout": self.built_layout.to_json(), "digests": digests,
             "exports": {name: e.describe() for name, e in self.exporters.items()},
         }
         ctl.publish(f"round{round_no}", info)
@@ -177,7 +177,7 @@ class PrefillWorker(WorkerSteps):
         if rank != self.rank:
             return
         rng = random.Random(f"{self.cfg.seed}/corrupt-byte")
-        spec = rng.choice(owners(self.layout))
+        spec = rng.choice(owners(self.built_layout))
         offset = rng.randrange(spec.block_len)
         rows = cache_rows(self.cache, spec)
         rows[block, offset] ^= 0xFF
@@ -203,7 +203,7 @@ class PrefillWorker(WorkerSteps):
         try:
             conn.wait(conn.save(ids), timeout_s=cfg.timeout)
             idx = torch.tensor(ids, dtype=torch.int64, device=self.cache.device)
-            for spec in owners(self.layout):
+            for spec in owners(self.built_layout):
                 cache_rows(self.cache, spec).index_fill_(0, idx, 0)
             clobbered = self.snapshot(ids)
             conn.wait(conn.load(ids), timeout_s=cfg.timeout)
@@ -232,7 +232,7 @@ class PrefillWorker(WorkerSteps):
     def snapshot(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Copies of ``block_ids``' bytes, one ``(len(ids), block_len)`` tensor per region."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device)
-        return [cache_rows(self.cache, s).index_select(0, idx) for s in owners(self.layout)]
+        return [cache_rows(self.cache, s).index_select(0, idx) for s in owners(self.built_layout)]
 
 
 def _expected_notices(transport: str, prefill: str, incarnation: int,

@@ -63,6 +63,15 @@ class WorkerSteps:
         self.layout: PeerLayout | None = None
         self.boot_id = environment.boot_id(self.name)
 
+    @property
+    def built_layout(self) -> PeerLayout:
+        """The cache's layout once the cache is built (RuntimeError before: a step out of
+        order)."""
+        if self.layout is None:
+            raise RuntimeError(f"{self.name}: the KV cache's layout is read before the cache "
+                               "was built")
+        return self.layout
+
     def run(self) -> None:
         self._start_device_runtime()
         before = Footprint.take()
@@ -336,7 +345,7 @@ class WorkerSteps:
     def fill_all(self, source: str) -> int:
         """Fill every committed block of every owner region with ``source``'s contents."""
         total = 0
-        for spec in owners(self.layout):
+        for spec in owners(self.built_layout):
             rows = cache_rows(self.cache, spec)
             fill(rows, content_key(self.cfg.seed, source, spec))
             total += rows.shape[0] * rows.shape[1]
@@ -345,7 +354,7 @@ class WorkerSteps:
     def digests(self, block_ids: list[int]) -> list[list[str]]:
         """``[block][owner region]`` digests of ``block_ids``."""
         per_region = [digest_blocks(cache_rows(self.cache, s), block_ids)
-                      for s in owners(self.layout)]
+                      for s in owners(self.built_layout)]
         if not per_region:
             return []
         return [list(x) for x in zip(*per_region, strict=True)]

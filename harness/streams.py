@@ -39,7 +39,8 @@ class SafeStream:
     quietly, after another error (``ENOSPC``) it is dropped after one note on ``notice``.
     ``stream`` None (closed at start-up) drops everything."""
 
-    def __init__(self, stream: TextIO | None, name: str, notice: TextIO | None = None) -> None:
+    def __init__(self, stream: TextIO | None, name: str,
+                 notice: TextIO | SafeStream | None = None) -> None:
         self._stream = stream
         self.name = name
         self._notice = notice
@@ -108,7 +109,7 @@ def safe_std_streams() -> Iterator[tuple[SafeStream, SafeStream]]:
     out_orig, err_orig = sys.stdout, sys.stderr
     err = SafeStream(err_orig, "stderr")
     out = SafeStream(out_orig, "stdout", notice=err)
-    sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
+    sys.stdout, sys.stderr = out, err
     try:
         yield out, err
     finally:

@@ -1,12 +1,13 @@
-"""Type-check kvconnect/ and connectors/ with mypy as the one package ``kvconnect``.
+"""Type-check kvconnect/, connectors/ and harness/ with mypy as the one package ``kvconnect``.
 
-``connectors/`` installs as ``kvconnect.connectors`` (setuptools ``package-dir``), a mapping
-mypy cannot read, and the editable install's import hook is invisible to it. So this builds
-``build/typecheck/kvconnect/``: a directory of symbolic links to every entry of ``kvconnect/``
-plus ``connectors`` -> ``connectors/``, and runs ``mypy -p kvconnect`` over it (settings in
+``connectors/`` and ``harness/`` install as ``kvconnect.connectors`` and ``kvconnect.harness``
+(setuptools ``package-dir``), a mapping mypy cannot read, and the editable install's import
+hook is invisible to it. So this builds ``build/typecheck/kvconnect/``: a directory of
+symbolic links to every entry of ``kvconnect/`` plus ``connectors`` -> ``connectors/`` and
+``harness`` -> ``harness/``, and runs ``mypy -p kvconnect`` over it (settings in
 pyproject.toml's ``[tool.mypy]``, whose ``mypy_path`` names that directory). Messages name
-files as ``kvconnect/connectors/...`` for ``connectors/...``. Extra arguments go to mypy.
-The harness is not checked (yet). Exit status: mypy's.
+files as ``kvconnect/connectors/...`` and ``kvconnect/harness/...``. Extra arguments go to
+mypy. Exit status: mypy's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def build_tree() -> None:
     for entry in (ROOT / "kvconnect").iterdir():
         if entry.name != "__pycache__":
             os.symlink(entry, package / entry.name)
-    os.symlink(ROOT / "connectors", package / "connectors")
+    for sub in ("connectors", "harness"):
+        os.symlink(ROOT / sub, package / sub)
 
 
 def main(argv: list[str]) -> int:
