@@ -18,26 +18,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from kvconnect.json_files import write_json_file
 from kvconnect.vllm.runtime import prepare_runtime
 
 prepare_runtime(os.environ.get("VLLM_TARGET_DEVICE", "cpu"))
 
 
 # -- files and memory ----------------------------------------------------------------------
-def write_json(path: str | Path, obj: Any) -> None:
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
-def wait_json(path: str | Path, deadline: float) -> Any:
-    while time.monotonic() < deadline:
-        if Path(path).exists():
-            return json.loads(Path(path).read_text())
-        time.sleep(0.1)
-    raise TimeoutError(f"{path} did not appear in time")
-
-
 def status_bytes(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -271,9 +258,9 @@ def main() -> int:
     try:
         result = run(spec)
     except BaseException:
-        write_json(spec["result"], {"crash": traceback.format_exc()[-4000:]})
+        write_json_file(spec["result"], {"crash": traceback.format_exc()[-4000:]})
         return 1
-    write_json(spec["result"], result)
+    write_json_file(spec["result"], result)
     return 0
 
 

@@ -34,9 +34,9 @@ from _engine_child import (  # noqa: E402 - the runtime first
     error_chain,
     range_memory,
     status_bytes,
-    write_json,
 )
 
+from kvconnect.json_files import write_json_file  # noqa: E402
 from kvconnect.vllm.patched_nixl import KvconnectNixlConnector  # noqa: E402
 
 
@@ -347,10 +347,10 @@ def main() -> int:
     try:
         result = run(spec)
     except BaseException as exc:
-        write_json(spec["result"], {"crash": traceback.format_exc()[-4000:],
+        write_json_file(spec["result"], {"crash": traceback.format_exc()[-4000:],
                                     "error": error_chain(exc)})
         return 1
-    write_json(spec["result"], result)
+    write_json_file(spec["result"], result)
     return 0
 
 

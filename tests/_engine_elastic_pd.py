@@ -18,8 +18,9 @@ import os
 import time
 from typing import Any
 
-from _engine_child import wait_json, write_json
 from _engine_elastic_child import Stepper, connector_facts, generate, make_llm, params, worker_facts
+
+from kvconnect.json_files import wait_for_json_file, write_json_file
 
 
 def _with_connector(spec: dict[str, Any], role: str) -> dict[str, Any]:
@@ -61,8 +62,8 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
                             params(1, {"do_remote_decode": True}), use_tqdm=False)
         tp = [o.kv_transfer_params for o in outs]
         out["phases"][phase] = tp
-        write_json(spec["params_out"][phase], {"kv_transfer_params": tp})
-        wait_json(spec["done"][phase], deadline)
+        write_json_file(spec["params_out"][phase], {"kv_transfer_params": tp})
+        wait_for_json_file(spec["done"][phase], deadline)
     out["facts"] = worker_facts(llm)
     out["core"] = elastic_facts(llm)
     out["connector"] = connector_facts()
@@ -94,7 +95,7 @@ def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         for phase in ("a", "b", "c"):
             for prefill, files in spec["prefills"].items():
-                tp = wait_json(files[phase], deadline)["kv_transfer_params"]
+                tp = wait_for_json_file(files[phase], deadline)["kv_transfer_params"]
                 for i, (prompt, p) in enumerate(zip(spec["prompts"][prefill][phase], tp,
                                                     strict=True)):
                     name = f"{prefill}-{phase}{i}"
@@ -106,12 +107,12 @@ def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
                 out["unfinished_at_grow"] = steps.engine.has_unfinished_requests()
                 out["resize"] = resize_kv_cache(llm, 4 * n)
             steps.run()
-            write_json(spec["done"][phase], {"done": True})
+            write_json_file(spec["done"][phase], {"done": True})
     finally:
         for files in (spec["done"],):
             for path in files.values():
                 if not os.path.exists(path):
-                    write_json(path, {"done": False})
+                    write_json_file(path, {"done": False})
     out["remote"] = steps.done
     llm.reset_prefix_cache()
     names = sorted(prompts)

@@ -27,19 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-
-def _write_json(path: str | Path, obj: Any) -> None:
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
-def _wait_json(path: str | Path, deadline: float) -> Any:
-    while time.monotonic() < deadline:
-        if Path(path).exists():
-            return json.loads(Path(path).read_text())
-        time.sleep(0.1)
-    raise TimeoutError(f"{path} did not appear in time")
+from kvconnect.json_files import wait_for_json_file, write_json_file
 
 
 def _nixl_found() -> dict[str, Any]:
@@ -80,8 +68,8 @@ def prefill(spec: dict[str, Any]) -> dict[str, Any]:
     found = _nixl_found()
     llm = _llm(spec, "kv_producer")
     out = _generate(llm, spec["prompt"], 1, {"do_remote_decode": True})
-    _write_json(spec["params_out"], {"kv_transfer_params": out["kv_transfer_params"]})
-    _wait_json(spec["done_file"], deadline)
+    write_json_file(spec["params_out"], {"kv_transfer_params": out["kv_transfer_params"]})
+    wait_for_json_file(spec["done_file"], deadline)
     return {"nixl": found, "front_end_pid": os.getpid(), "output": out,
             "facts": llm.collective_rpc("kvconnect_kv_cache_facts")}
 
@@ -93,13 +81,13 @@ def decode(spec: dict[str, Any]) -> dict[str, Any]:
     remote: dict[str, Any] = {}
     try:
         for name, params_file in spec["prefills"].items():
-            params = _wait_json(params_file, deadline)["kv_transfer_params"]
+            params = wait_for_json_file(params_file, deadline)["kv_transfer_params"]
             llm.reset_prefix_cache()
             remote[name] = _generate(llm, spec["prompt"], spec["max_tokens"], params)
         llm.reset_prefix_cache()
         local = _generate(llm, spec["prompt"], spec["max_tokens"])
     finally:
-        _write_json(spec["done_file"], {"done": True})
+        write_json_file(spec["done_file"], {"done": True})
     return {"nixl": found, "front_end_pid": os.getpid(), "remote": remote, "local": local,
             "facts": llm.collective_rpc("kvconnect_kv_cache_facts")}
 
@@ -113,9 +101,9 @@ def main() -> int:
     try:
         result = {"prefill": prefill, "decode": decode}[role](spec)
     except BaseException:
-        _write_json(spec["result"], {"crash": traceback.format_exc()[-4000:]})
+        write_json_file(spec["result"], {"crash": traceback.format_exc()[-4000:]})
         return 1
-    _write_json(spec["result"], result)
+    write_json_file(spec["result"], result)
     return 0
 
 

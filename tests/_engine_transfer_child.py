@@ -26,9 +26,9 @@ from _engine_child import (
     generate,
     in_process_worker,
     make_llm,
-    wait_json,
-    write_json,
 )
+
+from kvconnect.json_files import wait_for_json_file, write_json_file
 
 
 def _with_connector(spec: dict[str, Any], role: str) -> dict[str, Any]:
@@ -80,11 +80,11 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # a connector refusing the cache at registration
         if not spec.get("may_fail_to_start"):
             raise
-        write_json(spec["params_out"], {"start_error": error_chain(exc)})
+        write_json_file(spec["params_out"], {"start_error": error_chain(exc)})
         return {"start_error": error_chain(exc)}
     out = generate(llm, [spec["prompt"]], 1, [{"do_remote_decode": True}])[0]
-    write_json(spec["params_out"], {"kv_transfer_params": out["kv_transfer_params"]})
-    done = wait_json(spec["done_file"], deadline)
+    write_json_file(spec["params_out"], {"kv_transfer_params": out["kv_transfer_params"]})
+    done = wait_for_json_file(spec["done_file"], deadline)
     result = {"output": out, "facts": _facts(llm), "fast_path": _fast_path_facts()}
     if spec.get("check_notified") and done.get("ok"):
         result["finished_sending"] = _finished_sending(min(deadline, time.monotonic() + 30))
@@ -96,7 +96,7 @@ def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         llm = make_llm(_with_connector(spec, "kv_consumer"))
     except Exception as exc:  # a connector refusing the cache at registration
-        write_json(spec["done_file"], {"done": True, "ok": False})
+        write_json_file(spec["done_file"], {"done": True, "ok": False})
         if not spec.get("may_fail_to_start"):
             raise
         return {"start_error": error_chain(exc)}
@@ -104,7 +104,7 @@ def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     ok = False
     try:
         for name, params_file in spec["prefills"].items():
-            got = wait_json(params_file, deadline)
+            got = wait_for_json_file(params_file, deadline)
             if "start_error" in got:  # that prefill refused to start: nothing to read
                 remote[name] = {"prefill_start_error": got["start_error"]}
                 continue
@@ -115,7 +115,7 @@ def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
         local = generate(llm, [spec["prompt"]], spec["max_tokens"])[0]
         ok = True
     finally:
-        write_json(spec["done_file"], {"done": True, "ok": ok})
+        write_json_file(spec["done_file"], {"done": True, "ok": ok})
     return {"remote": remote, "local": local, "facts": _facts(llm),
             "fast_path": _fast_path_facts()}
 

@@ -27,23 +27,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from kvconnect.json_files import wait_for_json_file, write_json_file
 from kvconnect.verdicts import SKIP
 
 __all__ = ["SCENARIOS", "main"]
-
-
-def _write(path: str | Path, obj: Any) -> None:
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
-def _wait_json(path: str | Path, deadline: float) -> Any:
-    while time.monotonic() < deadline:
-        if Path(path).exists():
-            return json.loads(Path(path).read_text())
-        time.sleep(0.1)
-    raise TimeoutError(f"{path} did not appear in time")
 
 
 def _stage(spec: dict[str, Any], name: str) -> None:
@@ -168,9 +155,9 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     if control:
         ids = control[0] if control and isinstance(control[0], list) else control
         zeroed = _zero_blocks(llm, [int(b) for b in ids])
-    _write(spec["params_out"], {"kv_transfer_params": params, "control_zeroed_bytes": zeroed})
+    write_json_file(spec["params_out"], {"kv_transfer_params": params, "control_zeroed_bytes": zeroed})
     _stage(spec, "serving KV to the consumer")
-    _wait_json(spec["done_file"], deadline)
+    wait_for_json_file(spec["done_file"], deadline)
     return {"outputs": outs, "control_zeroed_bytes": zeroed, "facts": _facts(llm)}
 
 
@@ -180,11 +167,11 @@ def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     _stage(spec, "engine start")
     llm = _llm(spec, "kv_consumer")
     try:
-        got = _wait_json(spec["params_in"], deadline)
+        got = wait_for_json_file(spec["params_in"], deadline)
         _stage(spec, "decode from the producer's KV")
         remote = _generate(llm, spec["prompts"], spec["max_tokens"], got["kv_transfer_params"])
     finally:
-        _write(spec["done_file"], {"done": True})
+        write_json_file(spec["done_file"], {"done": True})
     return {"remote": remote[0], "control": remote[1],
             "control_zeroed_bytes": got.get("control_zeroed_bytes", 0), "facts": _facts(llm)}
 
@@ -204,9 +191,9 @@ def main(argv: list[str]) -> int:
     try:
         result = SCENARIOS[name](spec)
     except BaseException:  # noqa: BLE001 - the traceback is the result
-        _write(spec["result"], {"crash": traceback.format_exc()[-4000:]})
+        write_json_file(spec["result"], {"crash": traceback.format_exc()[-4000:]})
         return 1
-    _write(spec["result"], result)
+    write_json_file(spec["result"], result)
     return 0
 
 
