@@ -43,7 +43,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 ROUTES = ("ipc", "nixl", "stock-plugin", "stock-plain")
-KVCONNECT = ("KvconnectNixlConnector", "kvconnect.vllm")
+KVCONNECT = ("KvconnectNixlConnector", "kvconnect.connectors.vllm")
 STOCK = ("NixlConnector", None)
 GEOMETRY = {"num_hidden_layers": 32, "num_attention_heads": 8, "num_key_value_heads": 8,
             "head_dim": 128}

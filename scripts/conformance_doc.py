@@ -250,7 +250,7 @@ FINDINGS = """\
 def _facts(vmm: list[dict[str, Any]], pd: list[dict[str, Any]]) -> str:
     by = {(r["connector"], r["layout"]): r for r in vmm}
     lines = []
-    for name in ("NixlConnector", "kvconnect.vllm:KvconnectNixlConnector"):
+    for name in ("NixlConnector", "kvconnect.connectors.vllm:KvconnectNixlConnector"):
         runs = [r for r in pd if r["connector"] == name]
         lines.append(f"- 1P1D through vLLM's connector API, {name.rsplit(':', 1)[-1]}: "
                      + ", ".join(f"{r['layout']} {r['status']}" for r in runs) + ".")
@@ -382,7 +382,7 @@ def run_api(out: Path, command: str, layouts: tuple[str, ...] = VLLM_LAYOUTS) ->
     vmm = run_conformance(STOCK_AND_PATCHED, layouts, num_blocks=128, capacity_blocks=1024)
     plain = run_conformance(STOCK_AND_PATCHED, layouts, num_blocks=256, capacity_blocks=256)
     pd = [run_pd(c, layout, num_blocks=128, capacity_blocks=1024, timeout=60)
-          for c in ("NixlConnector", "kvconnect.vllm:KvconnectNixlConnector")
+          for c in ("NixlConnector", "kvconnect.connectors.vllm:KvconnectNixlConnector")
           for layout in layouts]
     import sys
 

@@ -186,9 +186,9 @@ import json, sys
 api = json.load(open(sys.argv[1]))["results"]
 engine = json.load(open(sys.argv[2]))["results"]
 bad = [(r["connector"], r["layout"], r["status"]) for r in api
-       if r["connector"].startswith("kvconnect.vllm:") and r["status"] not in ("pass", "refused")]
+       if r["connector"].startswith("kvconnect.connectors.vllm:") and r["status"] not in ("pass", "refused")]
 bad += [(r["connector"], r["cache"], r["status"]) for r in engine
-        if r["connector"].startswith("kvconnect.vllm:") and r["status"] not in ("pass", "unsupported")]
+        if r["connector"].startswith("kvconnect.connectors.vllm:") and r["status"] not in ("pass", "unsupported")]
 print("kvconnect's connectors:", "all pass, refused or unsupported" if not bad else f"NOT PASSING {bad}")
 sys.exit(1 if bad else 0)
 EOF

@@ -36,8 +36,8 @@ from _engine_child import (  # noqa: E402 - the runtime first
     status_bytes,
 )
 
+from kvconnect.connectors.vllm.patched_nixl import KvconnectNixlConnector  # noqa: E402
 from kvconnect.json_files import write_json_file  # noqa: E402
-from kvconnect.vllm.patched_nixl import KvconnectNixlConnector  # noqa: E402
 
 
 class IgnoringResizeNixlConnector(KvconnectNixlConnector):
@@ -302,7 +302,7 @@ def scenario_offload(spec: dict[str, Any]) -> dict[str, Any]:
     install_simple_cpu_offload_host_stand_ins()
     n = int(spec["blocks"])
     ktc = KVTransferConfig(kv_connector="KvconnectSimpleCPUOffloadConnector",
-                           kv_connector_module_path="kvconnect.vllm", kv_role="kv_both",
+                           kv_connector_module_path="kvconnect.connectors.vllm", kv_role="kv_both",
                            kv_connector_extra_config={"cpu_bytes_to_use": 256 << 20})
     llm = make_llm(spec, num_gpu_blocks_override=n, kv_transfer_config=ktc)
     handler = get_kv_transfer_group().worker_handler

@@ -44,7 +44,7 @@ def _llm(spec: dict[str, Any], role: str) -> Any:
     from kvconnect.vllm.tiny_model import engine_kwargs
 
     ktc = KVTransferConfig(kv_connector="KvconnectNixlConnector",
-                           kv_connector_module_path="kvconnect.vllm", kv_role=role,
+                           kv_connector_module_path="kvconnect.connectors.vllm", kv_role=role,
                            engine_id=spec["engine_id"],
                            kv_connector_extra_config=spec["extra_config"])
     return LLM(**engine_kwargs(spec["model"], kv_transfer_config=ktc))

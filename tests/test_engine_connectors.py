@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900),
 #: a seeded random prompt (a fresh Random per token would repeat one token 300 times)
 PROMPT = random.Random(11).choices(range(3, 1000), k=300)
 MAX_TOKENS = 8
-PATCHED = ("KvconnectNixlConnector", "kvconnect.vllm")
+PATCHED = ("KvconnectNixlConnector", "kvconnect.connectors.vllm")
 STOCK = ("NixlConnector", None)
 #: 8x the 1 GiB KV cache: a capacity stock NIXL's segmented registration path accepts
 STOCK_CAPACITY = 8 << 30
@@ -262,7 +262,7 @@ def offload(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
         batch.start("offload", "offload", {
             "model": str(models["seed0"]), "prompt": PROMPT, "max_tokens": MAX_TOKENS,
             "connector": "KvconnectSimpleCPUOffloadConnector",
-            "connector_module": "kvconnect.vllm", "engine_id": "offload",
+            "connector_module": "kvconnect.connectors.vllm", "engine_id": "offload",
             "extra_config": {"cpu_bytes_to_use": 256 << 20}}, engine_env(plugin=True))
         return batch.results()["offload"]
 

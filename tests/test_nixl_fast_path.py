@@ -22,10 +22,8 @@ from _fast_path_peers import upstream_worker_stand_in as _upstream_worker_stand_
 from _nixl_peer import block_view
 
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
-from kvconnect.framing import IpcError, kernel_boot_id
-from kvconnect.kv_cache import ExtensibleKVCache
-from kvconnect.vllm.ipc_handles import IpcXferHandles
-from kvconnect.vllm.ipc_offer import (
+from kvconnect.connectors.vllm.ipc_handles import IpcXferHandles
+from kvconnect.connectors.vllm.ipc_offer import (
     REASONS,
     FastPathDecision,
     IpcOfferServer,
@@ -35,12 +33,14 @@ from kvconnect.vllm.ipc_offer import (
     offer_socket_path,
     request_offer,
 )
-from kvconnect.vllm.nixl_fast_path import (
+from kvconnect.connectors.vllm.nixl_fast_path import (
     FastPathSettings,
     NixlIpcFastPath,
     layout_mismatch,
     logical_ids,
 )
+from kvconnect.framing import IpcError, kernel_boot_id
+from kvconnect.kv_cache import ExtensibleKVCache
 
 
 @pytest.fixture

@@ -23,11 +23,9 @@ import pytest
 from _fast_path_peers import AGENT, PullWorkerStandIn, read_kw, upstream_worker_stand_in
 from _fast_path_peers import cache as _cache
 
-import kvconnect.vllm.nixl_fast_path as fast_path_module
+import kvconnect.connectors.vllm.nixl_fast_path as fast_path_module
 from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
-from kvconnect.framing import MAGIC, IpcError, connect_unix, kernel_boot_id, recv_json, send_message
-from kvconnect.kv_cache import ExtensibleKVCache
-from kvconnect.vllm.ipc_offer import (
+from kvconnect.connectors.vllm.ipc_offer import (
     MAX_OFFER_CLIENTS,
     IpcOfferServer,
     _decide,
@@ -36,7 +34,9 @@ from kvconnect.vllm.ipc_offer import (
     offer_socket_path,
     request_offer,
 )
-from kvconnect.vllm.nixl_fast_path import FastPathSettings, NixlIpcFastPath, retry_delay
+from kvconnect.connectors.vllm.nixl_fast_path import FastPathSettings, NixlIpcFastPath, retry_delay
+from kvconnect.framing import MAGIC, IpcError, connect_unix, kernel_boot_id, recv_json, send_message
+from kvconnect.kv_cache import ExtensibleKVCache
 from kvconnect.vllm.plugin_settings import PluginConfigError
 
 

@@ -1,6 +1,6 @@
 """KvconnectNixlConnector's resize logic without vLLM or NIXL: registration pieces (one per
 physical allocation), the straddle check, and the decode side's peer refresh and read
-guard over a stand-in of upstream's worker (kvconnect.vllm.nixl_resize)."""
+guard over a stand-in of upstream's worker (kvconnect.connectors.vllm.nixl_resize)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvconnect.vllm.nixl_resize import (
+from kvconnect.connectors.vllm.nixl_resize import (
     NixlResizeError,
     NixlResizeState,
     chunk_pieces,

@@ -141,24 +141,14 @@ def test_no_import_cycle() -> None:
 #: the folders, lowest first: kvconnect/ (core), connectors/ (installed as
 #: kvconnect.connectors) and harness/ (kvconnect.harness)
 FOLDERS = ("kvconnect", "kvconnect.connectors", "kvconnect.harness")
-#: upward imports between folders still in the tree, each with its way out (issue 24, item 0:
-#: the fast path is connector code living in kvconnect/vllm/); nothing may be added here
-KNOWN_UPWARD = {
-    ("kvconnect.vllm.nixl_fast_path", "kvconnect.connectors.errors"):
-        "move the fast path (with patched_nixl, ipc_offer, ipc_handles) to connectors/",
-    ("kvconnect.vllm.nixl_fast_path", "kvconnect.connectors.ipc.transport"):
-        "move the fast path (with patched_nixl, ipc_offer, ipc_handles) to connectors/",
-}
-
-
 def _folder(module: str) -> int:
     return max(i for i, f in enumerate(FOLDERS) if module == f or module.startswith(f + "."))
 
 
 def test_folders_import_downwards() -> None:
     """No module of kvconnect/ imports connectors/ or harness/, and no module of connectors/
-    imports harness/ (relative and function-level imports included), except the pairs of
-    KNOWN_UPWARD, each of which must still exist (the list only shrinks)."""
-    upward = {(m, d) for m, deps in GRAPH.items() for d in deps if _folder(d) > _folder(m)}
-    assert sorted(upward - set(KNOWN_UPWARD)) == []
-    assert sorted(set(KNOWN_UPWARD) - upward) == []  # fixed: take it off the list
+    imports harness/ (relative and function-level imports included): the folders say the
+    floor (vLLM's patched connectors and the fast path live in connectors/vllm/)."""
+    upward = sorted(f"{m} imports {d}" for m, deps in GRAPH.items() for d in deps
+                    if _folder(d) > _folder(m))
+    assert upward == []

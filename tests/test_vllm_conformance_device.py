@@ -153,7 +153,7 @@ def test_a_case_runs_by_either_start_method(start_method: str) -> None:
     pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
     from kvconnect.vllm.conformance import run_conformance
 
-    (r,) = run_conformance(["kvconnect.vllm:KvconnectSimpleCPUOffloadConnector"], ["LBHNC"],
+    (r,) = run_conformance(["kvconnect.connectors.vllm:KvconnectSimpleCPUOffloadConnector"], ["LBHNC"],
                            timeout=120, start_method=start_method, device="cpu")
     assert r["status"] == "pass", r
     assert r["device"] == "cpu" and r["checks"]["offload_round_trip"]["moved_bytes"] > 0
@@ -167,8 +167,8 @@ def test_cuda_probes_keep_upstream_copy_engine() -> None:
     pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
     import vllm.v1.simple_kv_offload.worker as worker
 
+    from kvconnect.connectors.vllm.patched_offload import KvconnectSimpleCPUOffloadConnector
     from kvconnect.vllm.conformance.probes import SimpleCPUOffloadProbe, probe_for
-    from kvconnect.vllm.patched_offload import KvconnectSimpleCPUOffloadConnector
 
     probe = probe_for(KvconnectSimpleCPUOffloadConnector, "cuda:0")
     assert isinstance(probe, SimpleCPUOffloadProbe) and probe.device.type == "cuda"

@@ -19,9 +19,9 @@ from kvconnect.vllm.conformance import STOCK_AND_PATCHED, run_conformance  # noq
 
 pytestmark = pytest.mark.vllm
 
-STOCK = {"NixlConnector": "kvconnect.vllm:KvconnectNixlConnector",
-         "SimpleCPUOffloadConnector": "kvconnect.vllm:KvconnectSimpleCPUOffloadConnector",
-         "OffloadingConnector": "kvconnect.vllm:KvconnectOffloadingConnector"}
+STOCK = {"NixlConnector": "kvconnect.connectors.vllm:KvconnectNixlConnector",
+         "SimpleCPUOffloadConnector": "kvconnect.connectors.vllm:KvconnectSimpleCPUOffloadConnector",
+         "OffloadingConnector": "kvconnect.connectors.vllm:KvconnectOffloadingConnector"}
 
 
 def _by_case(results: list[dict]) -> dict[tuple[str, str], dict]:
@@ -106,7 +106,7 @@ def test_one_prefill_one_decode_through_vllms_connector_api(layout: str) -> None
     NIXL on CPU: the patched connector moves the blocks byte-exact, stock does not."""
     from kvconnect.vllm.conformance.pd import run_pd
 
-    ours = run_pd("kvconnect.vllm:KvconnectNixlConnector", layout, timeout=60)
+    ours = run_pd("kvconnect.connectors.vllm:KvconnectNixlConnector", layout, timeout=60)
     assert ours["status"] == "pass", ours
     assert ours["byte_exact"] and ours["received"] and ours["prefill_saw_completion"]
     assert ours["load_error_blocks"] == [] and ours["bytes"] == 8 * 2 * 16384

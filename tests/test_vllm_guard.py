@@ -20,7 +20,8 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_importing_kvconnect_never_imports_vllm() -> None:
-    out = _python("import sys, json, kvconnect, kvconnect.vllm, kvconnect.views, "
+    out = _python("import sys, json, kvconnect, kvconnect.vllm, kvconnect.connectors.vllm, "
+                  "kvconnect.views, "
                   "kvconnect.layout, kvconnect.vllm.conformance.plugin; "
                   "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')))")
     assert out.returncode == 0, out.stderr
@@ -29,7 +30,7 @@ def test_importing_kvconnect_never_imports_vllm() -> None:
 
 @pytest.mark.skipif(vllm_available() is None, reason="vLLM is installed here")
 def test_without_vllm_the_vllm_parts_say_what_to_install() -> None:
-    out = _python("import kvconnect.vllm as v; v.KvconnectNixlConnector")
+    out = _python("import kvconnect.connectors.vllm as v; v.KvconnectNixlConnector")
     assert out.returncode != 0 and "kvconnect[vllm]" in out.stderr
     cli = subprocess.run([sys.executable, "-m", "kvconnect.vllm.conformance.cli",
                           "NixlConnector"], capture_output=True, text=True, timeout=120)

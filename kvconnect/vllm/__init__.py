@@ -13,10 +13,9 @@ below load on first use, and those marked (vLLM) need vLLM 0.33 installed
 - :func:`resize_kv_cache` (vLLM, plugin on): grow or shrink a running engine's KV cache at
   the same addresses (:func:`kv_cache_resize_status`, :func:`elastic_facts`,
   :class:`KVCacheResizeError`; the optional policy's knobs: :class:`ElasticPolicy`).
-- :class:`KvconnectNixlConnector`, :class:`KvconnectSimpleCPUOffloadConnector`,
-  :class:`KvconnectOffloadingConnector` (vLLM): upstream's connectors whose workers see only
-  committed memory. Load them with ``--kv-transfer-config '{"kv_connector":
-  "KvconnectNixlConnector", "kv_connector_module_path": "kvconnect.vllm", ...}'``.
+
+vLLM's connectors patched to see only committed memory (``KvconnectNixlConnector``, ...) are
+connector code: :mod:`kvconnect.connectors.vllm`.
 """
 
 from __future__ import annotations
@@ -32,9 +31,6 @@ _EXPORTS: dict[str, str] = {
     "VllmKVCache": "kvconnect.vllm.cache",
     "bound_for_connector": "kvconnect.vllm.bounding",
     "BoundedKVCaches": "kvconnect.vllm.bounding",
-    "KvconnectNixlConnector": "kvconnect.vllm.patched_nixl",
-    "KvconnectSimpleCPUOffloadConnector": "kvconnect.vllm.patched_offload",
-    "KvconnectOffloadingConnector": "kvconnect.vllm.patched_offload",
     "prepare_cpu_runtime": "kvconnect.vllm.runtime",
     "vllm_available": "kvconnect.vllm.runtime",
     "PluginConfigError": "kvconnect.vllm.plugin_settings",
@@ -52,18 +48,25 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+def load_export(exports: dict[str, str], package: str, name: str) -> Any:
+    """``exports[name]`` (a module path) imported and its ``name`` returned, for a package's
+    lazy ``__getattr__``; AttributeError for a name not exported, ImportError saying how to
+    install vLLM when that module needs it."""
+    module = exports.get(name)
     if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
     try:
-        value = getattr(importlib.import_module(module), name)
+        return getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as exc:
         if exc.name != "vllm" and not str(exc.name).startswith("vllm."):
             raise
-        raise ImportError(f"kvconnect.vllm.{name} needs vLLM 0.33: pip install "
+        raise ImportError(f"{package}.{name} needs vLLM 0.33: pip install "
                           f"'kvconnect[vllm]' (on CPU: make test-vllm builds .venv-vllm)"
                           ) from exc
+
+
+def __getattr__(name: str) -> Any:
+    value = load_export(_EXPORTS, __name__, name)
     globals()[name] = value
     return value
 

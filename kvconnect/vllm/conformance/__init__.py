@@ -29,9 +29,9 @@ __all__ = ["STOCK_AND_PATCHED", "VLLM_LAYOUTS", "run_conformance", "run_engine_c
 
 #: the connectors docs/conformance.md compares: vLLM 0.33's and kvconnect's patched ones
 STOCK_AND_PATCHED = (
-    "NixlConnector", "kvconnect.vllm:KvconnectNixlConnector",
-    "SimpleCPUOffloadConnector", "kvconnect.vllm:KvconnectSimpleCPUOffloadConnector",
-    "OffloadingConnector", "kvconnect.vllm:KvconnectOffloadingConnector",
+    "NixlConnector", "kvconnect.connectors.vllm:KvconnectNixlConnector",
+    "SimpleCPUOffloadConnector", "kvconnect.connectors.vllm:KvconnectSimpleCPUOffloadConnector",
+    "OffloadingConnector", "kvconnect.connectors.vllm:KvconnectOffloadingConnector",
 )
 
 

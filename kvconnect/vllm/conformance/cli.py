@@ -1,7 +1,7 @@
 """``kvconnect-conformance``: run the conformance kit on connectors, print / write results.
 
     kvconnect-conformance mypkg.connector:MyConnector             # every vLLM layout
-    kvconnect-conformance NixlConnector kvconnect.vllm:KvconnectNixlConnector \\
+    kvconnect-conformance NixlConnector kvconnect.connectors.vllm:KvconnectNixlConnector \\
         --layouts LBHNC,BLHNC --json out.json --markdown out.md
 
 A connector is ``module:Class`` (loaded as vLLM loads ``kv_connector_module_path``) or a

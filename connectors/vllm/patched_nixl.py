@@ -4,9 +4,9 @@ through kvconnect's ``ipc`` transport instead of a NIXL READ (needs vLLM and NIX
 it with::
 
     --kv-transfer-config '{"kv_connector": "KvconnectNixlConnector",
-                           "kv_connector_module_path": "kvconnect.vllm", "kv_role": ...}'
+                           "kv_connector_module_path": "kvconnect.connectors.vllm", "kv_role": ...}'
 
-The fast path (:mod:`kvconnect.vllm.nixl_fast_path`) is negotiated per prefill worker right
+The fast path (:mod:`kvconnect.connectors.vllm.nixl_fast_path`) is negotiated per prefill worker right
 after upstream's NIXL handshake and falls back to NIXL, logged once per peer with the
 reason, whenever either side cannot take it. ``kv_connector_extra_config``:
 ``"kvconnect_ipc": false`` turns it off; ``"kvconnect_ipc_dir"`` is the directory of its
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
-from .head_planes import nixl_head_planes
+from kvconnect.vllm.head_planes import nixl_head_planes
+
 from .nixl_fast_path import FastPathSettings, NixlIpcFastPath
 from .nixl_resize import (
     KV_VERSION_PARAM,
@@ -47,7 +48,7 @@ class KvconnectNixlConnector(CommittedOnly, NixlConnector):
     kvconnect_kv_version: int = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from .engine_cache import record_for_views
+        from kvconnect.vllm.engine_cache import record_for_views
 
         bounded = self._bounded(kv_caches)
         record = record_for_views(kv_caches)
@@ -166,7 +167,7 @@ class KvconnectNixlConnector(CommittedOnly, NixlConnector):
         settings = FastPathSettings.from_extra_config(ktc.kv_connector_extra_config)
         record = None
         if settings.enabled:
-            from .engine_cache import record_for_views
+            from kvconnect.vllm.engine_cache import record_for_views
 
             record = record_for_views(kv_caches)
         fast = NixlIpcFastPath(settings, str(ktc.engine_id),

@@ -39,8 +39,7 @@ from typing import Any
 
 from kvconnect.errors import KvconnectError
 from kvconnect.undo import UndoStack
-
-from .head_planes import _instance_patch
+from kvconnect.vllm.head_planes import _instance_patch
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""The same-host fast path of :class:`~kvconnect.vllm.patched_nixl.KvconnectNixlConnector`:
+"""The same-host fast path of :class:`~kvconnect.connectors.vllm.patched_nixl.KvconnectNixlConnector`:
 KV blocks through kvconnect's ``ipc`` transport (POSIX-fd mappings, one fused copy) instead
 of a NIXL READ, where both engines' caches are the plugin's.
 
 Everything else stays upstream's. The NIXL handshake runs as always; right after it
 registered a prefill worker's agent (``add_remote_agent``), the decode asks that worker for
-its ipc offer (:mod:`kvconnect.vllm.ipc_offer`) and records a :class:`FastPathDecision` per
+its ipc offer (:mod:`kvconnect.connectors.vllm.ipc_offer`) and records a :class:`FastPathDecision` per
 ``(engine, remote rank)``. A READ upstream would post (``_read_blocks``) for an ``"ipc"``
 peer becomes one :meth:`IpcTransport.start <kvconnect.connectors.ipc.transport.IpcTransport.start>`
 whose :class:`IpcXferHandles` handle goes where upstream keeps its NIXL handles
@@ -37,10 +37,11 @@ from typing import Any
 
 from kvconnect.bounded_json import Doc
 from kvconnect.checks import checked_seconds
-from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError
-from kvconnect.connectors.ipc.transport import IpcExportServer, IpcTransport
 from kvconnect.framing import IpcError
+from kvconnect.vllm.plugin_settings import PluginConfigError
 
+from ..errors import IncompatiblePeerError, KVConnectorError
+from ..ipc.transport import IpcExportServer, IpcTransport
 from .ipc_handles import IpcXferHandles
 from .ipc_offer import (
     FastPathDecision,
@@ -49,7 +50,6 @@ from .ipc_offer import (
     export_socket_name,
     request_offer,
 )
-from .plugin_settings import PluginConfigError
 
 logger = logging.getLogger(__name__)
 #: vLLM's logging configuration shows INFO lines of loggers under "vllm"
@@ -68,7 +68,7 @@ __all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "FastPathSettings", "NixlIpcFastPath"
 class FastPathSettings:
     """From ``kv_connector_extra_config`` (a JSON object): ``kvconnect_ipc`` (true or false,
     default true), ``kvconnect_ipc_dir`` (an absolute path, default
-    :func:`~kvconnect.vllm.ipc_offer.default_offer_dir`), ``kvconnect_ipc_timeout`` (seconds
+    :func:`~kvconnect.connectors.vllm.ipc_offer.default_offer_dir`), ``kvconnect_ipc_timeout`` (seconds
     above 0, at most :data:`~kvconnect.checks.MAX_SECONDS`, default 10). A key that is
     present must hold such a value: anything else raises
     :class:`~kvconnect.vllm.plugin_settings.PluginConfigError` naming the key and the

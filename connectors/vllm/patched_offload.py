@@ -1,5 +1,5 @@
 """vLLM 0.33's offload connectors, patched so their workers see only committed memory (needs
-vLLM); the NIXL one is in :mod:`kvconnect.vllm.patched_nixl` (upstream's NIXL module pulls in
+vLLM); the NIXL one is in :mod:`kvconnect.connectors.vllm.patched_nixl` (upstream's NIXL module pulls in
 attention backends that need vLLM's compiled extensions on CUDA, so it loads only when asked).
 
 Each class subclasses upstream's and changes one thing: before upstream's
@@ -17,7 +17,7 @@ the bounded views and config equal the originals, so registrations are byte-iden
 Load one with::
 
     --kv-transfer-config '{"kv_connector": "KvconnectNixlConnector",
-                           "kv_connector_module_path": "kvconnect.vllm", "kv_role": ...}'
+                           "kv_connector_module_path": "kvconnect.connectors.vllm", "kv_role": ...}'
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
     SimpleCPUOffloadConnector,
 )
 
-from .bounding import BoundedKVCaches, bound_for_connector
-from .head_planes import offloading_head_planes, simple_offload_head_planes
+from kvconnect.vllm.bounding import BoundedKVCaches, bound_for_connector
+from kvconnect.vllm.head_planes import offloading_head_planes, simple_offload_head_planes
 
 __all__ = ["CommittedOnly", "KvconnectOffloadingConnector",
            "KvconnectSimpleCPUOffloadConnector"]
@@ -79,7 +79,7 @@ class KvconnectSimpleCPUOffloadConnector(CommittedOnly, SimpleCPUOffloadConnecto
         registered with a transport."""
         import time
 
-        from .engine_cache import record_for_views
+        from kvconnect.vllm.engine_cache import record_for_views
 
         t0 = time.perf_counter()
         handler = self.worker_handler
