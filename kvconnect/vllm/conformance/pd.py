@@ -171,6 +171,11 @@ def _decode(spec: dict[str, Any], p: dict[str, Any], workdir: str, send: Any) ->
     deadline = time.monotonic() + spec["timeout"]
     done = False
     while time.monotonic() < deadline and not done:
+        # each step gets the scheduler's next metadata, as an engine's steps do (it asks for
+        # nothing new): binding the first one again re-read the request in every step, and
+        # a second READ's notice reached a prefill that had already let it go ("unrecognized
+        # request"), or a prefill already gone (NIXL_ERR_REMOTE_DISCONNECT)
+        worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput.make_empty()))
         worker.start_load_kv(None)  # drives handshakes that finished in the background
         _, recving = worker.get_finished(set())
         done = bool(recving and "decode-req" in recving)
