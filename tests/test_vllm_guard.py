@@ -35,3 +35,15 @@ def test_without_vllm_the_vllm_parts_say_what_to_install() -> None:
     cli = subprocess.run([sys.executable, "-m", "kvconnect.vllm.conformance.cli",
                           "NixlConnector"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 3 and "not installed" in cli.stderr  # environment, as validate
+
+
+def test_the_patched_connectors_old_path_says_where_they_moved() -> None:
+    """``kvconnect.vllm`` as kv_connector_module_path (before issue 24): vLLM's getattr fails
+    with the new path in the message, whether vLLM is installed or not."""
+    import kvconnect.vllm as v
+
+    with pytest.raises(AttributeError, match="kvconnect.connectors.vllm"):
+        _ = v.KvconnectNixlConnector
+    assert "KvconnectNixlConnector" not in v.__all__
+    with pytest.raises(AttributeError, match="has no attribute"):
+        _ = v.NoSuchThing

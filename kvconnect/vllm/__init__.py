@@ -46,6 +46,10 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
+#: names that moved out of this package -> where they live now
+_MOVED = {name: "kvconnect.connectors.vllm" for name in (
+    "KvconnectNixlConnector", "KvconnectSimpleCPUOffloadConnector",
+    "KvconnectOffloadingConnector")}
 
 
 def load_export(exports: dict[str, str], package: str, name: str) -> Any:
@@ -66,6 +70,9 @@ def load_export(exports: dict[str, str], package: str, name: str) -> Any:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}: set vLLM's "
+                             f"kv_connector_module_path to {_MOVED[name]!r}")
     value = load_export(_EXPORTS, __name__, name)
     globals()[name] = value
     return value
