@@ -13,41 +13,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from kvconnect.child import exit_signal_name
 from kvconnect.framing import send_message
 from kvconnect.verdicts import PASS
 
-from .control import CoordinatorMessage
+from .coordinator_part import CoordinatorPart
 from .workerset import LocalWorker
 
 log = logging.getLogger("kvconnect.harness.orchestrator")
 
 
-class Restarts:
+class Restarts(CoordinatorPart):
     """Worker replacement after ``restart-*`` faults (see the module docstring)."""
-
-    cfg: Any
-    workers: list[LocalWorker]
-    store: dict[str, Any]
-    waiters: list[Any]
-    peer_queries: list[Any]
-    restartable: set[str]
-    aborted: str | None
-    report: Any
-    watch: Any
-    display: Any
-
-    def _running(self, w: LocalWorker) -> None:
-        raise NotImplementedError
-
-    def _reply(self, w: LocalWorker, msg: CoordinatorMessage) -> None:
-        raise NotImplementedError
-
-    def _add_check(self, name: str, status: str, detail: str = "",
-                   data: dict[str, Any] | None = None) -> Any:
-        raise NotImplementedError
 
     def _restart(self, dead: LocalWorker, how: str) -> bool:
         """Replace ``dead`` by its standby under the same name: drop the keys it published,

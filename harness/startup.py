@@ -17,7 +17,6 @@ import os
 import select
 import socket
 import time
-from typing import Any
 
 from kvconnect.child import exit_text
 from kvconnect.errors import KvconnectError
@@ -25,6 +24,7 @@ from kvconnect.framing import IpcError, peer_credentials, recv_json, send_messag
 from kvconnect.verdicts import FAIL
 
 from .config import DECODE, PREFILL, worker_name
+from .coordinator_part import CoordinatorPart
 from .launch import launch_method, preload_worker_modules, start_worker
 from .rundir import process_start_ticks
 from .workerset import LocalWorker
@@ -36,27 +36,8 @@ class _StartupFailed(KvconnectError):
     """A worker failed during start-up (its check says how): the run ends."""
 
 
-class WorkerStartup:
+class WorkerStartup(CoordinatorPart):
     """Spawning and admitting the workers (see the module docstring)."""
-
-    cfg: Any
-    dir: str
-    listener: socket.socket | None
-    workers: list[LocalWorker]
-    restartable: set[str]
-    display: Any
-
-    def _running(self, w: LocalWorker) -> None:
-        raise NotImplementedError
-
-    def _fail_worker(self, w: LocalWorker, message: str, *, state: str, cause: str,
-                     kill: bool = False, tail: bool = True,
-                     data: dict[str, Any] | None = None) -> None:
-        raise NotImplementedError
-
-    def _add_check(self, name: str, status: str, detail: str = "",
-                   data: dict[str, Any] | None = None) -> Any:
-        raise NotImplementedError
 
     def _spawn_all(self, path: str) -> None:
         if launch_method(self.cfg) == "fork":

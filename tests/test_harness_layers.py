@@ -14,7 +14,7 @@ HARNESS = Path(kvconnect.harness.__file__).parent
 #: modules only the kvconnect-validate process (coordinator or multi-host member) needs
 COORDINATOR_MODULES = ("cli", "arguments", "resources", "orchestrator", "launch", "rundir",
                        "rendezvous", "display", "faultwatch", "cleanup", "workerset", "store_auth",
-                       "watchdog", "streams", "restarts", "startup")
+                       "watchdog", "streams", "restarts", "startup", "coordinator_part")
 
 
 #: runs the worker entry point as ``python -m kvconnect.harness.worker`` does, against a socket
