@@ -348,7 +348,7 @@ def main() -> int:
         result = run(spec)
     except BaseException as exc:
         write_json_file(spec["result"], {"crash": traceback.format_exc()[-4000:],
-                                    "error": error_chain(exc)})
+                                         "error": error_chain(exc)})
         return 1
     write_json_file(spec["result"], result)
     return 0

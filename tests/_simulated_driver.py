@@ -5,8 +5,8 @@ machine without a GPU (no GPU can exist where the CPU tests run).
 :class:`kvconnect.vmm.cuda.CudaVmmDriver` (and the HIP driver) call: it answers every entry
 point the driver uses (and the block-copy engine's stream calls: ``cuMemcpyBatchAsync``,
 ``cuMemcpyHtoDAsync_v2``, ``cuGraphLaunch``), with configurable device attributes and
-``cuMemCreate`` refusals, and records every call. It allocates and copies nothing; the real driver is exercised by the ``gpu`` tests
-on the GPU machine.
+``cuMemCreate`` refusals, and records every call. It allocates and copies nothing; the real
+driver is exercised by the ``gpu`` tests on the GPU machine.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ HERE = Path(__file__).resolve().parent
 def test_engine_mode_tells_patched_nixl_from_stock_over_the_extensible_cache() -> None:
     from kvconnect.vllm.conformance.engine import run_engine_conformance
 
-    out = run_engine_conformance(["kvconnect.connectors.vllm:KvconnectNixlConnector", "NixlConnector"],
-                                 caches=["extensible"], timeout=300, device=KIT_DEVICE)
+    out = run_engine_conformance(
+        ["kvconnect.connectors.vllm:KvconnectNixlConnector", "NixlConnector"],
+        caches=["extensible"], timeout=300, device=KIT_DEVICE)
     ref = out["reference"]
     assert ref["control_differs"], ref  # the comparisons below can fail
     ours, stock = out["results"]

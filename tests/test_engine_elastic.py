@@ -325,7 +325,8 @@ def pd(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             extra["kvconnect_ipc"] = False
         return {"connector": "IgnoringResizeNixlConnector" if double
                 else "KvconnectNixlConnector",
-                "connector_module": "_engine_elastic_child" if double else "kvconnect.connectors.vllm",
+                "connector_module": ("_engine_elastic_child" if double
+                                     else "kvconnect.connectors.vllm"),
                 "engine_id": f"elastic-{name}", "extra_config": extra}
 
     try:

@@ -153,8 +153,8 @@ def test_a_case_runs_by_either_start_method(start_method: str) -> None:
     pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
     from kvconnect.vllm.conformance import run_conformance
 
-    (r,) = run_conformance(["kvconnect.connectors.vllm:KvconnectSimpleCPUOffloadConnector"], ["LBHNC"],
-                           timeout=120, start_method=start_method, device="cpu")
+    (r,) = run_conformance(["kvconnect.connectors.vllm:KvconnectSimpleCPUOffloadConnector"],
+                           ["LBHNC"], timeout=120, start_method=start_method, device="cpu")
     assert r["status"] == "pass", r
     assert r["device"] == "cpu" and r["checks"]["offload_round_trip"]["moved_bytes"] > 0
 

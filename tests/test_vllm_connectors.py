@@ -19,9 +19,10 @@ from kvconnect.vllm.conformance import STOCK_AND_PATCHED, run_conformance  # noq
 
 pytestmark = pytest.mark.vllm
 
-STOCK = {"NixlConnector": "kvconnect.connectors.vllm:KvconnectNixlConnector",
-         "SimpleCPUOffloadConnector": "kvconnect.connectors.vllm:KvconnectSimpleCPUOffloadConnector",
-         "OffloadingConnector": "kvconnect.connectors.vllm:KvconnectOffloadingConnector"}
+PATCHED_MODULE = "kvconnect.connectors.vllm"
+STOCK = {"NixlConnector": f"{PATCHED_MODULE}:KvconnectNixlConnector",
+         "SimpleCPUOffloadConnector": f"{PATCHED_MODULE}:KvconnectSimpleCPUOffloadConnector",
+         "OffloadingConnector": f"{PATCHED_MODULE}:KvconnectOffloadingConnector"}
 
 
 def _by_case(results: list[dict]) -> dict[tuple[str, str], dict]:

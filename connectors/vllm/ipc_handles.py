@@ -1,9 +1,9 @@
 """NIXL-style transfer handles for the fast path's ipc copies
-(:mod:`kvconnect.connectors.vllm.nixl_fast_path`): upstream's NixlConnector keeps them where it keeps
-NIXL's (``_recving_transfers``) and polls them through the agent's ``check_xfer_state`` /
-``get_xfer_telemetry`` / ``release_xfer_handle``, which :meth:`IpcXferHandles.patch_agent`
-makes answer for these handles (negative ints; NIXL's are addresses) and pass every other
-handle through. Units: microseconds in telemetry (NIXL's), bytes.
+(:mod:`kvconnect.connectors.vllm.nixl_fast_path`): upstream's NixlConnector keeps them where it
+keeps NIXL's (``_recving_transfers``) and polls them through the agent's ``check_xfer_state`` /
+``get_xfer_telemetry`` / ``release_xfer_handle``, which :meth:`IpcXferHandles.patch_agent` makes
+answer for these handles (negative ints; NIXL's are addresses) and pass every other handle
+through. Units: microseconds in telemetry (NIXL's), bytes.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""The same-host fast path of :class:`~kvconnect.connectors.vllm.patched_nixl.KvconnectNixlConnector`:
-KV blocks through kvconnect's ``ipc`` transport (POSIX-fd mappings, one fused copy) instead
-of a NIXL READ, where both engines' caches are the plugin's.
+"""The same-host fast path of
+:class:`~kvconnect.connectors.vllm.patched_nixl.KvconnectNixlConnector`: KV blocks through
+kvconnect's ``ipc`` transport (POSIX-fd mappings, one fused copy) instead of a NIXL READ, where
+both engines' caches are the plugin's.
 
-Everything else stays upstream's. The NIXL handshake runs as always; right after it
-registered a prefill worker's agent (``add_remote_agent``), the decode asks that worker for
-its ipc offer (:mod:`kvconnect.connectors.vllm.ipc_offer`) and records a :class:`FastPathDecision` per
-``(engine, remote rank)``. A READ upstream would post (``_read_blocks``) for an ``"ipc"``
-peer becomes one :meth:`IpcTransport.start <kvconnect.connectors.ipc.transport.IpcTransport.start>`
+Everything else stays upstream's. The NIXL handshake runs as always; right after it registered a
+prefill worker's agent (``add_remote_agent``), the decode asks that worker for its ipc offer
+(:mod:`kvconnect.connectors.vllm.ipc_offer`) and records a :class:`FastPathDecision` per
+``(engine, remote rank)``. A READ upstream would post (``_read_blocks``) for an ``"ipc"`` peer
+becomes one :meth:`IpcTransport.start <kvconnect.connectors.ipc.transport.IpcTransport.start>`
 whose :class:`IpcXferHandles` handle goes where upstream keeps its NIXL handles
 (``_recving_transfers``), with the producer's notification queued where upstream queues
 deferred ones (``_pending_recv_notifs``). Upstream's own polling then reports it: the copy
@@ -68,11 +69,11 @@ __all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "FastPathSettings", "NixlIpcFastPath"
 class FastPathSettings:
     """From ``kv_connector_extra_config`` (a JSON object): ``kvconnect_ipc`` (true or false,
     default true), ``kvconnect_ipc_dir`` (an absolute path, default
-    :func:`~kvconnect.connectors.vllm.ipc_offer.default_offer_dir`), ``kvconnect_ipc_timeout`` (seconds
-    above 0, at most :data:`~kvconnect.checks.MAX_SECONDS`, default 10). A key that is
+    :func:`~kvconnect.connectors.vllm.ipc_offer.default_offer_dir`), ``kvconnect_ipc_timeout``
+    (seconds above 0, at most :data:`~kvconnect.checks.MAX_SECONDS`, default 10). A key that is
     present must hold such a value: anything else raises
-    :class:`~kvconnect.vllm.plugin_settings.PluginConfigError` naming the key and the
-    accepted form."""
+    :class:`~kvconnect.vllm.plugin_settings.PluginConfigError` naming the key and the accepted
+    form."""
 
     enabled: bool
     directory: str

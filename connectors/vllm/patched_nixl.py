@@ -6,11 +6,11 @@ it with::
     --kv-transfer-config '{"kv_connector": "KvconnectNixlConnector",
                            "kv_connector_module_path": "kvconnect.connectors.vllm", "kv_role": ...}'
 
-The fast path (:mod:`kvconnect.connectors.vllm.nixl_fast_path`) is negotiated per prefill worker right
-after upstream's NIXL handshake and falls back to NIXL, logged once per peer with the
+The fast path (:mod:`kvconnect.connectors.vllm.nixl_fast_path`) is negotiated per prefill worker
+right after upstream's NIXL handshake and falls back to NIXL, logged once per peer with the
 reason, whenever either side cannot take it. ``kv_connector_extra_config``:
-``"kvconnect_ipc": false`` turns it off; ``"kvconnect_ipc_dir"`` is the directory of its
-sockets (both engines must name the same one). docs/vllm-plugin.md says more.
+``"kvconnect_ipc": false`` turns it off; ``"kvconnect_ipc_dir"`` is the directory of its sockets
+(both engines must name the same one). docs/vllm-plugin.md says more.
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
 """vLLM 0.33's offload connectors, patched so their workers see only committed memory (needs
-vLLM); the NIXL one is in :mod:`kvconnect.connectors.vllm.patched_nixl` (upstream's NIXL module pulls in
-attention backends that need vLLM's compiled extensions on CUDA, so it loads only when asked).
+vLLM); the NIXL one is in :mod:`kvconnect.connectors.vllm.patched_nixl` (upstream's NIXL module
+pulls in attention backends that need vLLM's compiled extensions on CUDA, so it loads only when
+asked).
 
-Each class subclasses upstream's and changes one thing: before upstream's
-``register_kv_caches`` runs, the views and the connector's ``KVCacheConfig`` are bounded to
-the committed blocks (:func:`kvconnect.vllm.bounding.bound_for_connector`), and, for
-``LHBNC``, each head plane is placed where the view puts it, not where upstream derives it
-from the block count (:mod:`kvconnect.vllm.head_planes`; for OffloadingConnector this also
-fixes upstream's LHBNC bug on plain allocations: it moved only the first head). ``KvconnectSimpleCPUOffloadConnector`` also follows an elastic resize
-(``kvconnect_resize_kv_caches``); ``KvconnectOffloadingConnector`` does not yet (a resize
-is refused while it is configured). Everything else,
-including sleep / wake (``unregister_kv_caches`` / ``restore_kv_caches``, which re-register
+Each class subclasses upstream's and changes one thing: before upstream's ``register_kv_caches``
+runs, the views and the connector's ``KVCacheConfig`` are bounded to the committed blocks
+(:func:`kvconnect.vllm.bounding.bound_for_connector`), and, for ``LHBNC``, each head plane is
+placed where the view puts it, not where upstream derives it from the block count
+(:mod:`kvconnect.vllm.head_planes`; for OffloadingConnector this also fixes upstream's LHBNC bug
+on plain allocations: it moved only the first head). ``KvconnectSimpleCPUOffloadConnector`` also
+follows an elastic resize (``kvconnect_resize_kv_caches``); ``KvconnectOffloadingConnector``
+does not yet (a resize is refused while it is configured). Everything else, including sleep /
+wake (``unregister_kv_caches`` / ``restore_kv_caches``, which re-register
 exactly what was registered: the committed extents), is upstream's. On a plain allocation
 the bounded views and config equal the originals, so registrations are byte-identical.
 

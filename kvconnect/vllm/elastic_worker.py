@@ -126,8 +126,8 @@ def check_resize(worker: Any, num_blocks: int) -> tuple[EngineKVCache, Any]:
             f"the KV connector {type(connector).__name__} cannot follow a KV cache resize: its "
             f"registrations and descriptors cover the {cache.num_blocks} blocks it was given "
             f"and would stay so (peers would read unregistered or released memory). Use "
-            f"kvconnect's patched connectors (kv_connector_module_path: kvconnect.connectors.vllm). "
-            f"Nothing was changed.")
+            f"kvconnect's patched connectors (kv_connector_module_path: "
+            f"kvconnect.connectors.vllm). Nothing was changed.")
     return record, connector
 
 

@@ -275,9 +275,10 @@ def _record_for(worker: Any) -> EngineKVCache:
 
 def worker_facts(worker: Any) -> dict[str, Any]:
     """The worker's KV cache facts (``llm.collective_rpc("kvconnect_kv_cache_facts")``),
-    with ``fast_path`` added where the worker's connector is kvconnect's NIXL connector
-    (its :meth:`~kvconnect.connectors.vllm.patched_nixl.KvconnectNixlConnector.kvconnect_fast_path_facts`:
-    the one way to read them from a multi-process engine, as ``vllm serve`` runs)."""
+    with ``fast_path`` added where the worker's connector is kvconnect's NIXL connector (its
+    ``kvconnect_fast_path_facts``, of
+    :class:`~kvconnect.connectors.vllm.patched_nixl.KvconnectNixlConnector`: the one way to
+    read them from a multi-process engine, as ``vllm serve`` runs)."""
     facts = _record_for(worker).facts()
     fast_path = getattr(_transfer_group(), "kvconnect_fast_path_facts", None)
     if fast_path is not None:

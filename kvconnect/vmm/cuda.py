@@ -7,11 +7,12 @@ is made current and how the device is synchronised.
 Contracts (all sizes in bytes):
 
 - ``create(size, options=AllocationOptions(shareable=True))`` requests POSIX file-descriptor
-  handles; ``AllocationOptions(rdma_capable=True)`` sets ``gpuDirectRDMACapable`` only where ``GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`` is 1. A flag
-  the device cannot grant (attribute 0, or ``cuMemCreate`` refuses it) is dropped with one
-  ``logging`` warning per driver, and there is one driver per device
-  (:func:`kvconnect.vmm.probe_vmm` caches it); :attr:`PhysicalHandle.granted` records the flags the
-  allocation really has (read back with ``cuMemGetAllocationPropertiesFromHandle``).
+  handles; ``AllocationOptions(rdma_capable=True)`` sets ``gpuDirectRDMACapable`` only where
+  ``GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`` is 1. A flag the device cannot grant (attribute 0,
+  or ``cuMemCreate`` refuses it) is dropped with one ``logging`` warning per driver, and there
+  is one driver per device (:func:`kvconnect.vmm.probe_vmm` caches it);
+  :attr:`PhysicalHandle.granted` records the flags the allocation really has (read back with
+  ``cuMemGetAllocationPropertiesFromHandle``).
 - Every call runs with this device's primary context current. On a thread with no current
   context the primary context is made current and left so (as ``torch`` would); on a thread
   where another context is current it is pushed for the call and popped after.

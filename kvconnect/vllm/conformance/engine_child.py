@@ -155,7 +155,8 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     if control:
         ids = control[0] if control and isinstance(control[0], list) else control
         zeroed = _zero_blocks(llm, [int(b) for b in ids])
-    write_json_file(spec["params_out"], {"kv_transfer_params": params, "control_zeroed_bytes": zeroed})
+    write_json_file(spec["params_out"], {"kv_transfer_params": params,
+                                         "control_zeroed_bytes": zeroed})
     _stage(spec, "serving KV to the consumer")
     wait_for_json_file(spec["done_file"], deadline)
     return {"outputs": outs, "control_zeroed_bytes": zeroed, "facts": _facts(llm)}

@@ -1,10 +1,10 @@
 """The kit's option checks, shared by the CLI and the pytest plugin (no vLLM, no CUDA init).
 
 Each checker returns the parsed value or raises :class:`kvconnect.errors.OptionError` (a
-``ValueError``; the harness's option error too) saying what was wrong and what to give
-instead; callers turn it into their usage error (exit 2, pytest's ``UsageError``). :func:`gpu_absent_reason` is an environment check (exit
-3): it loads the CUDA driver library and counts devices through NVML, never initialising
-CUDA in a process that will fork cases.
+``ValueError``; the harness's option error too) saying what was wrong and what to give instead;
+callers turn it into their usage error (exit 2, pytest's ``UsageError``).
+:func:`gpu_absent_reason` is an environment check (exit 3): it loads the CUDA driver library and
+counts devices through NVML, never initialising CUDA in a process that will fork cases.
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ def check_output_path(flag: str, path: str | None) -> None:
 
 
 def gpu_absent_reason(device: str) -> str | None:
-    """None when ``device`` (``cuda[:N]``) names a GPU this machine has; else why not. The
-    CUDA driver is loaded (the package's one binding of it), devices are counted through NVML (CUDA stays uninitialised)."""
+    """None when ``device`` (``cuda[:N]``) names a GPU this machine has; else why not. The CUDA
+    driver is loaded (the package's one binding of it), devices are counted through NVML (CUDA
+    stays uninitialised)."""
     if optional_library(CUDA) is None:
         return f"no GPU: {device} was asked for, but no CUDA driver is installed " \
                "(libcuda.so.1 cannot be loaded)"

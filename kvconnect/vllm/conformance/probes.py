@@ -8,10 +8,11 @@ afterwards, so they may patch classes for the life of that process.
 
 Two stand-ins replace what cannot exist on a CPU-only machine, and say so in their names:
 :class:`HostStreamStandIn` for ``torch.cuda.Stream`` and :class:`HostCopyBackendStandIn` for
-SimpleCPUOffload's ``cuMemcpyBatchAsync`` backend (it copies the same rows, synchronously),
-both from :mod:`kvconnect.vllm.host_stand_ins`, which CPU engines use too. On CUDA (a probe's ``device``) SimpleCPUOffload keeps upstream's streams and its
-``DmaCopyBackend``. OffloadingConnector's CUDA worker is not created on either (it needs
-vLLM's compiled ``swap_blocks_batch``): :class:`OffloadingProbe` captures the canonical
+SimpleCPUOffload's ``cuMemcpyBatchAsync`` backend (it copies the same rows, synchronously), both
+from :mod:`kvconnect.vllm.host_stand_ins`, which CPU engines use too. On CUDA (a probe's
+``device``) SimpleCPUOffload keeps upstream's streams and its ``DmaCopyBackend``.
+OffloadingConnector's CUDA worker is not created on either (it needs vLLM's compiled
+``swap_blocks_batch``): :class:`OffloadingProbe` captures the canonical
 tensors upstream hands it and copies their rows the way that worker would (on the device's
 memory, through torch).
 
@@ -30,8 +31,8 @@ from kvconnect.views import block_span
 
 from ..host_stand_ins import HostCopyBackendStandIn, HostStreamStandIn
 
-__all__ = ["PROBES", "ConnectorProbe", "GenericProbe", "NixlProbe", "NixlRegistrations", "OffloadingProbe", "Region",
-           "SimpleCPUOffloadProbe", "dma_copy", "probe_for"]
+__all__ = ["PROBES", "ConnectorProbe", "GenericProbe", "NixlProbe", "NixlRegistrations",
+           "OffloadingProbe", "Region", "SimpleCPUOffloadProbe", "dma_copy", "probe_for"]
 
 
 @dataclass(frozen=True)
