@@ -108,6 +108,59 @@ def _copy_reference(nbytes: int, src_device: str = "cuda:0", repeats: int = 5
             "cold_seconds": cold}
 
 
+def _fetch_probe(blocks: int, peer_engine: str, repeats: int = 10) -> dict[str, Any]:
+    """In the decode engine's process while it is idle: fetches of ``blocks`` random blocks
+    from ``peer_engine`` through the fast path's own transport (mapping and plan as the
+    engine's reads use them), each timed as the fast path times a read (``seconds``, with
+    ``host_seconds`` / ``launch_seconds``); ``gated``: the same behind a 1 ms device sleep,
+    so the copy's events cover the device's work only, not the host's issuing; ``kernel``:
+    ``repeats`` copies back to back between two events (device time per copy). Medians;
+    ``first``: the first fetch's ``seconds``. Then the prefix cache is reset (the probe
+    wrote into free blocks)."""
+    import numpy as np
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    fast = get_kv_transfer_group().kvconnect_fast_path
+    (peer,) = [f"{p['engine_id']}#{p['remote_rank']}" for p in fast.facts()["peers"]
+               if p["engine_id"] == peer_engine and p.get("plan")]
+    transport = fast.transport
+    plan = transport.plan_for(peer)
+    rng = np.random.default_rng(blocks)
+
+    def ids() -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(np.sort(rng.choice(plan.src_blocks, blocks, replace=False)),
+                 rng.choice(plan.dst_blocks, blocks, replace=False))]
+
+    def fetch(gate: bool) -> Any:
+        torch.cuda.synchronize()
+        if gate:
+            torch.cuda._sleep(2_000_000)  # about 1 ms of device time before the copy
+        return transport.start(peer, ids()).wait(30.0)
+
+    def med(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    out: dict[str, Any] = {"blocks": blocks, "peer": peer, "plan": plan.describe()}
+    for name, gate in (("open", False), ("gated", True)):
+        results = [fetch(gate) for _ in range(repeats + 1)]
+        out[name] = {"first": results[0].seconds,
+                     "seconds": med([r.seconds for r in results[1:]]),
+                     "host_seconds": med([r.host_seconds for r in results[1:]]),
+                     "launch_seconds": med([r.launch_seconds for r in results[1:]])}
+    batches = [ids()[0] for _ in range(repeats)]
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(2_000_000)
+    start.record()
+    for src, dst in batches:
+        plan.copy(src, dst, validate=False)
+    end.record()
+    end.synchronize()
+    out["kernel"] = {"seconds": start.elapsed_time(end) / 1e3 / repeats}
+    return out
+
+
 def engine_main(spec_path: str) -> int:
     """The engine process: build the engine, then answer command files until ``stop``."""
     spec = json.loads(Path(spec_path).read_text())
@@ -156,6 +209,11 @@ def engine_main(spec_path: str) -> int:
 def _serve(llm: Any, sampling: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     if cmd["op"] == "copy_reference":
         return _copy_reference(cmd["bytes"], cmd.get("src_device", "cuda:0"))
+    if cmd["op"] == "fetch_probe":
+        try:
+            return _fetch_probe(cmd["blocks"], cmd["peer"])
+        finally:
+            llm.reset_prefix_cache()
     extra = {"kv_transfer_params": cmd["params"]} if cmd.get("params") else None
     if cmd["op"] == "prefill":
         extra = {"kv_transfer_params": {"do_remote_decode": True}}
@@ -410,7 +468,24 @@ def _one_size(args: argparse.Namespace, engines: dict[str, Engine], n: int, dead
             {"op": "copy_reference", "bytes": nbytes,
              "src_device": "cuda:1" if cross else "cuda:0"}, until())
         size["copy_reference"]["kind"] = "peer" if cross else "d2d"
+        ipc_runs = size["routes"].get("ipc", {}).get("runs", [])
+        per_block = _bytes_per_block(ipc_runs)
+        if args.fetch_probe and per_block:
+            size["fetch_probe"] = engines["decode-kvconnect"].call(
+                {"op": "fetch_probe", "blocks": nbytes // per_block, "peer": "prefill-ipc"},
+                until())
+            print(f"{n} tokens, fetch probe: {json.dumps(size['fetch_probe'])[:600]}",
+                  flush=True)
     return size
+
+
+def _bytes_per_block(runs: list[dict[str, Any]]) -> int:
+    """Bytes per block of the ipc route's plan (from the decode's fast-path facts)."""
+    for r in runs:
+        for p in (r.get("fast_path") or {}).get("peers", []):
+            if p.get("engine_id") == "prefill-ipc" and p.get("plan"):
+                return int(p["plan"]["bytes_per_block"])
+    return 0
 
 
 def _kv_bytes(size: dict[str, Any]) -> int:
@@ -478,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=90.0,
                     help="seconds one engine call may take (a route that fails is not asked "
                          "again)")
+    ap.add_argument("--fetch-probe", action="store_true",
+                    help="after each length, time the fast path's fetch inside the idle decode "
+                         "engine (open, behind a device sleep, kernel alone)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     ap.add_argument("--logs", help="copy every engine's log into this folder")

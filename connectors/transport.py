@@ -62,11 +62,10 @@ class FetchResult:
     ``UCX``, ...); ``setup_seconds``: set-up paid inside this fetch (0.0 when the peer was
     cached); ``blocks``: logical blocks moved; ``note``: details for a human (never parsed);
     ``descriptors``: transfer descriptors it used (blocks x regions; 0 where not counted);
-    ``host_seconds``: the part of ``seconds`` spent on the host before the copy's stream
-    reached it (0.0 where not measured; the rest is device time); ``launch_seconds``: host
-    time spent issuing the copy once the stream was there (ids uploaded, kernel or graph
-    launched; 0.0 where not measured): an idle device waits for it, so it is part of the
-    device time, not of ``host_seconds``."""
+    ``host_seconds``: host time preparing the copy (ids converted and checked) and
+    ``launch_seconds``: host time issuing it (ids uploaded, kernel or graph launched), both
+    0.0 where not measured; where ``seconds`` is timed on the device (the ipc transport on
+    CUDA) they are part of it only as far as the device waited for them."""
 
     bytes: int
     seconds: float

@@ -42,10 +42,10 @@ _CHILD = textwrap.dedent("""
     from kvconnect.vmm import AllocationOptions
     from kvconnect.connectors.ipc.transport import IpcExportServer
 
-    layers, seed, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    layers, seed, n, device = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 
     cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=n, num_layers=layers),
-                              "cpu", capacity_blocks=n * 4,
+                              device, capacity_blocks=n * 4,
                               options=AllocationOptions(shareable=True))
     cache.allocate()
     cache.extend_kv_cache(n)
@@ -74,14 +74,14 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _child(layers: int, seed: int) -> JsonLinePeer:
+def _child(layers: int, seed: int, device: str = "cpu") -> JsonLinePeer:
     """A process serving a filled cache of ``layers`` layers: its hello holds the offer."""
-    return JsonLinePeer(["-c", _CHILD, str(layers), str(seed), str(NUM_BLOCKS)])
+    return JsonLinePeer(["-c", _CHILD, str(layers), str(seed), str(NUM_BLOCKS), device])
 
 
-def _cache(layers: int = 2) -> ExtensibleKVCache:
+def _cache(layers: int = 2, device: str = "cpu") -> ExtensibleKVCache:
     cache = ExtensibleKVCache(preset("llama3-8b-like", num_blocks=NUM_BLOCKS, num_layers=layers),
-                              "cpu", capacity_blocks=NUM_BLOCKS * 4,
+                              device, capacity_blocks=NUM_BLOCKS * 4,
                               options=AllocationOptions(shareable=True))
     cache.allocate()
     cache.extend_kv_cache(NUM_BLOCKS)
@@ -252,3 +252,25 @@ def test_one_gbps_rule() -> None:
     assert Transfer.measured("p->d", "ipc", 10, 0.0, True).gbps == 0.0
     point = SweepPoint("p->d", "ipc", 4000, 1, 0, 1, 0.0, 0.0, 1e-6, True)
     assert (point.avg_gbps, point.peak_gbps, point.low_gbps) == (0.0, 0.0, 4.0)
+
+
+@pytest.mark.gpu
+def test_gpu_a_started_fetch_is_timed_on_the_device_from_its_start() -> None:
+    """``seconds`` of a started fetch runs on the device's timeline from the call: work queued
+    on the stream before it (a 50 ms device sleep) does not count, and on an idle stream the
+    host's preparing and issuing, which the device waited for, does; the bytes arrive."""
+    with _child(layers=2, seed=5, device="cuda:0") as peer, _cache(device="cuda:0") as dst, \
+            _cache(device="cuda:0") as want, IpcTransport(dst, timeout=30) as ipc:
+        fill_cache(want, seed=5)
+        ipc.open_peer("child", peer.hello["offer"])
+        ipc.fetch("child", [1], [1])  # warm
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # about 50 ms of device time queued before the call
+        queued = ipc.start("child", [([20, 3], [0, 7])]).wait(30.0)
+        assert queued.seconds < 0.02, queued
+        assert queued.host_seconds > 0 and queued.launch_seconds > 0
+        torch.cuda.synchronize()
+        idle = ipc.start("child", [([4, 5], [8, 9])]).wait(30.0)
+        assert idle.seconds >= 0.5 * (idle.host_seconds + idle.launch_seconds), idle
+        for r, lo in ((20, 0), (3, 7), (4, 8), (5, 9)):
+            assert _same(_block(dst, lo), _block(want, r)), (r, lo)

@@ -273,6 +273,7 @@ def test_a_read_becomes_one_copy_upstream_polls_and_notifies(
         try:
             fast.transport = IpcTransport(dst, timeout=5.0)
             assert fast.negotiate("prefill-0", 0, AGENT).route == "ipc"
+            assert fast.facts()["peers"][0]["plan"] is None  # mapped at the first read
             assert fast._read_by_ipc(worker, _read_kw([6, 7], [1, 2]))
             (handle,) = worker._recving_transfers["req-1"]
             assert worker._pending_recv_notifs["req-1"] == [(AGENT, b"p-req-1:1")]
@@ -284,8 +285,11 @@ def test_a_read_becomes_one_copy_upstream_polls_and_notifies(
             assert (peer["ipc_reads"], peer["ipc_blocks"]) == (1, 2)
             assert peer["ipc_bytes"] == 2 * dst.bytes_per_block
             # the host copies synchronously: all of the read's time is the copy's
-            assert peer["ipc_copy_us"] > 0 and peer["ipc_host_us"] == 0
+            assert peer["ipc_us"] > 0 and peer["ipc_host_us"] == 0
             assert peer["ipc_launch_us"] == 0  # measured on CUDA only
+            plan = peer["plan"]
+            assert plan["bytes_per_block"] == dst.bytes_per_block
+            assert plan["method"] == "host" and plan["device"] == "cpu"
             # a read the copy cannot do (a block id past the cache) goes to NIXL, and so
             # do the peer's later reads
             assert not fast._read_by_ipc(worker, _read_kw([NUM_BLOCKS + 3], [1]))

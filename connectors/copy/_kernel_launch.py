@@ -13,8 +13,9 @@ plan's block count: a grid at most 1.5x the live one, and about ``2 log2(blocks)
 A slot is free again when the event recorded after its last replay has completed (its upload
 has read the pinned buffer); when every slot of a bucket is busy the ring grows, up to
 :data:`MAX_SLOTS`, and then the oldest is waited for (with a deadline). :meth:`warm_up`
-compiles, loads and captures every bucket ahead; without it a bucket's first copy runs
-eagerly (compiling and loading the kernel outside any capture) and later ones are captured.
+compiles, loads, captures and launches (uploads) every bucket's graph ahead; without it a
+bucket's first copy runs eagerly (compiling and loading the kernel outside any capture) and
+later ones are captured.
 
 A replay is one ``cuGraphLaunch`` on the captured executable graph where torch exposes it
 (``CUDAGraph.raw_cuda_graph_exec``): torch's own ``replay()`` also refreshes its RNG state
@@ -179,7 +180,8 @@ class KernelLauncher:
 
     def warm_up(self, capture_all: bool = True) -> None:
         """Compile the kernel, load it with an empty launch per bucket and, in ``graph`` mode,
-        capture slot 0 of every bucket (``capture_all``) or of none (captured on first use)."""
+        capture and launch once (empty) slot 0 of every bucket (``capture_all``) or of none
+        (captured on first use)."""
         from ._triton_block_copy import launch_block_copy
 
         with torch.cuda.device(self.device):
@@ -196,6 +198,12 @@ class KernelLauncher:
                     slot = self._bucket[b].slots[0]
                     if slot.graph is None and not self._capture(slot, b):
                         break
+                    # a graph's first launch also uploads it to the device: do that now,
+                    # with no live blocks, so a copy never pays for it
+                    slot.words[0] = 0
+                    self._replay(slot)
+                    slot.event.record(current_stream(self._index))
+                torch.cuda.synchronize(self.device)
 
     def submit(self, src: np.ndarray, dst: np.ndarray, timeout: float = 60.0) -> None:
         """Enqueue the copy of blocks ``src[i] -> dst[i]`` on the launch device's current
@@ -212,13 +220,8 @@ class KernelLauncher:
             pairs[1::2] = dst
             if self.mode == "graph" and slot.graph is None and bucket.loaded:
                 self._capture(slot, b)  # first use of this slot (the kernel is loaded)
-            if self.mode == "graph" and slot.graph_exec and self._graph_launch is not None:
-                rc = self._graph_launch(slot.graph_exec, self._stream_handle())
-                if rc != 0:  # a VmmError (a RuntimeError) named by the driver's error
-                    assert self._driver is not None
-                    raise self._driver.error("graph_launch", rc, "a block copy's graph")
-            elif self.mode == "graph" and slot.graph is not None:
-                slot.graph.replay()
+            if self.mode == "graph" and slot.graph is not None:
+                self._replay(slot)
             else:  # eager mode, or a bucket's first copy: compile and load it uncaptured
                 from ._triton_block_copy import launch_block_copy
 
@@ -249,6 +252,17 @@ class KernelLauncher:
     def _stream_handle(self) -> int:
         """The launch device's current stream as a raw handle."""
         return raw_stream(self._index)
+
+    def _replay(self, slot: _Slot) -> None:
+        """Launch the slot's captured graph on the current stream: one ``cuGraphLaunch``
+        where torch exposes the executable graph, else torch's ``replay()``."""
+        if slot.graph_exec and self._graph_launch is not None:
+            rc = self._graph_launch(slot.graph_exec, self._stream_handle())
+            if rc != 0:  # a VmmError (a RuntimeError) named by the driver's error
+                assert self._driver is not None
+                raise self._driver.error("graph_launch", rc, "a block copy's graph")
+        else:
+            slot.graph.replay()
 
     def _slot(self, bucket: _Bucket, timeout: float) -> _Slot:
         for s in bucket.slots:

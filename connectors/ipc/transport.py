@@ -265,11 +265,13 @@ class _Peer:
 @dataclass
 class PendingFetch:
     """A copy started by :meth:`IpcTransport.start`; :meth:`wait` returns its
-    :class:`FetchResult`. ``seconds`` there is the transfer's own time: from the start of
-    :meth:`IpcTransport.start` until the copy's stream reached it (host work: ids, checks),
-    plus the device time from there to the copy's end (CUDA events), so neither work queued
-    before the copy nor a caller that looks late (an engine polling once per step) counts;
-    on the host, where the copy is synchronous, the wall time of the copy."""
+    :class:`FetchResult`. ``seconds`` there is the transfer's own time on the device's
+    timeline, timed as a plain copy is (CUDA events): from an event recorded when
+    :meth:`IpcTransport.start` was called to one recorded after the copy. Host work (ids
+    converted and checked, the launch) counts where the device waited for it, and not where it
+    ran beside work already queued on the stream; that work itself does not count, nor does a
+    caller that looks late (an engine polling once per step). On the host, where the copy is
+    synchronous, the wall time of the call."""
 
     peer: str
     entry: _Peer
@@ -279,9 +281,8 @@ class PendingFetch:
     events: list[torch.cuda.Event]
     timeout: float
     finished: float | None = None
-    #: (host time when the start event was recorded, start event, end event, host time
-    #: when the copy was issued) on CUDA
-    timing: tuple[float, torch.cuda.Event, torch.cuda.Event, float] | None = None
+    #: (start event, end event, host seconds preparing, host seconds issuing) on CUDA
+    timing: tuple[torch.cuda.Event, torch.cuda.Event, float, float] | None = None
 
     def done(self) -> bool:
         """True once the copy has completed (never blocks)."""
@@ -301,10 +302,7 @@ class PendingFetch:
             self.finished = time.perf_counter()
         entry = self.entry
         setup, entry.unreported_setup = entry.unreported_setup, 0.0
-        host = launch = 0.0
-        if self.timing is not None:
-            recorded, _, _, issued = self.timing
-            host, launch = recorded - self.started, issued - recorded
+        host, launch = self.timing[2:] if self.timing is not None else (0.0, 0.0)
         return FetchResult(self.nbytes, self.seconds(), entry.backend, setup,
                            len(self.local_ids), entry.note, host_seconds=host,
                            launch_seconds=launch)
@@ -314,8 +312,8 @@ class PendingFetch:
         assert self.finished is not None
         if self.timing is None:
             return self.finished - self.started
-        recorded, start, end, _ = self.timing
-        return (recorded - self.started) + start.elapsed_time(end) / 1e3
+        start, end, _, _ = self.timing
+        return start.elapsed_time(end) / 1e3
 
 
 class IpcTransport:
@@ -462,29 +460,30 @@ class IpcTransport:
     def _launch(self, peer: str, entry: _Peer,
                 requests: Sequence[tuple[BlockIds, BlockIds]]) -> PendingFetch:
         started = time.perf_counter()
+        cross, local = entry.cross, entry.local_device
+        first = None
+        if entry.launch.type == "cuda":  # the transfer's time starts here, on the device
+            if cross:
+                current_stream(entry.launch.index).wait_stream(current_stream(local.index))
+            first = torch.cuda.Event(enable_timing=True)
+            first.record(current_stream(entry.launch.index))
         # the one conversion of a fetch's ids; check_ids reports ids out of range (negative too)
         src, dst = merged_block_ids(requests, ("remote_ids", "local_ids"), allow_negative=True)
         if src.size:
             entry.plan.check_ids(src, dst)
-        cross, local = entry.cross, entry.local_device
         events: list[torch.cuda.Event] = []
         timing = None
         try:
-            if cross:
-                current_stream(entry.launch.index).wait_stream(current_stream(local.index))
-            if entry.launch.type != "cuda":
+            if first is None:
                 nbytes = entry.plan.copy(src, dst, validate=False)
             else:
-                stream = current_stream(entry.launch.index)
-                first = torch.cuda.Event(enable_timing=True)
-                first.record(stream)
-                recorded = time.perf_counter()
+                prepared = time.perf_counter()
                 nbytes = entry.plan.copy(src, dst, validate=False)
                 issued = time.perf_counter()
                 ev = torch.cuda.Event(enable_timing=True)
-                ev.record(stream)
+                ev.record(current_stream(entry.launch.index))
                 events.append(ev)
-                timing = (recorded, first, ev, issued)
+                timing = (first, ev, prepared - started, issued - prepared)
                 if cross:
                     current_stream(local.index).wait_event(ev)
         except Exception as exc:

@@ -191,7 +191,7 @@ class FastPathDecision:
     reason: str | None = None
     offer: dict[str, Any] | None = None
     counts: dict[str, int] = field(default_factory=lambda: {
-        "ipc_reads": 0, "ipc_blocks": 0, "ipc_bytes": 0, "ipc_host_us": 0, "ipc_copy_us": 0,
+        "ipc_reads": 0, "ipc_blocks": 0, "ipc_bytes": 0, "ipc_us": 0, "ipc_host_us": 0,
         "ipc_launch_us": 0, "nixl_reads": 0})
     transient: bool = False
     retry_at: float | None = None
