@@ -470,7 +470,13 @@ def main() -> int:
 
 
 def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.exists() else None
+    """A results file, with connectors recorded under the patched connectors' old module
+    (``kvconnect.vllm``, before they moved to ``kvconnect.connectors.vllm``) named by the
+    current one, so rows of older runs pair with today's names."""
+    if not path.exists():
+        return None
+    return json.loads(path.read_text().replace('"kvconnect.vllm:Kvconnect',
+                                               '"kvconnect.connectors.vllm:Kvconnect'))
 
 
 def render(out: Path) -> None:

@@ -22,7 +22,10 @@
 # - vllm-engine: the real-engine tests on CUDA (tests/test_engine_*.py, KVCONNECT_ENGINE_DEVICE=cuda)
 # - vllm-pd: 1P1D engines, ipc / NIXL / stock, 1k-32k prompts (benchmarks/bench_vllm_pd.py)
 # - vllm-pd-cross: the same across GPUs (prefill GPU0, decode GPU1) where two are visible
-# - vllm-conformance: the kit on cuda:0, connector-API mode and engine mode (GPU rows)
+# - vllm-conformance: the kit on cuda:0, connector-API mode and engine mode (GPU rows); the
+#   engine rows start two engines per connector and cache, one after another (about 50 s a
+#   row on the H200): KVC_CONF_CACHES=extensible (or plain) runs half of them, for 10-minute calls
+# KVC_PD_TOKENS="1024 8192" sets vllm-pd's prompt lengths.
 set -u
 ART=${ARTIFACTS:-$PWD/gpu-artifacts}
 mkdir -p "$ART"
@@ -179,8 +182,8 @@ vllm_conformance() {  # the kit on cuda:0: connector-API mode, then engine mode 
     --markdown "$ART/vllm-conformance.md"
   local rc=$?
   [ "$rc" -gt 1 ] && return "$rc"  # 1 only says a case did not pass: stock ones are expected to
-  $PY scripts/conformance_doc.py engine --device cuda:0 --json "$ART/conformance-engine-h200.json" \
-    || return $?
+  $PY scripts/conformance_doc.py engine --device cuda:0 --caches "${KVC_CONF_CACHES:-extensible,plain}" \
+    --json "$ART/conformance-engine-h200.json" || return $?
   $PY - "$ART/vllm-conformance.json" "$ART/conformance-engine-h200.json" <<'EOF'
 import json, sys
 api = json.load(open(sys.argv[1]))["results"]
@@ -229,7 +232,7 @@ step floors 60 $PY scripts/ratio_floors.py "${FLOOR_INPUTS[@]}" \
   echo
   echo "- when: $(date -u +%Y-%m-%dT%H:%M:%SZ); host: $(hostname)"
   echo "- GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | paste -sd, -)"
-  echo "- command: ARTIFACTS=$ART KVC_QUICK=${KVC_QUICK:-} KVC_SWEEP=${KVC_SWEEP:-} KVC_ONLY='${KVC_ONLY:-}' bash scripts/nightly-gpu.sh"
+  echo "- command: ARTIFACTS=$ART KVC_QUICK=${KVC_QUICK:-} KVC_SWEEP=${KVC_SWEEP:-} KVC_ONLY='${KVC_ONLY:-}' KVC_CONF_CACHES='${KVC_CONF_CACHES:-}' KVC_PD_TOKENS='${KVC_PD_TOKENS:-}' bash scripts/nightly-gpu.sh"
   echo
   echo "| step | exit | seconds | skipped because |"
   echo "| --- | ---: | ---: | --- |"
