@@ -92,28 +92,26 @@ class _State(MappedMemory):
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _serialized(method: _F) -> _F:
-    """Run ``method`` holding its tensor's lock (one caller at a time per tensor)."""
-    @functools.wraps(method)
-    def locked(self: ExtensibleTensor, *args: Any, **kwargs: Any) -> Any:
-        with self._state.lock:
-            return method(self, *args, **kwargs)
+def _locked(changes_mapping: bool) -> Callable[[_F], _F]:
+    """Run the method holding its tensor's lock (one caller at a time per tensor); with
+    ``changes_mapping``, :attr:`ExtensibleTensor.state_version` grows when it returns or
+    raises (it may have mapped or unmapped memory either way)."""
+    def decorate(method: _F) -> _F:
+        @functools.wraps(method)
+        def locked(self: ExtensibleTensor, *args: Any, **kwargs: Any) -> Any:
+            with self._state.lock:
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    if changes_mapping:
+                        self._state.version += 1
 
-    return locked  # type: ignore[return-value]
+        return locked  # type: ignore[return-value]
+
+    return decorate
 
 
-def _changes_mapping(method: _F) -> _F:
-    """:func:`_serialized`, and :attr:`ExtensibleTensor.state_version` grows when ``method``
-    returns or raises (it may have mapped or unmapped memory either way)."""
-    @functools.wraps(method)
-    def locked(self: ExtensibleTensor, *args: Any, **kwargs: Any) -> Any:
-        with self._state.lock:
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                self._state.version += 1
-
-    return locked  # type: ignore[return-value]
+_serialized, _changes_mapping = _locked(False), _locked(True)
 
 
 def _resolve_driver(device: object) -> VmmDriver:
