@@ -28,6 +28,7 @@ from .bounded_json import JSON, JSONObject, json_int, json_list
 from .checks import checked_int
 from .errors import KvconnectError
 from .framing import IpcError
+from .lifetime import ClosesOnExit
 from .mapped_memory import MappedMemory
 from .undo import UndoStack
 from .vmm import AllocationOptions, Reservation, VmmDriver, VmmError
@@ -60,7 +61,7 @@ def _peer_chunk(index: int, rec: JSON, capacity_bytes: int, segment_capacity: in
     return seg * segment_capacity + off, size
 
 
-class PeerMapping:
+class PeerMapping(ClosesOnExit):
     """A peer's exported chunks mapped into a local reservation with the peer's layout.
 
     Byte ``x`` of the peer's reservation appears at ``base_ptr + x``, so a peer address
@@ -173,12 +174,6 @@ class PeerMapping:
         """Unmap and release the imported chunks and free the reservation (idempotent); the
         reservation outlives this call while views are referenced (they then fault)."""
         self._finalizer()
-
-    def __enter__(self) -> PeerMapping:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # -- the export message ----------------------------------------------------------------------

@@ -32,9 +32,7 @@ class MappedChunk:
 @dataclass
 class MappedMemory:
     """The chunks mapped into ``reservation`` (one list per segment, in mapping order) and
-    the anchors of the views handed out and still referenced; each anchor also holds the
-    reservation, which is therefore freed only when both this state and the last view have
-    let go of it."""
+    the anchors of the views still referenced (each also holds the reservation)."""
 
     driver: VmmDriver
     reservation: Reservation | None

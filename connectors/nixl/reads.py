@@ -15,7 +15,7 @@ import numpy as np
 from kvconnect.polling import poll_until
 
 from ..errors import KVTransferError
-from .agent import NixlAgent, NixlHandle, NotificationInbox, drain_agent
+from .agent import NixlAgent, NixlHandle, NotificationInbox, drain_agent, release_logged
 
 logger = logging.getLogger(__name__)
 
@@ -85,19 +85,14 @@ class Reads:
         return name.decode() if isinstance(name, bytes) else str(name)
 
     def _release(self, agent: NixlAgent, handle: NixlHandle) -> None:
-        try:
-            agent.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - e.g. still in flight after a timeout
-            logger.warning("%s: releasing a transfer handle failed; retrying at close()",
-                           self.engine_id, exc_info=True)
+        # it fails e.g. while still in flight after a timeout
+        if not release_logged(self.engine_id, "releasing a transfer handle (retried at close)",
+                              agent.release_xfer_handle, handle):
             self.stuck.append(handle)
 
     def release_stuck(self, agent: NixlAgent) -> None:
         """Release the handles whose release failed earlier (after draining the agent)."""
         for handle in self.stuck:
-            try:
-                agent.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001
-                logger.warning("%s: a transfer handle could not be released", self.engine_id,
-                               exc_info=True)
+            release_logged(self.engine_id, "releasing a transfer handle at close",
+                           agent.release_xfer_handle, handle)
         self.stuck = []

@@ -38,6 +38,7 @@ from typing import Any
 
 from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.cache_source import KVCacheSource
+from kvconnect.lifetime import ClosesOnExit
 from kvconnect.peer_layout import LayoutFacts, PeerLayout, layout_facts
 from kvconnect.polling import poll_until
 from kvconnect.views import PagedRegion
@@ -50,6 +51,7 @@ from .agent import (
     create_agent,
     drain_agent,
     nixl_importable,
+    release_logged,
 )
 from .descriptors import (
     PhysicalChunk,
@@ -97,7 +99,7 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 30.0
 
 
-class NixlRegionWorker:
+class NixlRegionWorker(ClosesOnExit):
     """One NIXL agent registering one KV cache's committed extents and reading peers' blocks.
 
     ``engine_id`` names this side in metadata and errors; ``agent_name`` defaults to a unique
@@ -222,12 +224,7 @@ class NixlRegionWorker:
         """
         self._check_open()
         self._check_unregistered()
-        unknown = set(layout_info) - {"block_size", "dtype", "layout", "kernel_block_size"}
-        if unknown:
-            raise TypeError(f"unknown layout facts {sorted(unknown)}")
-        info = layout_facts(config)
-        info.update({k: v for k, v in layout_info.items() if v is not None})
-        self._layout_info = info
+        self._layout_info = layout_facts(config, **layout_info)
         self._source = GivenRegions(list(regions), list(chunks))
         return self._register()
 
@@ -481,11 +478,8 @@ class NixlRegionWorker:
     def _release_local_prep(self) -> None:
         if self._local_prep is not None:
             prep, self._local_prep = self._local_prep, None
-            try:
-                self._agent.release_dlist_handle(prep)
-            except Exception:  # noqa: BLE001
-                logger.warning("%s: releasing the local descriptor list failed", self.engine_id,
-                               exc_info=True)
+            release_logged(self.engine_id, "releasing the local descriptor list",
+                           self._agent.release_dlist_handle, prep)
 
     def _drop_agent(self) -> None:
         """Drain the agent's UCX queues and drop our reference (the agent is destroyed unless
@@ -520,12 +514,6 @@ class NixlRegionWorker:
     def _check_open(self) -> None:
         if self._closed:
             raise KVConnectorError(f"{self.engine_id}: the NIXL connector worker is closed")
-
-    def __enter__(self) -> NixlRegionWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (

@@ -10,10 +10,8 @@ Geometry. One pool slot ("row") holds one logical block, its regions' pages side
 no copy can reach uncommitted memory; nothing here looks at ``untyped_storage().nbytes()``
 (upstream's ``storage.nbytes() // num_blocks`` faults on an over-reserved cache).
 
-Copies (:mod:`.copies`): one launch per batch over every region and block; on CUDA
-``direct`` (kernels to and from the pinned pool) or ``staged`` (through device staging
-buffers and the copy engines), chosen by ``path`` and ``max_copy_runs``. The returned
-:class:`OffloadHandle` holds the batch's event.
+Copies (:mod:`.copies`): one launch per batch over every region and block, on CUDA
+``direct`` or ``staged`` (``path``, ``max_copy_runs``); the :class:`OffloadHandle` holds its event.
 
 Ordering contract (CUDA): do not overwrite GPU blocks passed to :meth:`save` before its handle
 is done; do not read blocks passed to :meth:`load` before ``handle.wait()`` (or
@@ -42,6 +40,7 @@ import torch
 from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.cache_source import KVCacheSource
 from kvconnect.checks import checked_int
+from kvconnect.lifetime import ClosesOnExit
 from kvconnect.peer_layout import PeerLayout
 from kvconnect.views import CommittedRegion, KVCacheConfigLike, KVCaches
 
@@ -71,7 +70,7 @@ __all__ = [
 ]
 
 
-class CPUOffloadConnector:
+class CPUOffloadConnector(ClosesOnExit):
     """Save / load logical KV blocks of ``cache`` to / from a CPU pool of ``num_cpu_blocks``.
 
     ``cache``: an ``ExtensibleKVCache`` (any :class:`~kvconnect.cache_source.KVCacheSource`);
@@ -103,7 +102,6 @@ class CPUOffloadConnector:
         self._src: CacheSource | TensorsSource = block_source(cache)
         self._num_cpu_blocks = num_cpu_blocks
         self._closed = False
-        self._pool: torch.Tensor | None = None
         self._pending: list[OffloadHandle] = []
 
         self._src.check_usable()
@@ -119,13 +117,13 @@ class CPUOffloadConnector:
             raise ValueError("pin_memory=True needs CUDA; use pin_memory=False on the host backend")
         total = num_cpu_blocks * self._bytes_per_block
         try:
-            self._pool = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+            pool = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         except RuntimeError as exc:
             raise KVConnectorError(
                 f"cannot allocate a {'pinned ' if pin else ''}CPU pool of {num_cpu_blocks} blocks "
                 f"x {self._bytes_per_block} bytes = {total} bytes: {exc}"
             ) from exc
-        self._copies = PoolCopies(self._pool, self._bytes_per_block, self._device, path=path,
+        self._copies = PoolCopies(pool, self._bytes_per_block, self._device, path=path,
                                   max_copy_runs=max_copy_runs,
                                   max_staging_bytes=max_staging_bytes,
                                   staging_chunk_bytes=staging_chunk_bytes)
@@ -196,7 +194,7 @@ class CPUOffloadConnector:
 
     @property
     def is_pinned(self) -> bool:
-        return self._pool is not None and self._pool.is_pinned()
+        return self._copies.pinned
 
     @property
     def is_closed(self) -> bool:
@@ -238,9 +236,10 @@ class CPUOffloadConnector:
         if slot is None:
             raise OffloadKeyError([key])
         self.wait()
-        assert self._pool is not None
+        pool = self._copies.pool
+        assert pool is not None
         n = self._bytes_per_block
-        return self._pool[slot * n:(slot + 1) * n].clone()
+        return pool[slot * n:(slot + 1) * n].clone()
 
     # -- binding ---------------------------------------------------------------
     def rebind(self) -> None:
@@ -422,13 +421,6 @@ class CPUOffloadConnector:
             self._pending = []
             self._slots.clear()
             self._copies.close()
-            self._pool = None
-
-    def __enter__(self) -> CPUOffloadConnector:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._slots)}/{self._num_cpu_blocks} used"

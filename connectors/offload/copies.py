@@ -64,9 +64,9 @@ class CopyPlans:
 
 
 class PoolCopies:
-    """The copies between a KV cache and the CPU ``pool`` of rows of ``bytes_per_block``:
-    the plans of the current binding (:meth:`bind`), the staging buffers and, on CUDA, the
-    two streams. Settings as :class:`~.connector.CPUOffloadConnector` takes them."""
+    """The copies between a KV cache and the CPU ``pool`` (rows of ``bytes_per_block``):
+    the plans of the binding (:meth:`bind`), the staging buffers, on CUDA the two streams;
+    owns the pool. Settings as :class:`~.connector.CPUOffloadConnector` takes them."""
 
     def __init__(self, pool: torch.Tensor, bytes_per_block: int, device: torch.device, *,
                  path: str, max_copy_runs: int, max_staging_bytes: int,
@@ -76,17 +76,13 @@ class PoolCopies:
         self._num_rows = pool.numel() // bytes_per_block
         self._device = device
         self._is_cuda = device.type == "cuda"
-        self._path = path
-        self._max_copy_runs = max_copy_runs
-        self._max_staging_bytes = max_staging_bytes
-        self._staging_chunk_bytes = staging_chunk_bytes
+        self._path, self._max_copy_runs = path, max_copy_runs
+        self._max_staging_bytes, self._staging_chunk_bytes = max_staging_bytes, staging_chunk_bytes
         self._slices: list[RowSlice] = []
         self.plans: CopyPlans | None = None
-        self._stream: Any = None
-        self._copy_stream: Any = None
-        if self._is_cuda:
-            self._stream = torch.cuda.Stream(device=device)
-            self._copy_stream = torch.cuda.Stream(device=device)
+        #: kernels run on the first, copy-engine copies on the second
+        self._stream: Any = torch.cuda.Stream(device=device) if self._is_cuda else None
+        self._copy_stream: Any = torch.cuda.Stream(device=device) if self._is_cuda else None
 
     @property
     def pinned(self) -> bool:
@@ -145,11 +141,9 @@ class PoolCopies:
         ids = [block_ids[i] for i in order]
         plans = self.plans
         assert plans is not None
+        plan, src, dst = (plans.save, ids, slot_list) if to_cpu else (plans.load, slot_list, ids)
         if not self._is_cuda:
-            if to_cpu:
-                plans.save.copy(ids, slot_list, validate=False)
-            else:
-                plans.load.copy(slot_list, ids, validate=False)
+            plan.copy(src, dst, validate=False)
             return None
         current = current_stream(self._device.index)
         compute, copy = self._stream, self._copy_stream
@@ -160,10 +154,7 @@ class PoolCopies:
         copy.wait_stream(compute)
         if self.path_for(slot_list) == "direct":
             with use_stream(compute):
-                if to_cpu:
-                    plans.save.copy(ids, slot_list, validate=False)
-                else:
-                    plans.load.copy(slot_list, ids, validate=False)
+                plan.copy(src, dst, validate=False)
         else:
             self._copy_staged(plans, ids, slot_list, to_cpu)
         compute.wait_stream(copy)
