@@ -69,12 +69,17 @@ def _attn_name(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
 
 
-def _per_layer_tensors(names: Iterable[str], page: int, num_blocks: int, layout: str
-                       ) -> tuple[KVCacheTensor, ...]:
+def _per_layer_config(groups: Sequence[KVCacheGroupSpec], names: Iterable[str], page: int,
+                      num_blocks: int, layout: str, kernel_block_size: int | None
+                      ) -> KVCacheConfig:
+    """vLLM's placement of ``groups``, else a tensor per layer of ``names`` (one if packed)."""
+    if layout in VLLM_LAYOUTS:
+        return placement_config(groups, layout, num_blocks, kernel_block_size)
     names = tuple(names)
-    if layout == "packed":
-        return (KVCacheTensor(page * len(names) * num_blocks, names),)
-    return tuple(KVCacheTensor(page * num_blocks, (n,)) for n in names)
+    tensors = ((KVCacheTensor(page * len(names) * num_blocks, names),) if layout == "packed"
+               else tuple(KVCacheTensor(page * num_blocks, (n,)) for n in names))
+    return KVCacheConfig(num_blocks, tensors, tuple(groups), layout=layout,
+                         kernel_block_size=kernel_block_size)
 
 
 def attention_config(*, num_layers: int, num_kv_heads: int, head_size: int,
@@ -99,11 +104,8 @@ def attention_config(*, num_layers: int, num_kv_heads: int, head_size: int,
             groups.append(KVCacheGroupSpec(tuple(sw_names), sw))
     else:
         groups = [KVCacheGroupSpec(tuple(names), full)]
-    if layout in VLLM_LAYOUTS:
-        return placement_config(groups, layout, num_blocks, kernel_block_size)
-    return KVCacheConfig(num_blocks, _per_layer_tensors(names, full.page_size_bytes, num_blocks,
-                                                        layout),
-                         tuple(groups), layout=layout, kernel_block_size=kernel_block_size)
+    return _per_layer_config(groups, names, full.page_size_bytes, num_blocks, layout,
+                             kernel_block_size)
 
 
 def mla_config(*, num_layers: int, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64,
@@ -116,11 +118,8 @@ def mla_config(*, num_layers: int, kv_lora_rank: int = 512, qk_rope_head_dim: in
                                    dtype=dtype_from_name(dtype))
     names = [_attn_name(i) for i in range(layout_int("num_layers", num_layers))]
     groups = (KVCacheGroupSpec(tuple(names), spec),)
-    if layout in VLLM_LAYOUTS:
-        return placement_config(groups, layout, num_blocks, kernel_block_size)
-    return KVCacheConfig(num_blocks, _per_layer_tensors(names, spec.page_size_bytes, num_blocks,
-                                                        layout),
-                         groups, layout=layout, kernel_block_size=kernel_block_size)
+    return _per_layer_config(groups, names, spec.page_size_bytes, num_blocks, layout,
+                             kernel_block_size)
 
 
 def hybrid_config(*, num_layers: int, attn_period: int = 8, num_kv_heads: int = 8,
