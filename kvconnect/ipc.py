@@ -20,18 +20,18 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from ._pointer_view import ViewAnchor, pointer_view
 from .bounded_json import JSON, JSONObject, json_int, json_list
 from .checks import checked_int
 from .errors import KvconnectError
 from .framing import IpcError
+from .lifetime import ClosesOnExit
+from .mapped_memory import MappedMemory
 from .undo import UndoStack
-from .vmm import AllocationOptions, PhysicalHandle, Reservation, VmmDriver, VmmError
+from .vmm import AllocationOptions, Reservation, VmmDriver, VmmError
 
 if TYPE_CHECKING:
     from .tensor import ExtensibleTensor
@@ -40,13 +40,6 @@ __all__ = ["PeerMapping", "export_message", "import_message"]
 
 #: most tensors one export message may describe
 MAX_EXPORTED_TENSORS = 1 << 16
-
-
-@dataclass
-class _ImportedChunk:
-    va: int
-    size: int
-    handle: PhysicalHandle
 
 
 def _peer_chunk(index: int, rec: JSON, capacity_bytes: int, segment_capacity: int,
@@ -68,36 +61,7 @@ def _peer_chunk(index: int, rec: JSON, capacity_bytes: int, segment_capacity: in
     return seg * segment_capacity + off, size
 
 
-@dataclass
-class _PeerState:
-    """What a :class:`PeerMapping` must release, owned by its finalizer. Created after the
-    reservation, the finalizer runs *before* the reservation's own at interpreter exit
-    (``weakref.finalize`` runs pending finalizers newest first), so the chunks are unmapped
-    before the VA is freed on every path (issue 27: CUDA refuses the other order)."""
-
-    driver: VmmDriver
-    reservation: Reservation | None
-    chunks: list[_ImportedChunk] = field(default_factory=list)
-    views: weakref.WeakSet[ViewAnchor] = field(default_factory=weakref.WeakSet)
-    closed: bool = False
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.chunks:
-            self.driver.synchronize()
-        try:
-            while self.chunks:
-                c = self.chunks.pop()
-                self.driver.unmap_and_release(c.va, c.size, c.handle)
-        finally:
-            reservation, self.reservation = self.reservation, None
-            if reservation is not None and not self.views:
-                reservation.release()
-
-
-class PeerMapping:
+class PeerMapping(ClosesOnExit):
     """A peer's exported chunks mapped into a local reservation with the peer's layout.
 
     Byte ``x`` of the peer's reservation appears at ``base_ptr + x``, so a peer address
@@ -118,8 +82,11 @@ class PeerMapping:
                                             maximum=capacity_bytes)
         reservation = Reservation(driver, capacity_bytes)
         self.base_ptr = reservation.va
-        self._state = _PeerState(driver, reservation)
-        self._finalizer = weakref.finalize(self, _PeerState.close, self._state)
+        # Created after the reservation's, this finalizer runs first at interpreter exit
+        # (newest first): chunks are unmapped before the VA is freed (issue 27: CUDA refuses
+        # the other order). The one list of chunks holds every segment's.
+        self._state = MappedMemory(driver, reservation, [[]])
+        self._finalizer = weakref.finalize(self, MappedMemory.close, self._state)
 
     @classmethod
     def import_chunks(
@@ -177,12 +144,7 @@ class PeerMapping:
             raise IpcError(f"chunk {index}: the peer's fd cannot be imported as {size} bytes: "
                            f"{exc}") from exc
         va = self.base_ptr + offset
-        with UndoStack() as undo:
-            undo.push(self.driver.release, handle)
-            self.driver.map(va, size, handle)
-            undo.push(self.driver.unmap, va, size)
-            self.driver.set_access(va, size, self.access_devices)
-        self._state.chunks.append(_ImportedChunk(va, size, handle))
+        self._state.chunks[0].append(self._state.map(va, size, handle, self.access_devices))
 
     @property
     def live_views(self) -> int:
@@ -200,12 +162,11 @@ class PeerMapping:
         checked_int("view size in bytes", nbytes, maximum=self.capacity_bytes)
         addr = self.base_ptr + offset
         reach = addr
-        for c in sorted(state.chunks, key=lambda c: c.va):
+        for c in sorted(state.chunks[0], key=lambda c: c.va):
             if c.va <= reach < c.va + c.size:
                 reach = c.va + c.size
                 if addr + nbytes <= reach:
-                    return pointer_view(addr, nbytes, self.driver, (self, state.reservation),
-                                        state.views)
+                    return state.view(self, addr, nbytes)
         raise ValueError(f"range [{offset}, {offset + nbytes}) is not inside one imported chunk "
                          f"or a run of adjacent ones")
 
@@ -213,12 +174,6 @@ class PeerMapping:
         """Unmap and release the imported chunks and free the reservation (idempotent); the
         reservation outlives this call while views are referenced (they then fault)."""
         self._finalizer()
-
-    def __enter__(self) -> PeerMapping:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # -- the export message ----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""One verb for "release what you own": ``close()``, idempotent, and ``with`` everywhere.
+"""One verb for "release what you own": ``close()``, idempotent, and ``with`` everywhere
+(:class:`ClosesOnExit`: ``with`` closes on the way out).
 
 :class:`Closeable` gives a class that owns memory with views over it the shared surface:
 ``close(force=False)`` (the class implements it, refusing with :class:`LiveViewsError`
@@ -12,9 +13,9 @@ from typing import TypeVar
 
 from .errors import KvconnectError
 
-__all__ = ["Closeable", "LiveViewsError"]
+__all__ = ["Closeable", "ClosesOnExit", "LiveViewsError"]
 
-C = TypeVar("C", bound="Closeable")
+C = TypeVar("C", bound="ClosesOnExit")
 
 
 class LiveViewsError(KvconnectError, RuntimeError):
@@ -29,14 +30,24 @@ class LiveViewsError(KvconnectError, RuntimeError):
         self.live_views = live_views
 
 
-class Closeable:
-    """Mixin: ``with`` on top of the subclass's ``close(*, force)``."""
+class ClosesOnExit:
+    """Mixin: ``with`` on top of the subclass's ``close()``, called on the way out."""
 
-    def close(self, *, force: bool = False) -> None:  # pragma: no cover - abstract
+    def close(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def __enter__(self: C) -> C:
         return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Closeable(ClosesOnExit):
+    """Mixin: ``with`` on top of the subclass's ``close(*, force)``."""
+
+    def close(self, *, force: bool = False) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
 
     def __exit__(self, *exc: object) -> None:
         """Leaving the block releases unconditionally (``close(force=True)``)."""

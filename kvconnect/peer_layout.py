@@ -97,14 +97,19 @@ def kvconnect_version() -> str:
         return __version__
 
 
-def layout_facts(config: object) -> LayoutFacts:
+def layout_facts(config: object, **facts: int | str | None) -> LayoutFacts:
     """The config facts a layout carries, from a :class:`kvconnect.layout.KVCacheConfig`
     (or vLLM's, or any object with those fields, read with ``getattr``):
     ``block_size`` (tokens, of the first group with one), ``dtype`` (every spec dtype, in
     order, joined by ``","``), ``layout`` (the page format's name) and ``kernel_block_size``
-    (tokens). Missing attributes give ``None``; ``config=None`` gives ``{}``."""
+    (tokens). Missing attributes give ``None``; ``config=None`` gives ``{}``. Keywords
+    ``facts`` of those names (any other: TypeError) stand over the config's unless ``None``."""
+    unknown = set(facts) - {"block_size", "dtype", "layout", "kernel_block_size"}
+    if unknown:
+        raise TypeError(f"unknown layout facts {sorted(unknown)}")
+    given: LayoutFacts = {k: v for k, v in facts.items() if v is not None}
     if config is None:
-        return {}
+        return given
     block_size = None
     dtypes: list[str] = []
     for group in getattr(config, "kv_cache_groups", ()) or ():
@@ -124,7 +129,7 @@ def layout_facts(config: object) -> LayoutFacts:
     layout = getattr(config, "layout", None)
     return {"block_size": block_size, "dtype": ",".join(dtypes) or None,
             "layout": None if layout is None else str(layout),
-            "kernel_block_size": None if kbs is None else int(kbs)}
+            "kernel_block_size": None if kbs is None else int(kbs), **given}
 
 
 @dataclass(frozen=True)
@@ -222,9 +227,7 @@ class PeerLayout:
         for no regions, overlapping blocks or a block count not a multiple of ``num_blocks``,
         and ``ValueError`` for regions that share bytes without one holding the other.
         """
-        unknown = set(facts) - {"block_size", "dtype", "layout", "kernel_block_size"}
-        if unknown:
-            raise TypeError(f"unknown layout facts {sorted(unknown)}")
+        info = layout_facts(config, **facts)
         regions = list(regions)
         if not regions:
             raise PeerLayoutError("the cache reports no committed regions")
@@ -232,8 +235,6 @@ class PeerLayout:
         n = math.gcd(*counts) if num_blocks is None else int(num_blocks)
         if n <= 0:
             raise PeerLayoutError(f"num_blocks must be positive, got {n}")
-        info = layout_facts(config)
-        info.update({k: v for k, v in facts.items() if v is not None})
         out: list[LayoutRegion] = []
         layers: dict[str, None] = {}  # an ordered set
         for r, owner, count in zip(regions, page_owners(regions), counts, strict=True):

@@ -41,12 +41,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._pointer_view import ViewAnchor, pointer_view
 from .checks import checked_int, round_up
 from .errors import KvconnectError
 from .lifetime import Closeable, LiveViewsError
+from .mapped_memory import MappedChunk, MappedMemory
 from .undo import UndoStack
-from .vmm import AllocationOptions, GrantedFlags, PhysicalHandle, Reservation, VmmDriver, probe_vmm
+from .vmm import AllocationOptions, GrantedFlags, Reservation, VmmDriver, probe_vmm
 
 logger = logging.getLogger(__name__)
 
@@ -80,80 +80,38 @@ class ExportedChunk:
 
 
 @dataclass
-class _Mapped:
-    va: int
-    size: int
-    handle: PhysicalHandle
+class _State(MappedMemory):
+    """What an ExtensibleTensor must release (owned by its finalizer), with its lock."""
 
-
-@dataclass
-class _State:
-    """Everything that must be released; owned by one ExtensibleTensor (and its finalizer).
-
-    ``views`` holds the anchors of the views handed out and still referenced; each anchor
-    also holds the reservation, which is therefore freed only when both this state and the
-    last view have let go of it.
-    """
-
-    driver: VmmDriver
-    reservation: Reservation | None
-    base_ptr: int
-    capacity_bytes: int
-    chunks: list[list[_Mapped]] = field(default_factory=list)
-    views: weakref.WeakSet[ViewAnchor] = field(default_factory=weakref.WeakSet)
-    closed: bool = False
     #: grows on every call that may change the mapped state (ExtensibleTensor.state_version)
     version: int = 0
     #: serializes the tensor's calls (see the module docstring); re-entrant
     lock: threading.RLock = field(default_factory=threading.RLock)
 
-    def unmap_all(self) -> None:
-        if any(self.chunks):
-            self.driver.synchronize()
-        for seg in self.chunks:
-            while seg:
-                m = seg.pop()
-                self.driver.unmap_and_release(m.va, m.size, m.handle)
-
-    def close(self) -> None:
-        """Unmap and release every chunk; free the reservation now unless a view still
-        holds it (then it goes with the last view). Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.unmap_all()
-        finally:
-            reservation, self.reservation = self.reservation, None
-            if reservation is not None and not self.views:
-                reservation.release()
-
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _serialized(method: _F) -> _F:
-    """Run ``method`` holding its tensor's lock (one caller at a time per tensor)."""
-    @functools.wraps(method)
-    def locked(self: ExtensibleTensor, *args: Any, **kwargs: Any) -> Any:
-        with self._state.lock:
-            return method(self, *args, **kwargs)
+def _locked(changes_mapping: bool) -> Callable[[_F], _F]:
+    """Run the method holding its tensor's lock (one caller at a time per tensor); with
+    ``changes_mapping``, :attr:`ExtensibleTensor.state_version` grows when it returns or
+    raises (it may have mapped or unmapped memory either way)."""
+    def decorate(method: _F) -> _F:
+        @functools.wraps(method)
+        def locked(self: ExtensibleTensor, *args: Any, **kwargs: Any) -> Any:
+            with self._state.lock:
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    if changes_mapping:
+                        self._state.version += 1
 
-    return locked  # type: ignore[return-value]
+        return locked  # type: ignore[return-value]
+
+    return decorate
 
 
-def _changes_mapping(method: _F) -> _F:
-    """:func:`_serialized`, and :attr:`ExtensibleTensor.state_version` grows when ``method``
-    returns or raises (it may have mapped or unmapped memory either way)."""
-    @functools.wraps(method)
-    def locked(self: ExtensibleTensor, *args: Any, **kwargs: Any) -> Any:
-        with self._state.lock:
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                self._state.version += 1
-
-    return locked  # type: ignore[return-value]
+_serialized, _changes_mapping = _locked(False), _locked(True)
 
 
 def _resolve_driver(device: object) -> VmmDriver:
@@ -210,8 +168,8 @@ class ExtensibleTensor(Closeable):
         self._committed = [0] * num_segments
         self._released_sizes: list[int] | None = None
         reservation = Reservation(driver, capacity_bytes, alignment=granule)
-        self._state = _State(driver, reservation, reservation.va, capacity_bytes,
-                             [[] for _ in range(num_segments)])
+        self._base_ptr, self._capacity_bytes = reservation.va, capacity_bytes
+        self._state = _State(driver, reservation, [[] for _ in range(num_segments)])
         self._finalizer = weakref.finalize(self, _State.close, self._state)
 
     # -- static helpers --------------------------------------------------------
@@ -233,11 +191,11 @@ class ExtensibleTensor(Closeable):
     @property
     def base_ptr(self) -> int:
         """Start of the reservation (bytes address); never changes."""
-        return self._state.base_ptr
+        return self._base_ptr
 
     @property
     def capacity_bytes(self) -> int:
-        return self._state.capacity_bytes
+        return self._capacity_bytes
 
     @property
     def segment_capacity(self) -> int:
@@ -374,20 +332,14 @@ class ExtensibleTensor(Closeable):
             self._committed[s] = 0
         self._commit_single(sizes, zero=zero)
 
-    def _map_new(self, va: int, size: int) -> _Mapped:
-        drv = self.driver
-        with UndoStack() as undo:
-            handle = drv.create(size, drv.device_index, self._options)
-            undo.push(drv.release, handle)
-            drv.map(va, size, handle)
-            undo.push(drv.unmap, va, size)
-            drv.set_access(va, size)
-        return _Mapped(va, size, handle)
+    def _map_new(self, va: int, size: int) -> MappedChunk:
+        handle = self.driver.create(size, self.driver.device_index, self._options)
+        return self._state.map(va, size, handle)
 
-    def _unmap_one(self, m: _Mapped) -> None:
+    def _unmap_one(self, m: MappedChunk) -> None:
         self.driver.unmap_and_release(m.va, m.size, m.handle)
 
-    def _drop_chunk(self, segment: int, m: _Mapped) -> None:
+    def _drop_chunk(self, segment: int, m: MappedChunk) -> None:
         self._state.chunks[segment].remove(m)
         self._unmap_one(m)
 
@@ -487,7 +439,7 @@ class ExtensibleTensor(Closeable):
         n = self._committed[segment]
         if n == 0:
             raise ValueError(f"segment {segment} has no committed memory")
-        return self._view(self.segment_base(segment), n)
+        return self._state.view(self, self.segment_base(segment), n)
 
     @_serialized
     def committed_view(self, offset: int, nbytes: int) -> torch.Tensor:
@@ -504,7 +456,7 @@ class ExtensibleTensor(Closeable):
                 f"view [{offset}, {offset + nbytes}) is not inside committed memory: {where} has "
                 f"{have} committed bytes from offset {seg * self._segment_capacity}"
             )
-        return self._view(self.base_ptr + offset, nbytes)
+        return self._state.view(self, self.base_ptr + offset, nbytes)
 
     @_serialized
     def full_view(self) -> torch.Tensor:
@@ -513,13 +465,7 @@ class ExtensibleTensor(Closeable):
         Unsafe past the committed prefixes: touching uncommitted bytes faults.
         """
         self._check_alive()
-        return self._view(self.base_ptr, self.capacity_bytes)
-
-    def _view(self, ptr: int, nbytes: int) -> torch.Tensor:
-        """A tracked view: it keeps this tensor and the reservation alive, and counts in
-        :attr:`live_views` while it (or a tensor derived from it) is referenced."""
-        return pointer_view(ptr, nbytes, self.driver, (self, self._state.reservation),
-                            self._state.views)
+        return self._state.view(self, self.base_ptr, self.capacity_bytes)
 
     # -- sharing ---------------------------------------------------------------
     @_serialized

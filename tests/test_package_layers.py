@@ -8,7 +8,7 @@ Layers, lowest first (a module may import its own layer or lower ones):
    socket framing, child processes) and the ``kvconnect`` package root (``__version__``, lazy
    exports);
 1. vmm: the VMM drivers;
-2. tensor: ExtensibleTensor, pointer views, POSIX-fd handle exchange (``ipc``);
+2. tensor: ExtensibleTensor, pointer views, mapped memory, POSIX-fd handle exchange (``ipc``);
 3. layout: configs, plans, page formats, presets;
 4. views: the committed-extent helpers, the page-sharing rule and the peer layout built on
    them;
@@ -38,6 +38,7 @@ LAYER_OF = {
     "kvconnect.units": "base",
     "kvconnect.vmm": "vmm",
     "kvconnect._pointer_view": "tensor", "kvconnect.tensor": "tensor", "kvconnect.ipc": "tensor",
+    "kvconnect.mapped_memory": "tensor",
     "kvconnect.layout": "layout",
     "kvconnect.views": "views", "kvconnect.peer_layout": "views",
     "kvconnect.cache_source": "views",

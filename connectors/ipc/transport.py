@@ -60,6 +60,7 @@ from kvconnect.framing import (
     send_message,
 )
 from kvconnect.ipc import PeerMapping, export_message, import_message
+from kvconnect.lifetime import ClosesOnExit
 from kvconnect.peer_layout import PeerLayout
 from kvconnect.unix_server import UnixServer
 
@@ -316,7 +317,7 @@ class PendingFetch:
         return start.elapsed_time(end) / 1e3
 
 
-class IpcTransport:
+class IpcTransport(ClosesOnExit):
     """The receiving half of ``ipc`` for ``cache`` (an ExtensibleKVCache); see the module
     docstring. ``direction``: one of :data:`DIRECTIONS`; ``method``: the block-copy method
     (``"auto"``: the kernel on CUDA, the host method on the host); ``launch``: how the kernel
@@ -526,12 +527,6 @@ class IpcTransport:
             return
         self._closed = True
         self.invalidate()
-
-    def __enter__(self) -> IpcTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _receiver(ctx: TransportContext, registration: object = None) -> IpcTransport:

@@ -15,7 +15,7 @@ import importlib.util
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["NIXL_MODULES", "NixlAgent", "NixlHandle", "NixlUnavailableError",
            "NotificationInbox", "Notifications", "create_agent", "drain_agent", "import_nixl",
-           "nixl_importable", "nixl_install_problem"]
+           "nixl_importable", "nixl_install_problem", "release_logged"]
 
 #: the modules NIXL's Python API comes from, in the order they are tried (the meta package's
 #: choice first: the backend vLLM uses in the same process)
@@ -38,6 +38,7 @@ _INSTALL = "install kvconnect[nixl] (the nixl package 1.5.1: nixl-cu12 and nixl-
 NixlHandle: TypeAlias = object
 #: ``get_new_notifs()``: remote agent name (str or bytes) -> the messages received from it
 Notifications: TypeAlias = "Mapping[str | bytes, Sequence[bytes]]"
+_H = TypeVar("_H")
 
 
 class NixlAgent(Protocol):
@@ -158,6 +159,18 @@ class NotificationInbox:
             if msgs and (from_agent is None or agent == from_agent):
                 return agent, msgs.pop(0)
         return None
+
+
+def release_logged(engine_id: str, what: str, release: Callable[[_H], object],
+                   handle: _H) -> bool:
+    """``release(handle)``: a failure is logged as ``what`` failed and gives False, so a
+    caller releasing several goes on."""
+    try:
+        release(handle)
+    except Exception:  # noqa: BLE001 - keep releasing the others
+        logger.warning("%s: %s failed", engine_id, what, exc_info=True)
+        return False
+    return True
 
 
 #: progress passes that :func:`drain_agent` makes (each runs UCX progress until it is idle)

@@ -7,7 +7,6 @@ prepared as one NIXL descriptor list; :func:`drop_peer` releases it and the remo
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,12 +15,10 @@ import numpy as np
 from kvconnect.views import PagedRegion, page_owners
 
 from ..errors import IncompatiblePeerError, KVConnectorError
-from .agent import NixlAgent, NixlHandle
+from .agent import NixlAgent, NixlHandle, release_logged
 from .descriptors import check_descriptors_in_chunks, region_descriptors
 from .handshake import HandshakeMetadata
 from .registration import RegistrationPlan
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_PEER_DESCRIPTORS", "LoadedPeer", "drop_peer", "load_peer", "peer_descriptors",
            "read_indices", "remote_paged_regions"]
@@ -156,15 +153,9 @@ def load_peer(agent: NixlAgent, engine_id: str, md: HandshakeMetadata, remote_de
 def drop_peer(agent: NixlAgent, engine_id: str, entry: LoadedPeer) -> None:
     """Release the peer's descriptor list and remove its remote agent (failures are logged)."""
     if entry.prep is not None:
-        try:
-            agent.release_dlist_handle(entry.prep)
-        except Exception:  # noqa: BLE001
-            logger.warning("%s: releasing the descriptor list of %s failed", engine_id,
-                           entry.metadata.engine_id, exc_info=True)
+        release_logged(engine_id, f"releasing the descriptor list of {entry.metadata.engine_id}",
+                       agent.release_dlist_handle, entry.prep)
         entry.prep = None
-    try:
-        agent.remove_remote_agent(entry.agent_name)
-    except Exception:  # noqa: BLE001
-        logger.warning("%s: removing remote agent %s failed", engine_id,
-                       entry.agent_name, exc_info=True)
+    release_logged(engine_id, f"removing remote agent {entry.agent_name!s}",
+                   agent.remove_remote_agent, entry.agent_name)
 

@@ -31,21 +31,19 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.cache_source import KVCacheSource
+from kvconnect.lifetime import ClosesOnExit
 from kvconnect.peer_layout import LayoutFacts, PeerLayout, layout_facts
 from kvconnect.polling import poll_until
 from kvconnect.views import PagedRegion
 
-from ..errors import IncompatiblePeerError, KVConnectorError, KVTransferError
+from ..errors import IncompatiblePeerError, KVConnectorError
 from ..transport import FetchResult
 from .agent import (
     NixlUnavailableError,
@@ -53,6 +51,7 @@ from .agent import (
     create_agent,
     drain_agent,
     nixl_importable,
+    release_logged,
 )
 from .descriptors import (
     PhysicalChunk,
@@ -71,6 +70,7 @@ from .peers import (
     peer_descriptors,
     read_indices,
 )
+from .reads import Reads
 from .registration import (
     GivenRegions,
     RegistrationPlan,
@@ -99,13 +99,7 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 30.0
 
 
-def _settled(state: str) -> str | None:
-    """A NIXL transfer state once it is final (``"DONE"``, ``"ERR"``, ...), None while
-    ``"PROC"``."""
-    return None if state == "PROC" else state
-
-
-class NixlRegionWorker:
+class NixlRegionWorker(ClosesOnExit):
     """One NIXL agent registering one KV cache's committed extents and reading peers' blocks.
 
     ``engine_id`` names this side in metadata and errors; ``agent_name`` defaults to a unique
@@ -149,8 +143,8 @@ class NixlRegionWorker:
         #: names this worker instance in its metadata (a restart is a new incarnation)
         self.incarnation = uuid.uuid4().hex
         self._peers: dict[str, LoadedPeer] = {}
-        self._stuck_xfers: list[Any] = []
         self._inbox = NotificationInbox()
+        self._reads = Reads(self.engine_id, self.backends, self._inbox)
 
     # -- properties ----------------------------------------------------------
     @property
@@ -230,12 +224,7 @@ class NixlRegionWorker:
         """
         self._check_open()
         self._check_unregistered()
-        unknown = set(layout_info) - {"block_size", "dtype", "layout", "kernel_block_size"}
-        if unknown:
-            raise TypeError(f"unknown layout facts {sorted(unknown)}")
-        info = layout_facts(config)
-        info.update({k: v for k, v in layout_info.items() if v is not None})
-        self._layout_info = info
+        self._layout_info = layout_facts(config, **layout_info)
         self._source = GivenRegions(list(regions), list(chunks))
         return self._register()
 
@@ -431,8 +420,9 @@ class NixlRegionWorker:
             notif = json.dumps({"kvconnect": "read", "engine_id": self.engine_id[:200],
                                 "num_blocks": int(local.size)}).encode()
         timeout = self.default_timeout if timeout is None else float(timeout)
-        seconds, backend = self._read(peer, entry, local.tolist(), local_idx, remote_idx,
-                                      notif, timeout)
+        seconds, backend = self._reads.read(self._agent, peer, local.tolist(),
+                                            (self._local_prep, local_idx),
+                                            (entry.prep, remote_idx), notif, timeout)
         return FetchResult(bytes=nbytes, seconds=seconds, backend=backend,
                            blocks=int(local.size), descriptors=int(local_idx.size))
 
@@ -446,59 +436,6 @@ class NixlRegionWorker:
         if self._local_prep is None or self._plan is None:
             raise KVConnectorError(f"{self.engine_id}: not registered")
         return entry, self._plan
-
-    def _read(self, peer: str, entry: LoadedPeer, block_list: list[int], local_idx: np.ndarray,
-              remote_idx: np.ndarray, notif: bytes, timeout: float) -> tuple[float, str]:
-        """Post one READ of the prepared descriptor rows and wait up to ``timeout`` seconds;
-        returns ``(seconds, backend)``. Any failure raises KVTransferError (the agent is
-        drained then: operations of the failed request may still be queued in UCX); the
-        transfer handle is released on every path."""
-        handle = None
-        failed = True
-        deadline = time.monotonic() + timeout
-        try:
-            handle = self._agent.make_prepped_xfer(
-                "READ", self._local_prep, local_idx.tolist(), entry.prep, remote_idx.tolist(),
-                notif)
-            backend = self._query_backend(handle)
-            t0 = time.perf_counter()
-            state = self._agent.transfer(handle)
-            if state == "PROC":
-                state = poll_until(
-                    lambda: _settled(self._agent.check_xfer_state(handle)),
-                    max(0.0, deadline - time.monotonic()), first_pause=2e-5, max_pause=1e-3,
-                    on_timeout=lambda _s: KVTransferError(
-                        peer, block_list, f"timed out after {timeout:.3g} s (state PROC)"))
-            seconds = time.perf_counter() - t0
-            if state != "DONE":
-                raise KVTransferError(peer, block_list, f"NIXL transfer state {state!r}")
-            failed = False
-        except KVTransferError:
-            raise
-        except Exception as exc:
-            raise KVTransferError(peer, block_list, exc) from exc
-        finally:
-            if failed:  # operations of the failed request may still be queued in UCX
-                drain_agent(self._agent, self.engine_id, self._inbox.keep)
-            if handle is not None:
-                self._release_xfer(handle)
-        return seconds, backend
-
-    def _query_backend(self, handle: Any) -> str:
-        try:
-            name = self._agent.query_xfer_backend(handle)
-        except Exception:  # noqa: BLE001 - attribution only
-            logger.debug("query_xfer_backend failed", exc_info=True)
-            return self.backends[0] if self.backends else "unknown"
-        return name.decode() if isinstance(name, bytes) else str(name)
-
-    def _release_xfer(self, handle: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - e.g. still in flight after a timeout
-            logger.warning("%s: releasing a transfer handle failed; retrying at close()",
-                           self.engine_id, exc_info=True)
-            self._stuck_xfers.append(handle)
 
     # -- notifications -------------------------------------------------------
     def get_notifications(self) -> dict[str, list[bytes]]:
@@ -541,11 +478,8 @@ class NixlRegionWorker:
     def _release_local_prep(self) -> None:
         if self._local_prep is not None:
             prep, self._local_prep = self._local_prep, None
-            try:
-                self._agent.release_dlist_handle(prep)
-            except Exception:  # noqa: BLE001
-                logger.warning("%s: releasing the local descriptor list failed", self.engine_id,
-                               exc_info=True)
+            release_logged(self.engine_id, "releasing the local descriptor list",
+                           self._agent.release_dlist_handle, prep)
 
     def _drop_agent(self) -> None:
         """Drain the agent's UCX queues and drop our reference (the agent is destroyed unless
@@ -567,13 +501,7 @@ class NixlRegionWorker:
             return
         # Queued operations of failed or timed-out requests complete (or fail) first.
         drain_agent(self._agent, self.engine_id)
-        for handle in self._stuck_xfers:
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001
-                logger.warning("%s: a transfer handle could not be released", self.engine_id,
-                               exc_info=True)
-        self._stuck_xfers = []
+        self._reads.release_stuck(self._agent)
         for name in list(self._peers):
             self.remove_peer(name)
         try:
@@ -586,12 +514,6 @@ class NixlRegionWorker:
     def _check_open(self) -> None:
         if self._closed:
             raise KVConnectorError(f"{self.engine_id}: the NIXL connector worker is closed")
-
-    def __enter__(self) -> NixlRegionWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (

@@ -10,23 +10,8 @@ Geometry. One pool slot ("row") holds one logical block, its regions' pages side
 no copy can reach uncommitted memory; nothing here looks at ``untyped_storage().nbytes()``
 (upstream's ``storage.nbytes() // num_blocks`` faults on an over-reserved cache).
 
-Copies (:mod:`..copy.block_copy`). The pool is slot-major: slot ``s`` is bytes ``[s *
-bytes_per_block, (s + 1) * bytes_per_block)``, so consecutive slots are one contiguous range.
-Each direction has a :class:`~..copy.block_copy.BlockCopyPlan` built once (again on rebind), and a
-batch is one launch over every region and block:
-
-- host backend: the plan's ``torch`` method, straight between KV memory and the pool;
-- CUDA, ``direct``: one kernel between KV memory and the pinned pool (unified addressing);
-- CUDA, ``staged``: one kernel gathers the blocks into a device staging buffer (save) or
-  scatters them from it (load), and the copy engines move one contiguous copy per run of
-  consecutive slots; a batch moves in chunks of at most ``staging_chunk_bytes`` through two
-  alternating staging buffers, so one chunk's copy overlaps the next chunk's kernel.
-
-``path="auto"`` takes ``staged`` when the batch's slots form at most ``max_copy_runs`` runs
-and ``direct`` otherwise (and always when the pool is not pinned: ``staged``). Kernels run
-on a side stream, copy-engine copies on a second one; both first wait for the caller's
-current stream and for earlier operations of the connector, and the returned
-:class:`OffloadHandle` holds an event.
+Copies (:mod:`.copies`): one launch per batch over every region and block, on CUDA
+``direct`` or ``staged`` (``path``, ``max_copy_runs``); the :class:`OffloadHandle` holds its event.
 
 Ordering contract (CUDA): do not overwrite GPU blocks passed to :meth:`save` before its handle
 is done; do not read blocks passed to :meth:`load` before ``handle.wait()`` (or
@@ -48,7 +33,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,17 +40,19 @@ import torch
 from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.cache_source import KVCacheSource
 from kvconnect.checks import checked_int
+from kvconnect.lifetime import ClosesOnExit
 from kvconnect.peer_layout import PeerLayout
 from kvconnect.views import CommittedRegion, KVCacheConfigLike, KVCaches
 
-from ..copy._cuda_streams import current_stream, use_stream
-from ..copy.block_copy import (
-    BlockCopyPlan,
-    BlockRegion,
-    block_runs,
-    layout_block_region,
-)
+from ..copy.block_copy import BlockCopyPlan, BlockRegion, layout_block_region
 from ..errors import KVConnectorError, KVTransferError
+from .copies import (
+    DEFAULT_MAX_COPY_RUNS,
+    DEFAULT_MAX_STAGING_BYTES,
+    DEFAULT_STAGING_CHUNK_BYTES,
+    OFFLOAD_PATHS,
+    PoolCopies,
+)
 from .handle import PEER_NAME, OffloadHandle, OffloadKeyError
 from .layout import RowSlice, offload_row_layout
 from .slots import LruSlots
@@ -83,39 +69,8 @@ __all__ = [
     "offload_row_layout",
 ]
 
-#: default bound on the device staging buffers of the ``staged`` path (bytes, both together)
-DEFAULT_MAX_STAGING_BYTES = 256 * 1024 * 1024
-#: default bound on the bytes of one staged chunk (smaller chunks overlap the kernel with
-#: the copy engines sooner; each costs one kernel launch and one copy per run)
-DEFAULT_STAGING_CHUNK_BYTES = 32 * 1024 * 1024
-#: with ``path="auto"``, batches whose slots form more runs than this take the direct path
-DEFAULT_MAX_COPY_RUNS = 8
-#: how a CUDA batch moves (see the module docstring)
-OFFLOAD_PATHS = ("auto", "direct", "staged")
 
-
-@dataclass
-class _Staging:
-    """One device staging buffer of ``rows`` pool rows and its two plans."""
-
-    buffer: torch.Tensor
-    rows: int
-    gather: BlockCopyPlan  # cache -> staging rows
-    scatter: BlockCopyPlan  # staging rows -> cache
-    free_event: Any = None  # recorded after the last use; the next user waits for it
-
-
-@dataclass
-class _Plans:
-    """The copy plans of one binding (rebuilt by rebind)."""
-
-    save: BlockCopyPlan  # cache -> pool
-    load: BlockCopyPlan  # pool -> cache
-    cache_regions: list[BlockRegion]
-    staging: list[_Staging] = field(default_factory=list)
-
-
-class CPUOffloadConnector:
+class CPUOffloadConnector(ClosesOnExit):
     """Save / load logical KV blocks of ``cache`` to / from a CPU pool of ``num_cpu_blocks``.
 
     ``cache``: an ``ExtensibleKVCache`` (any :class:`~kvconnect.cache_source.KVCacheSource`);
@@ -124,7 +79,7 @@ class CPUOffloadConnector:
     the pool (default: on CUDA only). ``max_staging_bytes``: bound on the device staging
     buffers of the ``staged`` path (bytes, both buffers together); ``staging_chunk_bytes``:
     bound on one staged chunk (bytes; at least one block). ``max_copy_runs`` and ``path``
-    choose the CUDA path (:data:`OFFLOAD_PATHS`, module docstring).
+    choose the CUDA path (:data:`OFFLOAD_PATHS`, :mod:`.copies`).
     """
 
     def __init__(
@@ -146,15 +101,7 @@ class CPUOffloadConnector:
             raise ValueError(f"path must be one of {OFFLOAD_PATHS}, got {path!r}")
         self._src: CacheSource | TensorsSource = block_source(cache)
         self._num_cpu_blocks = num_cpu_blocks
-        self._max_staging_bytes = max_staging_bytes
-        self._staging_chunk_bytes = staging_chunk_bytes
-        self._max_copy_runs = max_copy_runs
-        self._path = path
         self._closed = False
-        self._pool: torch.Tensor | None = None
-        self._plans: _Plans | None = None
-        self._stream: Any = None
-        self._copy_stream: Any = None
         self._pending: list[OffloadHandle] = []
 
         self._src.check_usable()
@@ -165,22 +112,22 @@ class CPUOffloadConnector:
         self._bytes_per_block = sum(s.width for s in self._slices)
         flat0 = self._src.flat_view(regions[0], regions[0].block_len)
         self._device = flat0.device
-        self._is_cuda = self._device.type == "cuda"
-        pin = self._is_cuda if pin_memory is None else bool(pin_memory)
+        pin = self._device.type == "cuda" if pin_memory is None else bool(pin_memory)
         if pin and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA; use pin_memory=False on the host backend")
         total = num_cpu_blocks * self._bytes_per_block
         try:
-            self._pool = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+            pool = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         except RuntimeError as exc:
             raise KVConnectorError(
                 f"cannot allocate a {'pinned ' if pin else ''}CPU pool of {num_cpu_blocks} blocks "
                 f"x {self._bytes_per_block} bytes = {total} bytes: {exc}"
             ) from exc
-        if self._is_cuda:
-            self._stream = torch.cuda.Stream(device=self._device)
-            self._copy_stream = torch.cuda.Stream(device=self._device)
-        self._plans = self._build_plans(regions)
+        self._copies = PoolCopies(pool, self._bytes_per_block, self._device, path=path,
+                                  max_copy_runs=max_copy_runs,
+                                  max_staging_bytes=max_staging_bytes,
+                                  staging_chunk_bytes=staging_chunk_bytes)
+        self._copies.bind(self._cache_regions(regions), self._slices)
         logger.debug("CPU offload pool: %d blocks x %d bytes (%d regions) on %s",
                      num_cpu_blocks, self._bytes_per_block, len(self._slices), self._device)
 
@@ -247,7 +194,7 @@ class CPUOffloadConnector:
 
     @property
     def is_pinned(self) -> bool:
-        return self._pool is not None and self._pool.is_pinned()
+        return self._copies.pinned
 
     @property
     def is_closed(self) -> bool:
@@ -257,8 +204,8 @@ class CPUOffloadConnector:
     def copy_plan(self) -> BlockCopyPlan:
         """The cache -> pool plan (for reports: columns, word size, method)."""
         self._check_alive()
-        assert self._plans is not None
-        return self._plans.save
+        assert self._copies.plans is not None
+        return self._copies.plans.save
 
     # -- slot accounting -------------------------------------------------------
     def contains(self, key: Hashable) -> bool:
@@ -289,9 +236,10 @@ class CPUOffloadConnector:
         if slot is None:
             raise OffloadKeyError([key])
         self.wait()
-        assert self._pool is not None
+        pool = self._copies.pool
+        assert pool is not None
         n = self._bytes_per_block
-        return self._pool[slot * n:(slot + 1) * n].clone()
+        return pool[slot * n:(slot + 1) * n].clone()
 
     # -- binding ---------------------------------------------------------------
     def rebind(self) -> None:
@@ -313,7 +261,7 @@ class CPUOffloadConnector:
             )
         self._layout, self._num_blocks = layout, layout.num_blocks
         self._slices = offload_row_layout(layout)
-        self._plans = self._build_plans(regions)
+        self._copies.bind(self._cache_regions(regions), self._slices)
         self._token = self._src.state_token()
 
     def _derive_layout(self) -> tuple[PeerLayout, list[CommittedRegion]]:
@@ -338,37 +286,6 @@ class CPUOffloadConnector:
                 ) from exc
             out.append(layout_block_region(flat, sl.region, n, name="+".join(sl.members)))
         return out
-
-    def _row_regions(self, rows: torch.Tensor, num_rows: int) -> list[BlockRegion]:
-        """The slices of ``num_rows`` slot-major rows in ``rows`` (the pool or staging)."""
-        row = self._bytes_per_block
-        return [BlockRegion(rows[sl.column:num_rows * row], sl.width, row, num_rows,
-                            name=f"row:{'+'.join(sl.members)}") for sl in self._slices]
-
-    def _build_plans(self, regions: list[CommittedRegion]) -> _Plans:
-        assert self._pool is not None
-        cache = self._cache_regions(regions)
-        pool = self._row_regions(self._pool, self._num_cpu_blocks)
-        device = self._device if self.is_pinned else None
-        return _Plans(BlockCopyPlan(cache, pool, device=device),
-                      BlockCopyPlan(pool, cache, device=device), cache)
-
-    def _staging(self, plans: _Plans) -> list[_Staging]:
-        """The two staging buffers (allocated on first use of the staged path)."""
-        if not plans.staging:
-            rows = max(1, min(self._num_cpu_blocks,
-                              self._max_staging_bytes // 2 // self._bytes_per_block,
-                              self._staging_chunk_bytes // self._bytes_per_block))
-            pool_like = [BlockRegion(r.flat, r.block_len, r.block_stride, r.num_blocks,
-                                     r.sub_blocks, r.name) for r in plans.cache_regions]
-            for _ in range(2):
-                buf = torch.empty(rows * self._bytes_per_block, dtype=torch.uint8,
-                                  device=self._device)
-                staged = self._row_regions(buf, rows)
-                plans.staging.append(_Staging(
-                    buf, rows, BlockCopyPlan(pool_like, staged, device=self._device),
-                    BlockCopyPlan(staged, pool_like, device=self._device)))
-        return plans.staging
 
     def _refresh(self) -> None:
         self._check_alive()
@@ -447,94 +364,16 @@ class CPUOffloadConnector:
     # -- copies ------------------------------------------------------------------
     def path_for(self, slots: Sequence[int]) -> str:
         """The path a batch into / out of ``slots`` takes: ``host``, ``direct`` or
-        ``staged`` (see the module docstring)."""
-        if not self._is_cuda:
-            return "host"
-        if not self.is_pinned:
-            return "staged"
-        if self._path != "auto":
-            return self._path
-        runs = len(block_runs(range(len(slots)), sorted(slots)))
-        return "staged" if runs <= self._max_copy_runs else "direct"
+        ``staged`` (see :mod:`.copies`)."""
+        return self._copies.path_for(slots)
 
     def _copy(self, handle: OffloadHandle, *, to_cpu: bool) -> None:
-        # Sort by slot so consecutive slots form runs whatever the batch order.
-        order = sorted(range(len(handle.slots)), key=handle.slots.__getitem__)
-        slots = [handle.slots[i] for i in order]
-        ids = [handle.block_ids[i] for i in order]
-        plans = self._plans
-        assert plans is not None
-        if not self._is_cuda:
-            if to_cpu:
-                plans.save.copy(ids, slots, validate=False)
-            else:
-                plans.load.copy(slots, ids, validate=False)
-            return
-        current = current_stream(self._device.index)
-        compute, copy = self._stream, self._copy_stream
-        # Start after the caller's queued work and after every earlier offload operation
-        # (so a slot reused after eviction is never written before an earlier read of it).
-        compute.wait_stream(current)
-        compute.wait_stream(copy)
-        copy.wait_stream(compute)
-        if self.path_for(slots) == "direct":
-            with use_stream(compute):
-                if to_cpu:
-                    plans.save.copy(ids, slots, validate=False)
-                else:
-                    plans.load.copy(slots, ids, validate=False)
-        else:
-            self._copy_staged(plans, ids, slots, to_cpu)
-        compute.wait_stream(copy)
-        event = torch.cuda.Event()
-        event.record(compute)
-        handle._event = event
-        handle._device = self._device
-        self._pending = [h for h in self._pending if not h.done()]
-        self._pending.append(handle)
-
-    def _copy_staged(self, plans: _Plans, ids: list[int], slots: list[int],
-                     to_cpu: bool) -> None:
-        """Kernel gather / scatter through two alternating device staging buffers, one
-        copy-engine copy per run of consecutive slots."""
-        assert self._pool is not None
-        compute, copy = self._stream, self._copy_stream
-        staging = self._staging(plans)
-        row = self._bytes_per_block
-        pool = self._pool
-        step = staging[0].rows
-        for k, c0 in enumerate(range(0, len(ids), step)):
-            st = staging[k % 2]
-            c_ids, c_slots = ids[c0:c0 + step], slots[c0:c0 + step]
-            n = len(c_ids)
-            positions = list(range(n))
-            runs = block_runs(positions, c_slots)  # (staging row, first slot, length)
-            first_user = compute if to_cpu else copy
-            if st.free_event is not None:
-                first_user.wait_event(st.free_event)
-            ready = torch.cuda.Event()
-            done = torch.cuda.Event()
-            if to_cpu:
-                with use_stream(compute):
-                    st.gather.copy(c_ids, positions, validate=False)
-                    ready.record(compute)
-                copy.wait_event(ready)
-                with use_stream(copy):
-                    for pos, first, length in runs:
-                        pool[first * row:(first + length) * row].copy_(
-                            st.buffer[pos * row:(pos + length) * row], non_blocking=True)
-                    done.record(copy)
-            else:
-                with use_stream(copy):
-                    for pos, first, length in runs:
-                        st.buffer[pos * row:(pos + length) * row].copy_(
-                            pool[first * row:(first + length) * row], non_blocking=True)
-                    ready.record(copy)
-                compute.wait_event(ready)
-                with use_stream(compute):
-                    st.scatter.copy(positions, c_ids, validate=False)
-                    done.record(compute)
-            st.free_event = done
+        event = self._copies.copy(handle.block_ids, handle.slots, to_cpu=to_cpu)
+        if event is not None:
+            handle._event = event
+            handle._device = self._device
+            self._pending = [h for h in self._pending if not h.done()]
+            self._pending.append(handle)
 
     # -- validation ------------------------------------------------------------
     def _validate_ids(self, block_ids: BlockIds, op: str) -> list[int]:
@@ -581,16 +420,7 @@ class CPUOffloadConnector:
             self._closed = True
             self._pending = []
             self._slots.clear()
-            self._plans = None
-            self._pool = None
-            self._copy_stream = None
-            self._stream = None
-
-    def __enter__(self) -> CPUOffloadConnector:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            self._copies.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._slots)}/{self._num_cpu_blocks} used"

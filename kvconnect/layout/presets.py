@@ -69,12 +69,17 @@ def _attn_name(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
 
 
-def _per_layer_tensors(names: Iterable[str], page: int, num_blocks: int, layout: str
-                       ) -> tuple[KVCacheTensor, ...]:
+def _per_layer_config(groups: Sequence[KVCacheGroupSpec], names: Iterable[str], page: int,
+                      num_blocks: int, layout: str, kernel_block_size: int | None
+                      ) -> KVCacheConfig:
+    """vLLM's placement of ``groups``, else a tensor per layer of ``names`` (one if packed)."""
+    if layout in VLLM_LAYOUTS:
+        return placement_config(groups, layout, num_blocks, kernel_block_size)
     names = tuple(names)
-    if layout == "packed":
-        return (KVCacheTensor(page * len(names) * num_blocks, names),)
-    return tuple(KVCacheTensor(page * num_blocks, (n,)) for n in names)
+    tensors = ((KVCacheTensor(page * len(names) * num_blocks, names),) if layout == "packed"
+               else tuple(KVCacheTensor(page * num_blocks, (n,)) for n in names))
+    return KVCacheConfig(num_blocks, tensors, tuple(groups), layout=layout,
+                         kernel_block_size=kernel_block_size)
 
 
 def attention_config(*, num_layers: int, num_kv_heads: int, head_size: int,
@@ -99,11 +104,8 @@ def attention_config(*, num_layers: int, num_kv_heads: int, head_size: int,
             groups.append(KVCacheGroupSpec(tuple(sw_names), sw))
     else:
         groups = [KVCacheGroupSpec(tuple(names), full)]
-    if layout in VLLM_LAYOUTS:
-        return placement_config(groups, layout, num_blocks, kernel_block_size)
-    return KVCacheConfig(num_blocks, _per_layer_tensors(names, full.page_size_bytes, num_blocks,
-                                                        layout),
-                         tuple(groups), layout=layout, kernel_block_size=kernel_block_size)
+    return _per_layer_config(groups, names, full.page_size_bytes, num_blocks, layout,
+                             kernel_block_size)
 
 
 def mla_config(*, num_layers: int, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64,
@@ -116,11 +118,8 @@ def mla_config(*, num_layers: int, kv_lora_rank: int = 512, qk_rope_head_dim: in
                                    dtype=dtype_from_name(dtype))
     names = [_attn_name(i) for i in range(layout_int("num_layers", num_layers))]
     groups = (KVCacheGroupSpec(tuple(names), spec),)
-    if layout in VLLM_LAYOUTS:
-        return placement_config(groups, layout, num_blocks, kernel_block_size)
-    return KVCacheConfig(num_blocks, _per_layer_tensors(names, spec.page_size_bytes, num_blocks,
-                                                        layout),
-                         groups, layout=layout, kernel_block_size=kernel_block_size)
+    return _per_layer_config(groups, names, spec.page_size_bytes, num_blocks, layout,
+                             kernel_block_size)
 
 
 def hybrid_config(*, num_layers: int, attn_period: int = 8, num_kv_heads: int = 8,
@@ -169,44 +168,22 @@ def hybrid_config(*, num_layers: int, attn_period: int = 8, num_kv_heads: int = 
                          kernel_block_size=kernel_block_size)
 
 
-def _llama(num_blocks: int, **kw: object) -> KVCacheConfig:
-    args: dict[str, Any] = dict(num_layers=32, num_kv_heads=8, head_size=128,
-                                dtype=torch.bfloat16, block_size=16)
-    args.update(kw)
-    return attention_config(num_blocks=num_blocks, **args)
+def _with_defaults(build: Callable[..., KVCacheConfig], **defaults: Any
+                   ) -> Callable[..., KVCacheConfig]:
+    """``build`` taking ``num_blocks`` and overrides of ``defaults``."""
+    def builder(num_blocks: int, **kw: object) -> KVCacheConfig:
+        return build(num_blocks=num_blocks, **{**defaults, **kw})
+    return builder
 
 
-def _qwen(num_blocks: int, **kw: object) -> KVCacheConfig:
-    args: dict[str, Any] = dict(num_layers=24, num_kv_heads=2, head_size=64,
-                                dtype=torch.bfloat16, block_size=16)
-    args.update(kw)
-    return attention_config(num_blocks=num_blocks, **args)
-
-
-def _deepseek(num_blocks: int, **kw: object) -> KVCacheConfig:
-    args: dict[str, Any] = dict(num_layers=27, kv_lora_rank=512, qk_rope_head_dim=64,
-                                dtype=torch.bfloat16, block_size=64)
-    args.update(kw)
-    return mla_config(num_blocks=num_blocks, **args)
-
-
-def _jamba(num_blocks: int, **kw: object) -> KVCacheConfig:
-    args: dict[str, Any] = dict(num_layers=32, attn_period=8)
-    args.update(kw)
-    return hybrid_config(num_blocks=num_blocks, **args)
-
-
-def _packed(num_blocks: int, **kw: object) -> KVCacheConfig:
-    args: dict[str, Any] = dict(num_layers=32, num_kv_heads=8, head_size=128,
-                                dtype=torch.bfloat16, block_size=16, layout="packed")
-    args.update(kw)
-    return attention_config(num_blocks=num_blocks, **args)
-
-
-def _vllm_llama(layout: str) -> Callable[..., KVCacheConfig]:
-    def build(num_blocks: int, **kw: object) -> KVCacheConfig:
-        return _llama(num_blocks, **{"layout": layout, **kw})
-    return build
+_LLAMA: dict[str, Any] = dict(num_layers=32, num_kv_heads=8, head_size=128,
+                              dtype=torch.bfloat16, block_size=16)
+_llama = _with_defaults(attention_config, **_LLAMA)
+_qwen = _with_defaults(attention_config, num_layers=24, num_kv_heads=2, head_size=64,
+                       dtype=torch.bfloat16, block_size=16)
+_deepseek = _with_defaults(mla_config, num_layers=27, kv_lora_rank=512, qk_rope_head_dim=64,
+                           dtype=torch.bfloat16, block_size=64)
+_jamba = _with_defaults(hybrid_config, num_layers=32, attn_period=8)
 
 
 #: preset name -> (builder, one-line description)
@@ -217,10 +194,11 @@ PRESETS = {
     "jamba-hybrid-like": (_jamba, "32 layers, attention 1 in 8 (8 KV heads x 128) + Mamba "
                                   "(conv 2048x3 bf16, ssm 2048x16 fp32), block-major, "
                                   "48-token blocks in 16-token kernel blocks"),
-    "packed": (_packed, "Llama-3-8B-like pages packed into one 2 MiB row per block"),
+    "packed": (_with_defaults(attention_config, **_LLAMA, layout="packed"),
+               "Llama-3-8B-like pages packed into one 2 MiB row per block"),
     # vLLM 0.33's layouts (one backing buffer, placed as vLLM's planner does)
-    **{name: (_vllm_llama(name), f"Llama-3-8B-like pages in vLLM 0.33's {name} layout")
-       for name in VLLM_LAYOUTS},
+    **{name: (_with_defaults(attention_config, **_LLAMA, layout=name),
+              f"Llama-3-8B-like pages in vLLM 0.33's {name} layout") for name in VLLM_LAYOUTS},
 }
 
 

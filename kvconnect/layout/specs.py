@@ -114,6 +114,13 @@ def layout_int(what: str, value: object, minimum: int = 1) -> int:
     return json_int(what, value, LayoutError, minimum)
 
 
+def _padded(real: int, padded: int | None, what: str) -> int:
+    """A page of ``real`` bytes (``what``) padded to ``padded`` (``page_size_padded``)."""
+    if padded is not None and padded < real:
+        raise LayoutError(f"page_size_padded {padded} is below {what}")
+    return real if padded is None else padded
+
+
 def _dtype(what: str, value: object) -> torch.dtype:
     """A dtype field (name or torch.dtype) of a spec dict, or LayoutError."""
     name = value if isinstance(value, torch.dtype) else json_str(what, value, LayoutError,
@@ -150,12 +157,7 @@ class AttentionSpec(KVCacheSpec):
     @property
     def page_size_bytes(self) -> int:
         real = self.real_page_size_bytes
-        if self.page_size_padded is None:
-            return real
-        if self.page_size_padded < real:
-            raise LayoutError(f"page_size_padded {self.page_size_padded} is below the real page "
-                              f"size {real} bytes")
-        return self.page_size_padded
+        return _padded(real, self.page_size_padded, f"the real page size {real} bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,9 +211,4 @@ class MambaSpec(KVCacheSpec):
     @property
     def page_size_bytes(self) -> int:
         real = sum(self.state_bytes)
-        if self.page_size_padded is None:
-            return real
-        if self.page_size_padded < real:
-            raise LayoutError(f"page_size_padded {self.page_size_padded} is below the "
-                              f"{real} bytes of the Mamba states")
-        return self.page_size_padded
+        return _padded(real, self.page_size_padded, f"the {real} bytes of the Mamba states")

@@ -135,10 +135,8 @@ class CUmemcpyAttributes(ctypes.Structure):
                 ("dstLocHint", CUmemLocation), ("flags", ctypes.c_uint)]
 
 
-class HipMemLocation(ctypes.Structure):
-    """``hipMemLocation``: same layout as :class:`CUmemLocation`."""
-
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+#: ``hipMemLocation`` and ``hipMemAccessDesc`` have CUDA's layouts: one ctypes type each
+HipMemLocation, HipMemAccessDesc = CUmemLocation, CUmemAccessDesc
 
 
 class HipMemAllocFlags(ctypes.Structure):
@@ -163,12 +161,6 @@ class HipMemAllocationProp(ctypes.Structure):
         ("win32HandleMetaData", ctypes.c_void_p),
         ("allocFlags", HipMemAllocFlags),
     ]
-
-
-class HipMemAccessDesc(ctypes.Structure):
-    """``hipMemAccessDesc``: same layout as :class:`CUmemAccessDesc`."""
-
-    _fields_ = [("location", HipMemLocation), ("flags", ctypes.c_int)]
 
 
 # -- the symbol table ------------------------------------------------------------------------
