@@ -4,9 +4,9 @@
 The same workload goes through the two real :class:`~kvconnect.harness.control.Control`
 implementations a worker can use, with real worker processes:
 
-  coordinator  ``SocketControl`` -> the local run's ``Coordinator`` (harness/orchestrator.py:
-               the key/value table, waits answered when the key is set, heartbeats, the
-               blame and abort machinery), over its Unix socket
+  coordinator  ``SocketControl`` -> the local run's ``Coordinator``
+               (harness/coordinator/event_loop.py: the key/value table, waits answered when
+               the key is set, heartbeats, the blame and abort machinery), over its Unix socket
   tcpstore     ``StoreControl`` -> a ``torch.distributed.TCPStore`` on 127.0.0.1 hosted by
                a process of its own (what multi-host runs use: polling waits that watch the
                owner's heartbeat counter and the ``abort`` key)
@@ -72,9 +72,9 @@ def _save(out_dir: str, name: str, times: list[float]) -> None:
 def _coordinator_run(shape: tuple[int, int], rounds: int, value: str, out_dir: str) -> float:
     """The workload through the real Coordinator (its spawn step replaced by forks of this
     process running the workload with ``SocketControl``); wall seconds."""
-    from kvconnect.harness import orchestrator
     from kvconnect.harness.config import RunConfig
     from kvconnect.harness.control import SocketControl
+    from kvconnect.harness.coordinator import event_loop, startup
     from kvconnect.harness.display import Display
     from kvconnect.harness.report import Report
     from kvconnect.interrupts import InterruptSignals
@@ -95,14 +95,14 @@ def _coordinator_run(shape: tuple[int, int], rounds: int, value: str, out_dir: s
 
         return Child.fork(body, log_path=log_path, own_group=False)
 
-    orchestrator.start_worker = start  # the benchmark's workers instead of the harness's
+    startup.start_worker = start  # the benchmark's workers instead of the harness's
     os.environ["KVCONNECT_VALIDATE_LAUNCH"] = "subprocess"  # no preload of NIXL and torch work
     cfg = RunConfig(num_prefill=shape[0], num_decode=shape[1], timeout=120.0,
                     heartbeat_timeout=60.0)
     report = Report()
     t0 = time.perf_counter()
-    orchestrator.Coordinator(cfg, report, Display(live=False, quiet=True),
-                             InterruptSignals()).run()
+    event_loop.Coordinator(cfg, report, Display(live=False, quiet=True),
+                           InterruptSignals()).run()
     wall = time.perf_counter() - t0
     failed = [c.detail for c in report.checks if c.status == "fail"]
     if failed:
@@ -147,7 +147,7 @@ def _tcpstore_run(shape: tuple[int, int], rounds: int, value: str, out_dir: str,
     TCPStore; wall seconds."""
     from kvconnect.harness.config import RunConfig
     from kvconnect.harness.display import Display
-    from kvconnect.harness.rendezvous import Membership, StoreControl, open_store
+    from kvconnect.harness.multihost.rendezvous import Membership, StoreControl, open_store
 
     cfg = RunConfig(num_prefill=shape[0], num_decode=shape[1], timeout=120.0,
                     heartbeat_timeout=60.0)

@@ -1,26 +1,20 @@
 """kvconnect.harness (the folder `harness/`, installed as ``kvconnect.harness`` by a setuptools
 ``package-dir`` mapping): the 1PnD validation harness behind ``kvconnect-validate``.
 
-Modules, one concept each: :mod:`.cli` (arguments, exit codes), :mod:`.config` (the run
-config every worker gets), :mod:`.report` (checks, transfers, JSON / JUnit), :mod:`.display`
-(live progress, final tables), :mod:`.environment` (versions, devices, boot id),
+A sub-package per kind of process: :mod:`.worker` (a prefill or decode worker),
+:mod:`.coordinator` (a local run's coordinator), :mod:`.multihost` (one member of a multi-host
+run). What they share lives here, one concept per module: :mod:`.config` (the run config every
+worker gets), :mod:`.control` (what a worker uses to talk to the run), :mod:`.faults`
+(``--inject`` fault kinds, fired at a worker's phase boundary), :mod:`.report` (checks,
+transfers, JSON / JUnit; where reports go: :mod:`.report_files`), :mod:`.display` (live
+progress, final tables), :mod:`.environment` (versions, devices, boot id), :mod:`.footprint`
+(fds, sockets and KV mappings a process holds), :mod:`.rundir` (a run's private directory);
+and the command on top: :mod:`.cli` (exit codes), :mod:`.arguments` (its options),
 :mod:`.resources` (memory, fds and mappings a run needs, checked before it starts),
-:mod:`.orchestrator` (local runs: the coordinator's event loop, failures, teardown; its
-parts :mod:`.startup`, spawning and admitting the workers, and :mod:`.restarts`, on
-:mod:`.coordinator_part`),
-:mod:`.launch` (starting, stopping and probing local worker processes), :mod:`.rundir` (a
-run's private directory), :mod:`.rendezvous` (multi-host runs over a TCPStore),
-:mod:`.control` (what a worker uses to talk to the run), :mod:`.worker` (worker process
-entry), :mod:`.scenario` (the steps per worker: :mod:`.steps` shared, :mod:`.prefill`,
-:mod:`.decode`), :mod:`.content` (block contents and digests), :mod:`.transports` (same-run
-reference copies; the transports themselves are specs in :mod:`kvconnect.connectors.registry`,
-never named here), :mod:`.faults` (``--inject`` fault kinds, fired at a worker's phase
-boundary), :mod:`.footprint` (fds, sockets and KV mappings a process holds),
-:mod:`.faultwatch` (time-to-report of injected faults), :mod:`.workerset` (the coordinator's
-worker records, teardown), :mod:`.cleanup` (the after-run leak check), :mod:`.store_auth`
-(the rendezvous token check).
+:mod:`.std_streams` (a closed or broken stdout / stderr).
 
-Worker processes import nothing of the coordinator side (cli, resources, orchestrator,
-launch, rundir, rendezvous, display, faultwatch, cleanup, workerset). Nothing below the
-harness imports it.
+Imports go down (tests/test_package_layers.py): the shared modules import no sub-package,
+:mod:`.worker` imports them (display and rundir excepted), :mod:`.coordinator` and
+:mod:`.multihost` import them and :mod:`.worker` but never each other, the command imports all.
+Worker processes load nothing of the rest (tests/test_harness_layers.py); nothing below imports it.
 """

@@ -18,7 +18,7 @@ from kvconnect.checks import (
 
 from .config import ROLES
 from .faults import PHASES, FaultSpec, FaultSpecError, fault_names, parse_fault
-from .store_auth import TOKEN_ENV
+from .multihost.store_auth import TOKEN_ENV
 
 DEFAULT_LAYOUT = "llama3-8b-like"
 DEFAULT_BLOCKS = 160

@@ -37,11 +37,11 @@ from .faults import (
     missing_transports,
     specs_from_config,
 )
-from .rendezvous import Membership, membership_from_env, parse_hostport
+from .multihost.rendezvous import Membership, membership_from_env, parse_hostport
+from .multihost.store_auth import TokenError, load_token
 from .report import EXIT_USAGE, Report
 from .report_files import ReportPathError, check_report_path, same_report_file
-from .store_auth import TokenError, load_token
-from .streams import safe_std_streams
+from .std_streams import safe_std_streams
 
 log = logging.getLogger("kvconnect.harness")
 
@@ -309,11 +309,11 @@ def _run_workers(run: _Invocation) -> None:
     cfg, report, display = run.cfg, run.report, run.display
     try:
         if run.membership is None:
-            from .orchestrator import run_local
+            from .coordinator.event_loop import run_local
 
             run_local(cfg, report, display, run.signals)  # live display starts after fork
         else:
-            from .rendezvous import run_member
+            from .multihost.rendezvous import run_member
 
             display.start()
             run_member(cfg, run.membership, report, display)
@@ -344,7 +344,7 @@ def _sweep_stale_run_dirs(report: Report) -> None:
 def _resources_suffice(cfg: RunConfig, membership: Membership | None, report: Report) -> bool:
     """Check the memory, fds and mappings the run needs before any worker starts; on a
     shortfall set the report's usage (exit 2) or environment (exit 3) error and say so."""
-    from .launch import launch_method
+    from .coordinator.launch import launch_method
     from .resources import check_resources
 
     if membership is None:

@@ -3,7 +3,7 @@
 Two implementations share :class:`Control`'s contract:
 
 - :class:`SocketControl` (local runs): a Unix-socket connection to the coordinator
-  (:mod:`.orchestrator`), which holds the key/value table, watches every worker and aborts
+  (:mod:`.event_loop`), which holds the key/value table, watches every worker and aborts
   the run when one dies or hangs.
 - ``StoreControl`` (multi-host runs, :mod:`.rendezvous`): a ``torch.distributed.TCPStore``.
 

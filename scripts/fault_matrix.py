@@ -73,7 +73,7 @@ def matrix(only: str = "") -> list[tuple[str, str, str | None]]:
 
 def run_case(fault: str, phase: str, timeout: float) -> dict[str, Any]:
     """Run one combination; the row: what happened and whether it is what should."""
-    from kvconnect.harness.cleanup import processes_mentioning
+    from kvconnect.harness.coordinator.cleanup import processes_mentioning
     from kvconnect.harness.faults import EXPECT_RECOVERY, FAULT_KINDS
 
     spec = f"{fault}@{phase}"

@@ -18,7 +18,7 @@ import pytest
 from kvconnect.errors import OptionError
 from kvconnect.harness import arguments, cli
 from kvconnect.harness.config import RunConfig
-from kvconnect.harness.rendezvous import membership_from_env, parse_hostport
+from kvconnect.harness.multihost.rendezvous import membership_from_env, parse_hostport
 
 VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
 

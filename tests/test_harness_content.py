@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvconnect.harness.content import (
+from kvconnect.harness.worker.content import (
     content_key,
     digest_blocks,
     fill,

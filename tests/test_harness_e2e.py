@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvconnect.harness.cleanup import processes_mentioning
+from kvconnect.harness.coordinator.cleanup import processes_mentioning
 
 VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
 #: generous: the process imports torch first, which is slow on small CI machines

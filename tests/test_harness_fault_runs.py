@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kvconnect.harness.cleanup import processes_mentioning
+from kvconnect.harness.coordinator.cleanup import processes_mentioning
 
 VALIDATE = Path(sys.executable).with_name("kvconnect-validate")
 #: small and fast: the faults are the point, not the bytes

@@ -16,7 +16,13 @@ from typing import Any
 
 import pytest
 
-from kvconnect.harness.cleanup import Baseline, _new_temp_entries, children, take_baseline
+from kvconnect.harness.coordinator.cleanup import (
+    Baseline,
+    _new_temp_entries,
+    children,
+    take_baseline,
+)
+from kvconnect.harness.coordinator.faultwatch import REPORT_GRACE_S, FaultWatch
 from kvconnect.harness.faults import (
     FAULT_KINDS,
     PHASES,
@@ -28,7 +34,6 @@ from kvconnect.harness.faults import (
     phase_kind,
     restarted_workers,
 )
-from kvconnect.harness.faultwatch import REPORT_GRACE_S, FaultWatch
 from kvconnect.harness.footprint import Footprint
 from kvconnect.harness.report import FAIL, PASS, Check, Report
 
@@ -331,7 +336,7 @@ def test_released_check_counts_every_fd_on_host_and_kv_mappings_only_on_cuda(
         tmp_path: Path, device: str, verdict: str) -> None:
     """An fd opened during the run and still open is a leak on the host backend; on CUDA it
     is reported as runtime state (the driver's own fds outlive every kvconnect resource)."""
-    from kvconnect.harness.steps import WorkerSteps
+    from kvconnect.harness.worker.steps import WorkerSteps
 
     steps = WorkerSteps.__new__(WorkerSteps)
     steps.ctl, steps.device, steps.name = _RecordingControl(), device, "decode0"
@@ -351,8 +356,8 @@ def test_a_silent_worker_that_is_running_is_busy_not_unresponsive() -> None:
     import subprocess
     import time
 
-    from kvconnect.harness.watchdog import NO_PROGRESS, UNRESPONSIVE, Judge
-    from kvconnect.harness.workerset import LocalWorker
+    from kvconnect.harness.coordinator.watchdog import NO_PROGRESS, UNRESPONSIVE, Judge
+    from kvconnect.harness.coordinator.worker_records import LocalWorker
 
     judge = Judge(heartbeat_timeout=2.0, progress_deadline=5.0)
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -388,6 +393,6 @@ def test_a_silent_worker_that_is_running_is_busy_not_unresponsive() -> None:
 
 
 def proc_running(pid: int) -> bool:
-    from kvconnect.harness.launch import proc_state
+    from kvconnect.harness.coordinator.launch import proc_state
 
     return proc_state(pid).startswith("R")

@@ -11,10 +11,10 @@ from pathlib import Path
 import kvconnect.harness
 
 HARNESS = Path(kvconnect.harness.__file__).parent
-#: modules only the kvconnect-validate process (coordinator or multi-host member) needs
-COORDINATOR_MODULES = ("cli", "arguments", "resources", "orchestrator", "launch", "rundir",
-                       "rendezvous", "display", "faultwatch", "cleanup", "workerset", "store_auth",
-                       "watchdog", "streams", "restarts", "startup", "coordinator_part")
+#: modules and sub-packages only the kvconnect-validate process (coordinator or multi-host
+#: member) needs: the command, the root modules only its two ways of running use, and those ways
+COMMAND_SIDE = ("cli", "arguments", "resources", "std_streams", "display", "rundir",
+                "coordinator", "multihost")
 
 
 #: runs the worker entry point as ``python -m kvconnect.harness.worker`` does, against a socket
@@ -38,7 +38,14 @@ def test_a_worker_process_imports_no_coordinator_module(tmp_path: Path) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["code"] == 70, proc.stderr  # could not join the run, as it should
     loaded = set(out["modules"])
-    assert "kvconnect.harness.control" in loaded
-    leaked = sorted(f"kvconnect.harness.{m}" for m in COORDINATOR_MODULES
-                    if f"kvconnect.harness.{m}" in loaded)
+    assert {"kvconnect.harness.control", "kvconnect.harness.worker.process"} <= loaded
+    leaked = sorted(m for m in loaded for side in COMMAND_SIDE
+                    if m == f"kvconnect.harness.{side}" or m.startswith(f"kvconnect.harness.{side}."))
     assert leaked == []
+
+
+def test_the_command_side_names_what_exists() -> None:
+    """Every name of :data:`COMMAND_SIDE` is a module or sub-package of the harness (a rename
+    would otherwise pass the check above unseen)."""
+    assert all((HARNESS / f"{side}.py").is_file() or (HARNESS / side / "__init__.py").is_file()
+               for side in COMMAND_SIDE)

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvconnect.harness import cli
-from kvconnect.harness.store_auth import (
+from kvconnect.harness.multihost.store_auth import (
     RendezvousRefused,
     TamperedValue,
     authenticate_member,
@@ -172,7 +172,7 @@ def test_a_token_fifo_nobody_writes_is_refused_within_timeout(
 
 def test_a_token_from_a_pipe_and_not_from_a_directory(tmp_path: Path) -> None:
     """``<(vault read ...)`` hands a pipe: read to its end; a directory is refused."""
-    from kvconnect.harness.store_auth import TokenError, load_token
+    from kvconnect.harness.multihost.store_auth import TokenError, load_token
 
     r, w = os.pipe()
     os.write(w, TOKEN + b"\n")

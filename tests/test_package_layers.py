@@ -14,7 +14,12 @@ Layers, lowest first (a module may import its own layer or lower ones):
    them;
 5. kv_cache: ExtensibleKVCache (built on views) and sizing;
 6. connectors and the vLLM integration (``kvconnect.vllm``);
-7. harness.
+7. harness: its shared root modules (config, control, report, ...);
+8. harness.worker: a worker process;
+9. harness.run: the two ways to run workers, ``harness.coordinator`` (local) and
+   ``harness.multihost``, which never import each other, and the root modules only they use
+   (display, rundir);
+10. harness.command: ``kvconnect-validate`` itself (cli, arguments, resources, std_streams).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import kvconnect.harness
 KVCONNECT = Path(kvconnect.__file__).parent
 CONNECTORS = Path(kvconnect.connectors.__file__).parent
 HARNESS = Path(kvconnect.harness.__file__).parent
-LAYERS = ("base", "vmm", "tensor", "layout", "views", "kv_cache", "connectors", "harness")
+LAYERS = ("base", "vmm", "tensor", "layout", "views", "kv_cache", "connectors", "harness",
+          "harness.worker", "harness.run", "harness.command")
 #: module (or package prefix) -> layer; the longest matching prefix wins
 LAYER_OF = {
     "kvconnect": "base", "kvconnect.checks": "base", "kvconnect.polling": "base",
@@ -44,8 +50,14 @@ LAYER_OF = {
     "kvconnect.cache_source": "views",
     "kvconnect.kv_cache": "kv_cache", "kvconnect.sizing": "kv_cache",
     "kvconnect.connectors": "connectors", "kvconnect.vllm": "connectors",
-    "kvconnect.harness": "harness",
+    "kvconnect.harness": "harness", "kvconnect.harness.worker": "harness.worker",
+    "kvconnect.harness.coordinator": "harness.run", "kvconnect.harness.multihost": "harness.run",
+    "kvconnect.harness.display": "harness.run", "kvconnect.harness.rundir": "harness.run",
+    **{f"kvconnect.harness.{m}": "harness.command"
+       for m in ("cli", "arguments", "resources", "std_streams")},
 }
+#: the sub-packages of the layer ``harness.run``: neither imports the other
+RUN_PACKAGES = ("kvconnect.harness.coordinator", "kvconnect.harness.multihost")
 
 
 def _modules() -> dict[str, Path]:
@@ -111,7 +123,8 @@ def test_the_parser_sees_the_imports() -> None:
     assert "kvconnect.views" in GRAPH["kvconnect.kv_cache"]
     assert "kvconnect.connectors.nixl.registration" in GRAPH["kvconnect.connectors.nixl.worker"]
     assert "kvconnect.vmm.cuda" in GRAPH["kvconnect.vmm.hip"]
-    assert "kvconnect.harness.control" in GRAPH["kvconnect.harness.worker"]
+    assert "kvconnect.harness.control" in GRAPH["kvconnect.harness.worker.process"]
+    assert "kvconnect.harness.worker.decode" in GRAPH["kvconnect.harness.coordinator.launch"]
     assert {_layer(m) for m in MODULES} == set(LAYERS)
 
 
@@ -121,6 +134,15 @@ def test_imports_point_down_the_layers() -> None:
                     for m, deps in GRAPH.items() for d in deps
                     if rank[_layer(d)] > rank[_layer(m)])
     assert upward == []
+
+
+def test_coordinator_and_multihost_never_import_each_other() -> None:
+    def run_package(module: str) -> str | None:
+        return next((p for p in RUN_PACKAGES if module == p or module.startswith(p + ".")), None)
+
+    crossing = sorted(f"{m} imports {d}" for m, deps in GRAPH.items() for d in deps
+                      if run_package(m) and run_package(d) and run_package(m) != run_package(d))
+    assert crossing == []
 
 
 def test_no_import_cycle() -> None:

@@ -291,7 +291,7 @@ def test_a_peer_whose_holders_do_not_match_its_addresses_is_refused() -> None:
 
 
 def test_a_decode_names_a_prefill_layout_it_cannot_read() -> None:
-    from kvconnect.harness.decode import _layout_differences
+    from kvconnect.harness.worker.decode import _layout_differences
 
     local = _kv()
     assert _layout_differences(local, local.to_json()) == []

@@ -29,11 +29,11 @@ import torch
 from kvconnect.block_ids import merged_block_ids
 from kvconnect.peer_layout import PeerLayout
 
-from .config import DECODE, PREFILL, RunConfig, pair_name, worker_name
+from ..config import DECODE, PREFILL, RunConfig, pair_name, worker_name
+from ..report import SweepPoint
 from .content import cache_rows, content_key, generate, paired_owners
-from .report import SweepPoint
+from .reference_copies import reference_copy_gbps
 from .steps import mib
-from .transports import reference_copy_gbps
 
 #: blocks regenerated at once when a sweep point is verified (bounds the scratch memory)
 _VERIFY_BATCH = 64

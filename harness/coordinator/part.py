@@ -1,4 +1,4 @@
-"""What the parts of :class:`~.orchestrator.Coordinator` (:class:`~.startup.WorkerStartup`,
+"""What the parts of :class:`~.event_loop.Coordinator` (:class:`~.startup.WorkerStartup`,
 :class:`~.restarts.Restarts`) may use of it: its state, declared once here, and the hooks it
 defines (each part calls them, the coordinator implements them)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from .control import CoordinatorMessage
-from .workerset import LocalWorker
+from ..control import CoordinatorMessage
+from .worker_records import LocalWorker
 
 
 class CoordinatorPart:

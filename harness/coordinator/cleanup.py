@@ -29,10 +29,10 @@ from typing import Any
 from kvconnect.leftovers import children
 from kvconnect.verdicts import FAIL, PASS, Check
 
-from .footprint import Footprint
+from ..footprint import Footprint
+from ..report import Report
+from ..rundir import Owner, process_start_ticks, run_dir_base
 from .launch import fd_target, open_fds
-from .report import Report
-from .rundir import Owner, process_start_ticks, run_dir_base
 
 #: prefixes of what the toolkit creates in the temporary directory
 TEMP_PREFIXES = ("kvv-", "kvconnect-", ".kvconnect-")

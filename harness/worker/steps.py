@@ -20,11 +20,11 @@ import torch
 
 from kvconnect.peer_layout import PeerLayout
 
-from . import environment
-from .config import RunConfig, worker_name
+from .. import environment
+from ..config import RunConfig, worker_name
+from ..control import Control
+from ..footprint import Footprint
 from .content import all_zero, cache_rows, content_key, digest_blocks, fill, owners
-from .control import Control
-from .footprint import Footprint
 
 if TYPE_CHECKING:
     from kvconnect.vmm import AllocationOptions

@@ -29,7 +29,10 @@ import torch
 from kvconnect.block_ids import merged_block_ids
 from kvconnect.peer_layout import PeerLayout, PeerLayoutError
 
-from .config import DECODE, PREFILL, pair_name, worker_name
+from ..config import DECODE, PREFILL, pair_name, worker_name
+from ..control import Control
+from ..faults import restarted_workers
+from ..report import Transfer
 from .content import (
     cache_rows,
     content_key,
@@ -41,11 +44,8 @@ from .content import (
     paired_owners,
     region_label,
 )
-from .control import Control
-from .faults import restarted_workers
-from .report import Transfer
+from .reference_copies import reference_copy_gbps
 from .steps import MAX_QUOTED, WorkerSteps, mib, round_wait
-from .transports import reference_copy_gbps
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from . import environment
-from .config import DECODE, PREFILL, worker_name
+from .. import environment
+from ..config import DECODE, PREFILL, worker_name
+from ..control import Control
 from .content import cache_rows, owners, region_label
-from .control import Control
 from .steps import MAX_QUOTED, WorkerSteps, mib, round_wait, same_blocks
 
 log = logging.getLogger(__name__)

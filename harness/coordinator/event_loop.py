@@ -38,18 +38,18 @@ from kvconnect.interrupts import InterruptSignals
 from kvconnect.leftovers import become_subreaper
 from kvconnect.verdicts import FAIL, PASS, SKIP, Check
 
+from ..config import RunConfig
+from ..control import COORDINATOR_GRACE_S, COORDINATOR_SILENT, CoordinatorMessage, WorkerMessage
+from ..display import Display
+from ..faults import restarted_workers, specs_from_config
+from ..report import Report, SweepPoint, Transfer, signal_name
+from ..rundir import run_dir
 from .cleanup import ProcessRecord, check_cleanup, take_baseline
-from .config import RunConfig
-from .control import COORDINATOR_GRACE_S, COORDINATOR_SILENT, CoordinatorMessage, WorkerMessage
-from .display import Display
-from .faults import restarted_workers, specs_from_config
 from .faultwatch import FaultWatch
-from .report import Report, SweepPoint, Transfer, signal_name
 from .restarts import Restarts
-from .rundir import run_dir
 from .startup import WorkerStartup
 from .watchdog import UNRESPONSIVE, Judge, StallClock
-from .workerset import (
+from .worker_records import (
     EXIT_GRACE_S,
     LocalWorker,
     PeerQuery,

@@ -1,14 +1,7 @@
-"""The harness's side of transports: same-run reference copies.
-
-The transports themselves live in the library and are chosen by name through its registry
-(:mod:`kvconnect.connectors.registry`); each one's :class:`~kvconnect.connectors.transport.
-TransportSpec` says everything the harness needs (registration, notices, same host, socket
-directory). The workers (:mod:`.steps`, :mod:`.prefill`, :mod:`.decode`) build their halves
-from a generic ``TransportContext`` and never compare transport names.
-
-Units: bytes, seconds, GB/s = 1e9 bytes per second.
+"""Same-run reference copies: what a plain torch copy of the same bytes reaches, beside each
+transfer and sweep point (the transports themselves are specs in
+:mod:`kvconnect.connectors.registry`). Units: bytes, seconds, GB/s = 1e9 bytes per second.
 """
-
 from __future__ import annotations
 
 import time

@@ -11,7 +11,7 @@ connection; a waiter watches the counter of the peer it waits for, so a dead or 
 peer is reported after ``heartbeat_timeout`` seconds with its last phase, and a failing
 worker sets an ``abort`` key that ends every wait at once.
 
-Local runs do not use a TCPStore: their coordinator's own table (:mod:`.orchestrator`) is
+Local runs do not use a TCPStore: their coordinator's own table (:mod:`.event_loop`) is
 kept on a measured reason (``benchmarks/bench_rendezvous.py``, docs/validate.md): an
 all-to-all exchange of 16P16D took 2.8-3.0 s through it, 12-17 s through this module's
 polling waits on a local TCPStore and 4.6-7.8 s with TCPStore's blocking ``wait``; and it
@@ -37,12 +37,12 @@ from typing import Any
 from kvconnect.checks import parse_whole_number
 from kvconnect.verdicts import FAIL, PASS, Check
 
-from .config import DECODE, PREFILL, RunConfig, worker_name
-from .control import HEARTBEAT_S, Control, PeerFailure
-from .display import Display
-from .environment import EnvironmentProblem
-from .report import Report, SweepPoint, Transfer, signal_name
-from .rundir import run_dir
+from ..config import DECODE, PREFILL, RunConfig, worker_name
+from ..control import HEARTBEAT_S, Control, PeerFailure
+from ..display import Display
+from ..environment import EnvironmentProblem
+from ..report import Report, SweepPoint, Transfer, signal_name
+from ..rundir import run_dir
 from .store_auth import (
     RendezvousRefused,
     Sealer,
@@ -430,8 +430,8 @@ def _work(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> N
     reporter) or wait for the verdict."""
     from kvconnect.connectors.registry import get_transport
 
-    from .environment import describe
-    from .worker import run_and_report
+    from ..environment import describe
+    from ..worker.process import run_and_report
 
     # only a prefill serving a transport that needs one makes a socket directory (a killed
     # process cannot remove its own, so nobody else makes one)

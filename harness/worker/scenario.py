@@ -23,8 +23,8 @@ register theirs. The steps both share live in :mod:`.steps`. Each step reports c
 
 from __future__ import annotations
 
-from .config import PREFILL
-from .control import Control
+from ..config import PREFILL
+from ..control import Control
 
 
 def run_worker(ctl: Control, role: str, rank: int, socket_dir: str) -> None:

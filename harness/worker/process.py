@@ -1,5 +1,5 @@
-"""Worker process entry point: ``python -m kvconnect.harness.worker --connect SOCK --role R
---rank N`` (started by the coordinator of a local run; not meant to be run by hand).
+"""The worker process: ``python -m kvconnect.harness.worker --connect SOCK --role R --rank N``
+(:mod:`.__main__`; started by the coordinator of a local run, not meant to be run by hand).
 
 The worker asks the kernel to SIGKILL it when its parent dies (no orphans even if the
 coordinator is killed), connects to the coordinator, receives the run config, runs its
@@ -17,11 +17,10 @@ import sys
 import traceback
 
 from kvconnect.framing import IpcError
-from kvconnect.interrupts import exit_now
 
-from . import environment
-from .config import ROLES
-from .control import Control, PeerFailure
+from .. import environment
+from ..config import ROLES
+from ..control import Control, PeerFailure
 
 log = logging.getLogger("kvconnect.harness.worker")
 
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     die_with_parent()
-    from .control import SocketControl
+    from ..control import SocketControl
 
     info = {"hostname": environment.hostname(),
             "boot_id": environment.boot_id(f"{args.role}{args.rank}")}
@@ -88,6 +87,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ctl.close()
 
-
-if __name__ == "__main__":
-    exit_now(main())

@@ -42,7 +42,7 @@ from typing import Any
 
 from kvconnect.errors import KvconnectError
 
-from .environment import EnvironmentProblem
+from ..environment import EnvironmentProblem
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import threading
 
 from kvconnect.child import Child
 
-from .config import RunConfig
-from .rundir import janitor_fds
+from ..config import RunConfig
+from ..rundir import janitor_fds
 
 LAUNCH_ENV = "KVCONNECT_VALIDATE_LAUNCH"
 
@@ -40,7 +40,7 @@ def preload_worker_modules() -> None:
     import kvconnect.connectors  # noqa: F401  (offload, copy, registry: every built-in transport)
     import kvconnect.kv_cache  # noqa: F401
 
-    from . import decode, prefill, scenario, transports, worker  # noqa: F401
+    from ..worker import decode, prefill, process, reference_copies, scenario  # noqa: F401
 
 
 def transport_environment() -> dict[str, str]:
@@ -86,7 +86,7 @@ def fork_worker(args: list[str], log_path: str, listener: socket.socket | None) 
         os.environ["PYTHONUNBUFFERED"] = "1"
         for key, value in transport_environment().items():  # e.g. UCX names its lanes
             os.environ.setdefault(key, value)
-        from .worker import main as worker_main
+        from ..worker.process import main as worker_main
 
         return worker_main(args)
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from kvconnect.verdicts import FAIL, PASS, Check
 
-from .faults import EXPECT_RECOVERY, FaultSpec, phase_kind
-from .report import Report
+from ..faults import EXPECT_RECOVERY, FaultSpec, phase_kind
+from ..report import Report
 
 #: a fault must be reported within ``--timeout`` plus this (the stall watchdog's grace and
 #: the coordinator's 0.1 s tick)

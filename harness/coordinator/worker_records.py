@@ -1,7 +1,7 @@
 """The coordinator's records of its worker processes, and how they end.
 
 :class:`LocalWorker` is one worker process (a replaced incarnation and an unused standby
-included) as :mod:`.orchestrator` tracks it; :func:`stop_all` makes every one exit (or kills
+included) as :mod:`.event_loop` tracks it; :func:`stop_all` makes every one exit (or kills
 it) and reaps it; :func:`describe_workers` is the report's ``workers`` section.
 
 Units: seconds (monotonic clock).
@@ -23,7 +23,7 @@ from typing import Any
 
 from kvconnect.child import Child
 
-from .config import worker_name
+from ..config import worker_name
 
 log = logging.getLogger(__name__)
 

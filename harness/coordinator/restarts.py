@@ -1,12 +1,10 @@
 """Restarting a worker a ``restart-*`` fault killed: the coordinator's half of recovery.
 
-:class:`Restarts` is a part of :class:`~.orchestrator.Coordinator` (a mixin, to keep each
+:class:`Restarts` is a part of :class:`~.event_loop.Coordinator` (a mixin, to keep each
 file readable in one sitting): when a restartable worker dies, its standby (started with the
 others, so no torch import is needed then) takes over under the same name as the next
 incarnation; decodes asking after the dead worker (``peer`` requests) learn that it was
-replaced and fetch again. It uses the coordinator's ``cfg``, ``workers``, ``store``,
-``waiters``, ``peer_queries``, ``restartable``, ``aborted``, ``report``, ``watch`` and
-``display``, and its ``_running``, ``_reply`` and ``_add_check``.
+replaced and fetch again. What it uses of the coordinator: :class:`~.part.CoordinatorPart`.
 """
 
 from __future__ import annotations
@@ -18,10 +16,10 @@ from kvconnect.child import exit_signal_name
 from kvconnect.framing import send_message
 from kvconnect.verdicts import PASS
 
-from .coordinator_part import CoordinatorPart
-from .workerset import LocalWorker
+from .part import CoordinatorPart
+from .worker_records import LocalWorker
 
-log = logging.getLogger("kvconnect.harness.orchestrator")
+log = logging.getLogger("kvconnect.harness.coordinator.event_loop")
 
 
 class Restarts(CoordinatorPart):

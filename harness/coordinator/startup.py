@@ -1,13 +1,12 @@
 """Starting a local run's workers: the coordinator's start-up half.
 
-:class:`WorkerStartup` is a part of :class:`~.orchestrator.Coordinator` (a mixin, like
+:class:`WorkerStartup` is a part of :class:`~.event_loop.Coordinator` (a mixin, like
 :class:`~.restarts.Restarts`, to keep each file readable in one sitting): it spawns every
 worker (and the standbys of restartable ones) with the coordinator's socket, then accepts
 their connections, only from its own children (SO_PEERCRED pid and uid), each with a
 ``hello`` answered by the run's config (a standby: ``standby``). A worker that exits before
-connecting, a bad hello, or ``--timeout`` seconds without every worker fails the run. It
-uses the coordinator's ``cfg``, ``dir``, ``listener``, ``workers``, ``restartable`` and
-``display``, and its ``_running``, ``_fail_worker`` and ``_add_check``.
+connecting, a bad hello, or ``--timeout`` seconds without every worker fails the run. What
+it uses of the coordinator: :class:`~.part.CoordinatorPart`.
 """
 
 from __future__ import annotations
@@ -23,13 +22,13 @@ from kvconnect.errors import KvconnectError
 from kvconnect.framing import IpcError, peer_credentials, recv_json, send_message
 from kvconnect.verdicts import FAIL
 
-from .config import DECODE, PREFILL, worker_name
-from .coordinator_part import CoordinatorPart
+from ..config import DECODE, PREFILL, worker_name
+from ..rundir import process_start_ticks
 from .launch import launch_method, preload_worker_modules, start_worker
-from .rundir import process_start_ticks
-from .workerset import LocalWorker
+from .part import CoordinatorPart
+from .worker_records import LocalWorker
 
-log = logging.getLogger("kvconnect.harness.orchestrator")
+log = logging.getLogger("kvconnect.harness.coordinator.event_loop")
 
 
 class _StartupFailed(KvconnectError):

@@ -1,7 +1,7 @@
 """Who is to blame when a worker goes quiet: the coordinator's judgement of silence.
 
 A worker proves it is alive with heartbeats (every 0.5 s, from their own thread) and that it
-moves with messages (phases, checks, values published). The coordinator (:mod:`.orchestrator`)
+moves with messages (phases, checks, values published). The coordinator (:mod:`.event_loop`)
 asks :func:`judge` about each running worker on every turn of its event loop:
 
 - no heartbeat for the heartbeat limit and the process is not running: **unresponsive**
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .launch import proc_state
-from .workerset import LocalWorker
+from .worker_records import LocalWorker
 
 log = logging.getLogger(__name__)
 
