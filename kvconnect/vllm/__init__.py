@@ -27,7 +27,7 @@ from typing import Any
 _EXPORTS: dict[str, str] = {
     "config_from_vllm": "kvconnect.layout.foreign",
     "spec_from_vllm": "kvconnect.layout.foreign",
-    "to_vllm_config": "kvconnect.vllm.convert",
+    "to_vllm_config": "kvconnect.layout.foreign",
     "VllmKVCache": "kvconnect.vllm.cache",
     "bound_for_connector": "kvconnect.vllm.bounding",
     "BoundedKVCaches": "kvconnect.vllm.bounding",

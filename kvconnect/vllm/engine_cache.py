@@ -208,7 +208,7 @@ def allocate_extensible_kv_cache(kv_cache_config: Any, device: torch.device, lay
     except BaseException:
         vkc.close(force=True)
         raise
-    record = EngineKVCache(vkc.cache, vkc.layout, connector, source, options, [1, num_blocks],
+    record = EngineKVCache(vkc, vkc.config.layout, connector, source, options, [1, num_blocks],
                            vllm_version=vllm.__version__)
     _warn_ungranted(record)
     _remember(kv_cache_config, record)

@@ -179,9 +179,8 @@ def fill_committed(cache: Any, rng: random.Random) -> None:
     """Random bytes into every committed block prefix of a VllmKVCache (nothing else)."""
     import torch
 
-    inner = cache.cache
-    (t,) = inner.tensors
-    used = inner.num_blocks * inner.plan.tensors[0].segment_bytes_per_block
+    (t,) = cache.tensors
+    used = cache.num_blocks * cache.plan.tensors[0].segment_bytes_per_block
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     for s in range(t.num_segments):
         view = t.committed_view(s * t.segment_capacity, used)
@@ -191,9 +190,9 @@ def fill_committed(cache: Any, rng: random.Random) -> None:
 def _exercise(probe: ConnectorProbe, connector: Any, cache: Any, extents: list[tuple[int, int]],
               block_ids: list[int], rng: random.Random) -> dict[str, Any]:
     runs = [(r.base_ptr + b * r.block_stride, r.block_len)
-            for r in cache.cache.committed_regions() for b in block_ids]
+            for r in cache.committed_regions() for b in block_ids]
 
-    memory = DeviceBytes(cache.cache.tensors[0])
+    memory = DeviceBytes(cache.tensors[0])
 
     def scribble() -> None:  # kvconnect's runs: committed memory only
         for a, n in runs:
@@ -286,7 +285,7 @@ def _committed_checks(probe: ConnectorProbe, connector: Any, cache: Any, views: 
     if isinstance(probe, GenericProbe):
         from .holdings import holdings_check
 
-        t = cache.cache.tensors[0]
+        t = cache.tensors[0]
         held = holdings_check(connector, views, (t.base_ptr, t.capacity_bytes), extents)
         out.update(held_views=held["held_views"],
                    views_reaching_uncommitted=held["views_reaching_uncommitted"],
@@ -335,7 +334,7 @@ def _inspect(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str,
     cannot tell)."""
     checks, unchecked = result["checks"], result["unchecked"]
     regions = probe.regions(connector)
-    base = cache.cache.tensors[0].base_ptr
+    base = cache.tensors[0].base_ptr
     result["registration"] = {  # relative to the reservation: comparable across runs
         "regions": [[r.base - base, r.block_len, r.block_stride, r.num_blocks]
                     for r in regions],
@@ -345,7 +344,7 @@ def _inspect(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str,
         checks["block_geometry"] = {"status": SKIP, "reason": unchecked["block_geometry"]}
     else:
         kv_runs = [(r.base_ptr, r.block_len, r.block_stride)
-                   for r in cache.cache.committed_regions()]
+                   for r in cache.committed_regions()]
         checks["block_geometry"] = _block_geometry(regions, kv_runs)
 
 
@@ -408,7 +407,7 @@ def _committed_cache(s: dict[str, Any], kv_cfg: Any, rng: random.Random,
     cache.ensure_kv_cache_blocks(max(1, s["num_blocks"] // 2))
     cache.extend_kv_cache(s["num_blocks"])
     fill_committed(cache, rng)
-    result["reserved_bytes"] = cache.cache.tensors[0].capacity_bytes
+    result["reserved_bytes"] = cache.tensors[0].capacity_bytes
     result["committed_bytes"] = sum(n for _, n in cache.committed_extents())
     return cache
 
