@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "kv_cache_resize_status": "kvconnect.vllm.elastic",
     "elastic_facts": "kvconnect.vllm.elastic",
     "KVCacheResizeError": "kvconnect.vllm.elastic",
-    "ElasticPolicy": "kvconnect.vllm.elastic_policy",
+    "ElasticPolicy": "kvconnect.vllm.plugin_settings",
     "write_tiny_llama": "kvconnect.vllm.tiny_model",
     "install_simple_cpu_offload_host_stand_ins": "kvconnect.vllm.host_stand_ins",
 }
