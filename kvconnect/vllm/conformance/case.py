@@ -21,8 +21,9 @@ A connector of no kind the kit knows (any ``KVConnectorBase_V1`` subclass: see
 registrations and the views it holds; what could not be checked is in the result's
 ``unchecked``, check name -> reason in words.
 
-Each check is ``{"status": "pass" | "fail" | "skip" | "refused", ...evidence}`` (the
-statuses of :mod:`kvconnect.verdicts`). Units: bytes.
+Each check is ``{"status": "pass" | "fail" | "skip" | "refused", ...evidence}``, written by
+:func:`kvconnect.verdicts.check_entry` (the harness's :class:`~kvconnect.verdicts.Check`).
+Units: bytes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 
 from kvconnect.errors import KvconnectError
 from kvconnect.layout import LayoutError
-from kvconnect.verdicts import FAIL, PASS, REFUSED, SKIP
+from kvconnect.verdicts import FAIL, PASS, REFUSED, SKIP, check_entry
 
 from .probes import ConnectorProbe, GenericProbe, Region, probe_for
 
@@ -139,13 +140,13 @@ def _committed_only(probe: ConnectorProbe, regions: list[Region],
     registered = probe.registered() or [(r.base, r.end - r.base) for r in regions]
     outside = [(a, n) for a, n in registered if not _inside(extents, a, n)]
     bad = [r for r in regions if not _inside(extents, r.base, r.end - r.base)]
-    return {"status": FAIL if outside or bad else PASS,
-            "registered_bytes": sum(n for _, n in registered),
-            "committed_bytes": sum(n for _, n in extents),
-            "registered_outside_bytes": sum(_outside_bytes(extents, a, n)
-                                            for a, n in registered),
-            "ranges": len(registered), "ranges_outside": len(outside),
-            "regions": len(regions), "regions_outside": len(bad)}
+    return check_entry(FAIL if outside or bad else PASS,
+                       registered_bytes=sum(n for _, n in registered),
+                       committed_bytes=sum(n for _, n in extents),
+                       registered_outside_bytes=sum(_outside_bytes(extents, a, n)
+                                                    for a, n in registered),
+                       ranges=len(registered), ranges_outside=len(outside),
+                       regions=len(regions), regions_outside=len(bad))
 
 
 def _block_geometry(regions: list[Region], kv_runs: list[tuple[int, int, int]]
@@ -170,9 +171,9 @@ def _block_geometry(regions: list[Region], kv_runs: list[tuple[int, int, int]]
                 break
         missing += n
     ok = not bad_stride and not bad_extent and missing == 0 and bool(regions)
-    return {"status": PASS if ok else FAIL, "regions": len(regions),
-            "wrong_stride": bad_stride[:4], "beyond_block": bad_extent[:4],
-            "uncovered_kv_bytes_per_block": missing}
+    return check_entry(PASS if ok else FAIL, regions=len(regions),
+                       wrong_stride=bad_stride[:4], beyond_block=bad_extent[:4],
+                       uncovered_kv_bytes_per_block=missing)
 
 
 def fill_committed(cache: Any, rng: random.Random) -> None:
@@ -203,13 +204,13 @@ def _exercise(probe: ConnectorProbe, connector: Any, cache: Any, extents: list[t
         moved, mismatched = probe.exercise(connector, block_ids, scribble,
                                            _read_runs(extents, unreadable, memory), runs)
     except NotImplementedError as exc:
-        return {"status": SKIP, "reason": str(exc)}
+        return check_entry(SKIP, reason=str(exc))
     except Exception as exc:  # the connector's geometry made the move fail: evidence
-        return {"status": FAIL, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        return check_entry(FAIL, error=f"{type(exc).__name__}: {exc}"[:400])
     bad = mismatched + unreadable[0]
-    return {"status": PASS if moved and not bad else FAIL, "moved_bytes": moved,
-            "mismatched_bytes": mismatched, "unreadable_bytes": unreadable[0],
-            "blocks": len(block_ids)}
+    return check_entry(PASS if moved and not bad else FAIL, moved_bytes=moved,
+                       mismatched_bytes=mismatched, unreadable_bytes=unreadable[0],
+                       blocks=len(block_ids))
 
 
 class _Checks(dict):
@@ -268,11 +269,11 @@ def _register(connector: Any, views: dict[str, Any], checks: _Checks) -> bool:
     except Exception as exc:
         # kvconnect's bounding refusing a layout it cannot describe is not a fault
         refused = isinstance(exc, LayoutError)
-        checks["register"] = {"status": REFUSED if refused else FAIL,
-                              "error": _error(exc),
-                              "where": traceback.extract_tb(exc.__traceback__)[-1].name}
+        checks["register"] = check_entry(
+            REFUSED if refused else FAIL, error=_error(exc),
+            where=traceback.extract_tb(exc.__traceback__)[-1].name)
         return False
-    checks["register"] = {"status": PASS}
+    checks["register"] = check_entry(PASS)
     return True
 
 
@@ -291,7 +292,7 @@ def _committed_checks(probe: ConnectorProbe, connector: Any, cache: Any, views: 
                    views_reaching_uncommitted=held["views_reaching_uncommitted"],
                    held_examples=held["examples"])
         if held["status"] == FAIL:
-            out["status"] = "fail"
+            out["status"] = FAIL
     return out
 
 
@@ -304,8 +305,8 @@ def _sleep_wake(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[s
 
     hooks = sleep_hooks(connector)
     if hooks is None:
-        return {"status": SKIP, "reason": f"vLLM {vllm_version()}'s connector API has no "
-                                            "unregister_kv_caches / restore_kv_caches"}
+        return check_entry(SKIP, reason=f"vLLM {vllm_version()}'s connector API has no "
+                                        "unregister_kv_caches / restore_kv_caches")
     unregister, restore = hooks
     stage("sleep")
     unregister()
@@ -319,12 +320,12 @@ def _sleep_wake(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[s
     stage(f"{probe.exercise_name} after wake")
     moved = _exercise(probe, connector, cache, extents, block_ids, rng)
     ok = not left and after["status"] == PASS and moved["status"] in (PASS, SKIP)
-    return {"status": PASS if ok else FAIL,
-            "registered_while_asleep_bytes": sum(n for _, n in left),
-            "registered_after_wake_bytes": after["registered_bytes"],
-            "outside_after_wake": after["ranges_outside"] + after["regions_outside"]
-            + after.get("views_reaching_uncommitted", 0),
-            probe.exercise_name: moved["status"]}
+    return check_entry(PASS if ok else FAIL, **{
+        "registered_while_asleep_bytes": sum(n for _, n in left),
+        "registered_after_wake_bytes": after["registered_bytes"],
+        "outside_after_wake": after["ranges_outside"] + after["regions_outside"]
+        + after.get("views_reaching_uncommitted", 0),
+        probe.exercise_name: moved["status"]})
 
 
 def _inspect(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str, Any],
@@ -341,7 +342,7 @@ def _inspect(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str,
         "ranges": [[a - base, n] for a, n in probe.registered()]}
     checks["committed_only"] = _committed_checks(probe, connector, cache, views, extents)
     if "block_geometry" in unchecked:
-        checks["block_geometry"] = {"status": SKIP, "reason": unchecked["block_geometry"]}
+        checks["block_geometry"] = check_entry(SKIP, reason=unchecked["block_geometry"])
     else:
         kv_runs = [(r.base_ptr, r.block_len, r.block_stride)
                    for r in cache.committed_regions()]
@@ -422,7 +423,7 @@ def _construct(vc: Any, cache: Any, checks: _Checks) -> Any:
         return KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER,
                                                    cache.connector_config())
     except Exception as exc:
-        checks["register"] = {"status": FAIL, "stage": "construct", "error": _error(exc)}
+        checks["register"] = check_entry(FAIL, stage="construct", error=_error(exc))
         return None
 
 

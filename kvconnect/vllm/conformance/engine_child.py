@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvconnect.json_files import wait_for_json_file, write_json_file
-from kvconnect.verdicts import SKIP
+from kvconnect.verdicts import SKIP, check_entry
 from kvconnect.vllm.plugin_settings import settings
 
 __all__ = ["SCENARIOS", "main"]
@@ -97,13 +97,13 @@ def _sleep_wake(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     from .compat import vllm_version
 
     if not settings().enabled:
-        return {"status": SKIP, "reason": "plain cache: the plugin's release / recommit "
-                                            "needs the extensible cache"}
+        return check_entry(SKIP, reason="plain cache: the plugin's release / recommit needs "
+                                        "the extensible cache")
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     if not hasattr(get_kv_transfer_group(), "unregister_kv_caches"):
-        return {"status": SKIP, "reason": f"vLLM {vllm_version()}'s connector API has no "
-                                            "unregister_kv_caches / restore_kv_caches"}
+        return check_entry(SKIP, reason=f"vLLM {vllm_version()}'s connector API has no "
+                                        "unregister_kv_caches / restore_kv_caches")
     released = llm.collective_rpc("kvconnect_release_kv_cache")
     llm.collective_rpc("kvconnect_recommit_kv_cache")
     llm.reset_prefix_cache()
