@@ -447,7 +447,7 @@ class ExtensibleKVCache(Closeable):
                                     "call recommit() first")
 
     def __repr__(self) -> str:
-        return (f"ExtensibleKVCache({self._config.layout}, tensors={len(self._plan.tensors)}, "
+        return (f"{type(self).__name__}({self._config.layout}, tensors={len(self._plan.tensors)}, "
                 f"num_blocks={self._num_blocks}, capacity_blocks={self._capacity_blocks}, "
                 f"bytes_per_block={self.bytes_per_block}, final={self._final}, "
                 f"released={self._released})")

@@ -1,13 +1,14 @@
-"""The check vocabulary of both command lines (torch-free): :class:`Check` rows in
-``kvconnect-validate``'s report, ``{name: {"status": ..., evidence...}}`` in a conformance
-case, with the same statuses (:data:`REFUSED`: kvconnect declined a layout, not a fault)."""
+"""The check vocabulary of both command lines (torch-free): one :class:`Check`, written as
+rows of ``kvconnect-validate``'s report (:meth:`Check.to_json`) and as a conformance case's
+``{name: {"status": ..., evidence...}}`` (:meth:`Check.to_entry`, :func:`check_entry`), with
+the same statuses (:data:`REFUSED`: kvconnect declined a layout, not a fault)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CHECK_STATUSES", "FAIL", "PASS", "REFUSED", "SKIP", "Check"]
+__all__ = ["CHECK_STATUSES", "FAIL", "PASS", "REFUSED", "SKIP", "Check", "check_entry"]
 
 PASS = "pass"
 FAIL = "fail"
@@ -40,6 +41,11 @@ class Check:
         """``{name, status, detail, worker, seconds, data}``, as reports write it."""
         return asdict(self)
 
+    def to_entry(self) -> dict[str, Any]:
+        """``{"status", **data}``: the check as a conformance case's ``checks`` hold it (keyed
+        by name; ``detail``, ``worker`` and ``seconds`` are the validation report's)."""
+        return {"status": self.status, **self.data}
+
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Check:
         data = obj.get("data") or {}
@@ -48,3 +54,9 @@ class Check:
         return cls(name=str(obj["name"]), status=str(obj["status"]),
                    detail=str(obj.get("detail", "")), worker=str(obj.get("worker", "")),
                    seconds=float(obj.get("seconds", 0.0)), data=dict(data))
+
+
+def check_entry(status: str, **data: Any) -> dict[str, Any]:
+    """A conformance check entry: the :class:`Check` of ``status`` (one of
+    :data:`CHECK_STATUSES`, else ValueError) and ``data``, as :meth:`Check.to_entry` writes it."""
+    return Check("", status, data=data).to_entry()

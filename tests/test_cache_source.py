@@ -1,6 +1,6 @@
 """KVCacheSource: the members connectors read. ExtensibleKVCache satisfies it, a cache that
-only wraps one (as kvconnect.vllm.VllmKVCache does) is served by a connector like the cache
-itself, and an object lacking a member is refused."""
+only wraps one is served by a connector like the cache itself, and an object lacking a
+member is refused."""
 
 from __future__ import annotations
 

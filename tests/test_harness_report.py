@@ -194,3 +194,13 @@ def test_check_data_round_trips_and_must_be_an_object() -> None:
     assert Check.from_json(json.loads(json.dumps(c.__dict__))) == c
     with pytest.raises(ValueError, match="JSON object"):
         Check.from_json({"name": "x", "status": "pass", "data": [1]})
+
+
+def test_the_conformance_kit_writes_the_same_check_as_an_entry() -> None:
+    from kvconnect.verdicts import check_entry
+
+    assert Check("x", "skip", "ignored", data={"reason": "r"}).to_entry() == {
+        "status": "skip", "reason": "r"}
+    assert check_entry("refused", error="e") == {"status": "refused", "error": "e"}
+    with pytest.raises(ValueError, match="check status"):
+        check_entry("ran")

@@ -57,7 +57,7 @@ def test_bounding_lhbnc_over_a_reservation_needs_the_opt_in(tmp_path) -> None:
         with pytest.raises(LayoutError, match="head_planes=True"):
             bound_for_connector(views, ccfg)
         b = bound_for_connector(views, ccfg, head_planes=True)
-        base = cache.cache.tensors[0].base_ptr
+        base = cache.tensors[0].base_ptr
         plane = 1024 * 8192
         assert {n: [a - base for a in p] for n, p in b.head_planes.items()} == {
             names[0]: [0, plane], names[1]: [2 * plane, 3 * plane]}

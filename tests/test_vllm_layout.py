@@ -118,9 +118,9 @@ def test_vllm_kv_cache_views_equal_a_plain_allocation_of_capacity(vllm_config,
         assert plain_cfg.num_blocks == cap
         plain = allocate_kv_cache(plain_cfg, torch.device("cpu"), KVCacheLayout[layout])
         pbase = next(iter(plain.values())).untyped_storage().data_ptr()
-        assert _geometry(cache.kv_caches(), cache.cache.tensors[0].base_ptr) == _geometry(
+        assert _geometry(cache.kv_caches(), cache.tensors[0].base_ptr) == _geometry(
             plain, pbase)
-        t = cache.cache.tensors[0]
+        t = cache.tensors[0]
         # one segment per layer (and head for LHBNC) when layer-outer, one when block-outer
         want = 1 if layout in BLOCK_OUTER else LAYERS * (HEADS if layout == "LHBNC" else 1)
         assert t.num_segments == want

@@ -12,6 +12,7 @@ from kvconnect.vllm.plugin_settings import (
     CAPACITY_ENV,
     SWITCH_ENV,
     PluginConfigError,
+    PluginSettings,
     UnsupportedVllmError,
     capacity_bytes_from_env,
     check_vllm_version,
@@ -55,6 +56,16 @@ def test_capacity_takes_ascii_digits_within_a_bound(bad: str) -> None:
                                              (str(2 ** 63 - 1), 2 ** 63 - 1), ("  ", None)])
 def test_capacity_forms_taken(text: str, value: int | None) -> None:
     assert capacity_bytes_from_env({CAPACITY_ENV: text}) == value
+
+
+def test_settings_read_every_knob_only_with_the_switch_on() -> None:
+    bad = {CAPACITY_ENV: "8GiB", "KVCONNECT_KV_GROW_MAX_BYTES": "x"}
+    assert PluginSettings.from_env(bad) == PluginSettings()  # off: nothing else is read
+    on = PluginSettings.from_env({SWITCH_ENV: "1", CAPACITY_ENV: "4096",
+                                  "KVCONNECT_KV_SHRINK_IDLE_SECONDS": "2"})
+    assert (on.enabled, on.capacity_bytes, on.elastic.shrinks) == (True, 4096, True)
+    with pytest.raises(PluginConfigError, match=CAPACITY_ENV):
+        PluginSettings.from_env({**bad, SWITCH_ENV: "1"})
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.33.0", "0.33.2+cpu"])

@@ -1,20 +1,22 @@
-"""vLLM 0.33's own config objects -> kvconnect's config, by their fields (no vLLM import).
+"""vLLM 0.33's ``KVCacheConfig`` <-> kvconnect's config: both directions, in one place.
 
 :func:`config_from_vllm` reads any object shaped like vLLM 0.33's ``KVCacheConfig``
 (``num_blocks``, ``kv_cache_tensors`` of ``KVCacheTensor(size, layers, layer_stride,
 block_stride, offset, host_resident)``, ``kv_cache_groups`` of ``(layer_names,
-kv_cache_spec)``, ``kv_cache_layout``) and returns the same cache in kvconnect's model. Specs
-map through :data:`SPEC_CONVERTERS`, keyed by vLLM's spec class name; a field that would
-change the page's geometry in a way kvconnect does not model raises :class:`LayoutError`
-naming it. ``kvconnect.views`` calls this for any config that is not kvconnect's own, so
-``narrow_kv_caches_to_num_blocks`` and friends take vLLM's objects directly.
+kv_cache_spec)``, ``kv_cache_layout``) by its fields (no vLLM import) and returns the same
+cache in kvconnect's model. Specs map through :data:`SPEC_CONVERTERS`, keyed by vLLM's spec
+class name; a field that would change the page's geometry in a way kvconnect does not model
+raises :class:`LayoutError` naming it. ``kvconnect.views`` calls this for any config that is
+not kvconnect's own, so ``narrow_kv_caches_to_num_blocks`` and friends take vLLM's objects
+directly. :func:`to_vllm_config`, the reverse, imports vLLM (its ``KVCacheTensor``) when
+called. Units: bytes; ``num_blocks`` is logical blocks.
 """
-
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol, TypeGuard, cast
 
 from .config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from .formats import VLLM_LAYOUTS
@@ -28,7 +30,8 @@ from .specs import (
 )
 
 __all__ = ["SPEC_CONVERTERS", "VllmKVCacheConfigLike", "VllmKVCacheGroupLike",
-           "VllmKVCacheTensorLike", "config_from_vllm", "is_vllm_like_config", "spec_from_vllm"]
+           "VllmKVCacheTensorLike", "config_from_vllm", "is_vllm_like_config",
+           "replace_vllm_config", "spec_from_vllm", "to_vllm_config"]
 
 
 class VllmKVCacheTensorLike(Protocol):
@@ -189,3 +192,29 @@ def config_from_vllm(cfg: KVCacheConfig | VllmKVCacheConfigLike, layout: object 
                     for t in cfg.kv_cache_tensors)
     return KVCacheConfig(int(cfg.num_blocks), tensors, tuple(_groups(cfg)), layout=str(name),
                          kernel_block_size=kernel_block_size)
+
+
+def replace_vllm_config(config: VllmKVCacheConfigLike, **changes: object
+                        ) -> VllmKVCacheConfigLike:
+    """``dataclasses.replace`` of vLLM's ``KVCacheConfig`` (a dataclass, which the protocol
+    cannot say: hence the cast)."""
+    return dataclasses.replace(cast(Any, config), **changes)
+
+
+def to_vllm_config(config: KVCacheConfig, template: VllmKVCacheConfigLike, *,
+                   num_blocks: int | None = None) -> VllmKVCacheConfigLike:
+    """vLLM's ``KVCacheConfig``: ``template`` with ``config``'s tensors (placement form),
+    ``config.layout`` as its ``kv_cache_layout`` and ``num_blocks`` (default: the config's;
+    may be below the blocks the placement holds, as for an extensible cache)."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor as VllmKVCacheTensor
+
+    if not config.is_placement:
+        raise LayoutError("to_vllm_config needs a placement-form config (vLLM's layouts); "
+                          f"{config.layout!r} uses the seed's shorthand tensors")
+    tensors = [VllmKVCacheTensor(size=t.size, layers=list(t.layers),
+                                 layer_stride=t.layer_stride, block_stride=t.block_stride,
+                                 offset=t.offset)
+               for t in config.kv_cache_tensors]
+    return replace_vllm_config(template, kv_cache_tensors=tensors,
+                               num_blocks=config.num_blocks if num_blocks is None else num_blocks,
+                               kv_cache_layout=config.layout)

@@ -27,7 +27,7 @@ from typing import Any
 _EXPORTS: dict[str, str] = {
     "config_from_vllm": "kvconnect.layout.foreign",
     "spec_from_vllm": "kvconnect.layout.foreign",
-    "to_vllm_config": "kvconnect.vllm.convert",
+    "to_vllm_config": "kvconnect.layout.foreign",
     "VllmKVCache": "kvconnect.vllm.cache",
     "bound_for_connector": "kvconnect.vllm.bounding",
     "BoundedKVCaches": "kvconnect.vllm.bounding",
@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "kv_cache_resize_status": "kvconnect.vllm.elastic",
     "elastic_facts": "kvconnect.vllm.elastic",
     "KVCacheResizeError": "kvconnect.vllm.elastic",
-    "ElasticPolicy": "kvconnect.vllm.elastic_policy",
+    "ElasticPolicy": "kvconnect.vllm.plugin_settings",
     "write_tiny_llama": "kvconnect.vllm.tiny_model",
     "install_simple_cpu_offload_host_stand_ins": "kvconnect.vllm.host_stand_ins",
 }

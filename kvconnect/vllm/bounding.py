@@ -29,10 +29,8 @@ from typing import Any
 import torch
 
 from kvconnect.layout import LayoutError, LayoutPlan, plan_layout
-from kvconnect.layout.foreign import VllmKVCacheConfigLike, config_from_vllm
+from kvconnect.layout.foreign import VllmKVCacheConfigLike, config_from_vllm, replace_vllm_config
 from kvconnect.views import narrow_kv_caches_to_num_blocks
-
-from .convert import replace_vllm_config
 
 __all__ = ["BoundedKVCaches", "bound_for_connector"]
 

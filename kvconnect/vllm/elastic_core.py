@@ -19,7 +19,7 @@ through the engine-core client's ``call_utility``, or directly in an in-process 
 Every answer is a JSON object (``ok``, ``state``, ``op``, ``from``, ``to``, ``code``,
 ``message``, ...): nothing is pickled, and an error's reason survives the process boundary.
 Only one resize runs at a time (``pending`` refuses another). The policy
-(:class:`~kvconnect.vllm.elastic_policy.ElasticPolicy`) grows when a running request cannot
+(:class:`~kvconnect.vllm.plugin_settings.ElasticPolicy`) grows when a running request cannot
 get blocks (vLLM would preempt it) and shrinks after an idle period; it is off by default,
 and off with asynchronous scheduling (the workers may be mid-step then). Units: blocks are
 vLLM's logical blocks; seconds.
@@ -33,8 +33,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from .elastic_policy import ElasticPolicy
 from .elastic_pool import BlockPoolResizeError, ElasticBlockPool
+from .plugin_settings import ElasticPolicy, settings
 
 logger = logging.getLogger(__name__)
 engine_log = logging.getLogger("vllm.kvconnect.elastic")
@@ -255,7 +255,7 @@ class CoreElastic:
     def _start_policy(self) -> None:
         self._policy_ready = True
         try:
-            policy = ElasticPolicy.from_env()
+            policy = settings().elastic
         except Exception:
             logger.exception("kvconnect: the elastic KV policy settings are invalid; the "
                              "policy stays off")

@@ -35,7 +35,7 @@ from kvconnect.layout.foreign import config_from_vllm
 from kvconnect.vmm import AllocationOptions, probe_vmm
 
 from .cache import VllmKVCache
-from .plugin_settings import CAPACITY_ENV, SWITCH_ENV, PluginConfigError, capacity_bytes_from_env
+from .plugin_settings import CAPACITY_ENV, SWITCH_ENV, PluginConfigError, settings
 
 logger = logging.getLogger(__name__)
 #: vLLM's logging configuration shows INFO lines of loggers under "vllm" (its handler)
@@ -157,7 +157,7 @@ def _capacity_blocks(per_block: int, device: torch.device, backend: str,
     """Blocks of ``per_block`` bytes to reserve (from KVCONNECT_KV_CAPACITY_BYTES, else the
     device's memory) and where the figure came from; raises when it holds fewer than vLLM's
     ``num_blocks``."""
-    wanted = capacity_bytes_from_env()
+    wanted = settings().capacity_bytes
     source = f"{CAPACITY_ENV}={wanted}" if wanted is not None else "device total memory"
     if wanted is None:
         wanted = max(_device_total_bytes(device, backend), num_blocks * per_block)
@@ -208,7 +208,7 @@ def allocate_extensible_kv_cache(kv_cache_config: Any, device: torch.device, lay
     except BaseException:
         vkc.close(force=True)
         raise
-    record = EngineKVCache(vkc.cache, vkc.layout, connector, source, options, [1, num_blocks],
+    record = EngineKVCache(vkc, vkc.config.layout, connector, source, options, [1, num_blocks],
                            vllm_version=vllm.__version__)
     _warn_ungranted(record)
     _remember(kv_cache_config, record)

@@ -48,17 +48,15 @@ from .plugin_settings import (
     SWITCH_ENV,
     PluginConfigError,
     UnsupportedVllmError,
-    capacity_bytes_from_env,
     check_vllm_version,
-    enabled,
+    settings,
 )
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CAPACITY_ENV", "ENTRY_POINT", "SUPPORTED_VLLM_SERIES", "SWITCH_ENV",
-           "PluginConfigError", "UnsupportedVllmError", "capacity_bytes_from_env",
-           "check_vllm_version", "enabled", "install", "installed", "patched_sites", "register",
-           "uninstall"]
+           "PluginConfigError", "UnsupportedVllmError", "check_vllm_version", "install",
+           "installed", "patched_sites", "register", "uninstall"]
 
 #: modules that hold ``allocate_kv_cache`` by name (a build may lack some)
 _ALLOCATION_SITES = ("vllm.v1.worker.utils", "vllm.v1.worker.gpu_model_runner",
@@ -122,16 +120,14 @@ def register() -> None:
     """vLLM's plugin hook (every engine process). Off unless ``KVCONNECT_EXTENSIBLE_KV=1``:
     then nothing is imported or patched. On: checks the vLLM version and the settings, then
     :func:`install`. Raises (and patches nothing) on an unsupported version or a bad
-    setting; vLLM lets a plugin's error stop the engine."""
-    if not enabled():
+    setting (every one is read here: :func:`~kvconnect.vllm.plugin_settings.settings`, so a
+    bad value fails in the front end, before any engine); vLLM lets a plugin's error stop
+    the engine."""
+    if not settings().enabled:
         return
     import vllm
 
     check_vllm_version(vllm.__version__)
-    capacity_bytes_from_env()  # a bad value fails here, in the front end, before any engine
-    from .elastic_policy import ElasticPolicy
-
-    ElasticPolicy.from_env()  # the elastic policy's knobs too
     install()
 
 
@@ -281,7 +277,8 @@ def _wrap_sleep(module: ModuleType) -> None:
 
 def uninstall() -> None:
     """Undo :func:`install` in this process (for tests; an engine built meanwhile keeps the
-    cache it was given)."""
+    cache it was given); the settings are read again on next use."""
+    settings.cache_clear()
     while _hook:
         hook = _hook.pop()
         if hook in sys.meta_path:

@@ -21,8 +21,9 @@ A connector of no kind the kit knows (any ``KVConnectorBase_V1`` subclass: see
 registrations and the views it holds; what could not be checked is in the result's
 ``unchecked``, check name -> reason in words.
 
-Each check is ``{"status": "pass" | "fail" | "skip" | "refused", ...evidence}`` (the
-statuses of :mod:`kvconnect.verdicts`). Units: bytes.
+Each check is ``{"status": "pass" | "fail" | "skip" | "refused", ...evidence}``, written by
+:func:`kvconnect.verdicts.check_entry` (the harness's :class:`~kvconnect.verdicts.Check`).
+Units: bytes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 
 from kvconnect.errors import KvconnectError
 from kvconnect.layout import LayoutError
-from kvconnect.verdicts import FAIL, PASS, REFUSED, SKIP
+from kvconnect.verdicts import FAIL, PASS, REFUSED, SKIP, check_entry
 
 from .probes import ConnectorProbe, GenericProbe, Region, probe_for
 
@@ -139,13 +140,13 @@ def _committed_only(probe: ConnectorProbe, regions: list[Region],
     registered = probe.registered() or [(r.base, r.end - r.base) for r in regions]
     outside = [(a, n) for a, n in registered if not _inside(extents, a, n)]
     bad = [r for r in regions if not _inside(extents, r.base, r.end - r.base)]
-    return {"status": FAIL if outside or bad else PASS,
-            "registered_bytes": sum(n for _, n in registered),
-            "committed_bytes": sum(n for _, n in extents),
-            "registered_outside_bytes": sum(_outside_bytes(extents, a, n)
-                                            for a, n in registered),
-            "ranges": len(registered), "ranges_outside": len(outside),
-            "regions": len(regions), "regions_outside": len(bad)}
+    return check_entry(FAIL if outside or bad else PASS,
+                       registered_bytes=sum(n for _, n in registered),
+                       committed_bytes=sum(n for _, n in extents),
+                       registered_outside_bytes=sum(_outside_bytes(extents, a, n)
+                                                    for a, n in registered),
+                       ranges=len(registered), ranges_outside=len(outside),
+                       regions=len(regions), regions_outside=len(bad))
 
 
 def _block_geometry(regions: list[Region], kv_runs: list[tuple[int, int, int]]
@@ -170,18 +171,17 @@ def _block_geometry(regions: list[Region], kv_runs: list[tuple[int, int, int]]
                 break
         missing += n
     ok = not bad_stride and not bad_extent and missing == 0 and bool(regions)
-    return {"status": PASS if ok else FAIL, "regions": len(regions),
-            "wrong_stride": bad_stride[:4], "beyond_block": bad_extent[:4],
-            "uncovered_kv_bytes_per_block": missing}
+    return check_entry(PASS if ok else FAIL, regions=len(regions),
+                       wrong_stride=bad_stride[:4], beyond_block=bad_extent[:4],
+                       uncovered_kv_bytes_per_block=missing)
 
 
 def fill_committed(cache: Any, rng: random.Random) -> None:
     """Random bytes into every committed block prefix of a VllmKVCache (nothing else)."""
     import torch
 
-    inner = cache.cache
-    (t,) = inner.tensors
-    used = inner.num_blocks * inner.plan.tensors[0].segment_bytes_per_block
+    (t,) = cache.tensors
+    used = cache.num_blocks * cache.plan.tensors[0].segment_bytes_per_block
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     for s in range(t.num_segments):
         view = t.committed_view(s * t.segment_capacity, used)
@@ -191,9 +191,9 @@ def fill_committed(cache: Any, rng: random.Random) -> None:
 def _exercise(probe: ConnectorProbe, connector: Any, cache: Any, extents: list[tuple[int, int]],
               block_ids: list[int], rng: random.Random) -> dict[str, Any]:
     runs = [(r.base_ptr + b * r.block_stride, r.block_len)
-            for r in cache.cache.committed_regions() for b in block_ids]
+            for r in cache.committed_regions() for b in block_ids]
 
-    memory = DeviceBytes(cache.cache.tensors[0])
+    memory = DeviceBytes(cache.tensors[0])
 
     def scribble() -> None:  # kvconnect's runs: committed memory only
         for a, n in runs:
@@ -204,13 +204,13 @@ def _exercise(probe: ConnectorProbe, connector: Any, cache: Any, extents: list[t
         moved, mismatched = probe.exercise(connector, block_ids, scribble,
                                            _read_runs(extents, unreadable, memory), runs)
     except NotImplementedError as exc:
-        return {"status": SKIP, "reason": str(exc)}
+        return check_entry(SKIP, reason=str(exc))
     except Exception as exc:  # the connector's geometry made the move fail: evidence
-        return {"status": FAIL, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        return check_entry(FAIL, error=f"{type(exc).__name__}: {exc}"[:400])
     bad = mismatched + unreadable[0]
-    return {"status": PASS if moved and not bad else FAIL, "moved_bytes": moved,
-            "mismatched_bytes": mismatched, "unreadable_bytes": unreadable[0],
-            "blocks": len(block_ids)}
+    return check_entry(PASS if moved and not bad else FAIL, moved_bytes=moved,
+                       mismatched_bytes=mismatched, unreadable_bytes=unreadable[0],
+                       blocks=len(block_ids))
 
 
 class _Checks(dict):
@@ -269,11 +269,11 @@ def _register(connector: Any, views: dict[str, Any], checks: _Checks) -> bool:
     except Exception as exc:
         # kvconnect's bounding refusing a layout it cannot describe is not a fault
         refused = isinstance(exc, LayoutError)
-        checks["register"] = {"status": REFUSED if refused else FAIL,
-                              "error": _error(exc),
-                              "where": traceback.extract_tb(exc.__traceback__)[-1].name}
+        checks["register"] = check_entry(
+            REFUSED if refused else FAIL, error=_error(exc),
+            where=traceback.extract_tb(exc.__traceback__)[-1].name)
         return False
-    checks["register"] = {"status": PASS}
+    checks["register"] = check_entry(PASS)
     return True
 
 
@@ -286,13 +286,13 @@ def _committed_checks(probe: ConnectorProbe, connector: Any, cache: Any, views: 
     if isinstance(probe, GenericProbe):
         from .holdings import holdings_check
 
-        t = cache.cache.tensors[0]
+        t = cache.tensors[0]
         held = holdings_check(connector, views, (t.base_ptr, t.capacity_bytes), extents)
         out.update(held_views=held["held_views"],
                    views_reaching_uncommitted=held["views_reaching_uncommitted"],
                    held_examples=held["examples"])
         if held["status"] == FAIL:
-            out["status"] = "fail"
+            out["status"] = FAIL
     return out
 
 
@@ -305,8 +305,8 @@ def _sleep_wake(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[s
 
     hooks = sleep_hooks(connector)
     if hooks is None:
-        return {"status": SKIP, "reason": f"vLLM {vllm_version()}'s connector API has no "
-                                            "unregister_kv_caches / restore_kv_caches"}
+        return check_entry(SKIP, reason=f"vLLM {vllm_version()}'s connector API has no "
+                                        "unregister_kv_caches / restore_kv_caches")
     unregister, restore = hooks
     stage("sleep")
     unregister()
@@ -320,12 +320,12 @@ def _sleep_wake(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[s
     stage(f"{probe.exercise_name} after wake")
     moved = _exercise(probe, connector, cache, extents, block_ids, rng)
     ok = not left and after["status"] == PASS and moved["status"] in (PASS, SKIP)
-    return {"status": PASS if ok else FAIL,
-            "registered_while_asleep_bytes": sum(n for _, n in left),
-            "registered_after_wake_bytes": after["registered_bytes"],
-            "outside_after_wake": after["ranges_outside"] + after["regions_outside"]
-            + after.get("views_reaching_uncommitted", 0),
-            probe.exercise_name: moved["status"]}
+    return check_entry(PASS if ok else FAIL, **{
+        "registered_while_asleep_bytes": sum(n for _, n in left),
+        "registered_after_wake_bytes": after["registered_bytes"],
+        "outside_after_wake": after["ranges_outside"] + after["regions_outside"]
+        + after.get("views_reaching_uncommitted", 0),
+        probe.exercise_name: moved["status"]})
 
 
 def _inspect(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str, Any],
@@ -335,17 +335,17 @@ def _inspect(probe: ConnectorProbe, connector: Any, cache: Any, views: dict[str,
     cannot tell)."""
     checks, unchecked = result["checks"], result["unchecked"]
     regions = probe.regions(connector)
-    base = cache.cache.tensors[0].base_ptr
+    base = cache.tensors[0].base_ptr
     result["registration"] = {  # relative to the reservation: comparable across runs
         "regions": [[r.base - base, r.block_len, r.block_stride, r.num_blocks]
                     for r in regions],
         "ranges": [[a - base, n] for a, n in probe.registered()]}
     checks["committed_only"] = _committed_checks(probe, connector, cache, views, extents)
     if "block_geometry" in unchecked:
-        checks["block_geometry"] = {"status": SKIP, "reason": unchecked["block_geometry"]}
+        checks["block_geometry"] = check_entry(SKIP, reason=unchecked["block_geometry"])
     else:
         kv_runs = [(r.base_ptr, r.block_len, r.block_stride)
-                   for r in cache.cache.committed_regions()]
+                   for r in cache.committed_regions()]
         checks["block_geometry"] = _block_geometry(regions, kv_runs)
 
 
@@ -408,7 +408,7 @@ def _committed_cache(s: dict[str, Any], kv_cfg: Any, rng: random.Random,
     cache.ensure_kv_cache_blocks(max(1, s["num_blocks"] // 2))
     cache.extend_kv_cache(s["num_blocks"])
     fill_committed(cache, rng)
-    result["reserved_bytes"] = cache.cache.tensors[0].capacity_bytes
+    result["reserved_bytes"] = cache.tensors[0].capacity_bytes
     result["committed_bytes"] = sum(n for _, n in cache.committed_extents())
     return cache
 
@@ -423,7 +423,7 @@ def _construct(vc: Any, cache: Any, checks: _Checks) -> Any:
         return KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER,
                                                    cache.connector_config())
     except Exception as exc:
-        checks["register"] = {"status": FAIL, "stage": "construct", "error": _error(exc)}
+        checks["register"] = check_entry(FAIL, stage="construct", error=_error(exc))
         return None
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from kvconnect.child import Child, exit_signal_name
 from kvconnect.ports import free_tcp_port
-from kvconnect.verdicts import FAIL, PASS, SKIP
+from kvconnect.verdicts import FAIL, PASS, SKIP, check_entry
 
 from .options import ENGINE_CACHES
 
@@ -175,25 +175,23 @@ def _crash_reason(result: dict[str, Any] | None, sig: str | None, tail: str, sta
 
 def _starts(stage: str, reason: str) -> dict[str, Any]:
     """``starts`` of an engine that ended early: failed only if it never got past start."""
-    if stage == "engine start":
-        return {"status": FAIL, "reason": reason}
-    return {"status": PASS}
+    return check_entry(FAIL, reason=reason) if stage == "engine start" else check_entry(PASS)
 
 
 def _tokens_check(got: dict[str, Any] | None, want: list[int], *, needs_cache: bool
                   ) -> dict[str, Any]:
     if got is None:
-        return {"status": FAIL, "reason": "no output"}
+        return check_entry(FAIL, reason="no output")
     same = got["tokens"] == want
     cached = got.get("num_cached_tokens") or 0
     out = {"tokens_equal": same, "num_cached_tokens": cached}
     if not same:
-        return {**out, "status": FAIL, "tokens": got["tokens"], "reference": want}
+        return check_entry(FAIL, **out, tokens=got["tokens"], reference=want)
     if needs_cache and cached == 0:
-        return {**out, "status": SKIP,
-                "reason": "the connector supplied no tokens (num_cached_tokens 0 after a "
-                          "prefix-cache reset): nothing was reloaded"}
-    return {**out, "status": PASS}
+        return check_entry(SKIP, **out, reason="the connector supplied no tokens "
+                           "(num_cached_tokens 0 after a prefix-cache reset): nothing was "
+                           "reloaded")
+    return check_entry(PASS, **out)
 
 
 def _transfer_check(decode: dict[str, Any], reference: list[list[int]]) -> dict[str, Any]:
@@ -204,17 +202,15 @@ def _transfer_check(decode: dict[str, Any], reference: list[list[int]]) -> dict[
     zeroed = decode.get("control_zeroed_bytes", 0)
     control_same = decode["control"]["tokens"] == reference[1]
     out.update(control_zeroed_bytes=zeroed, control_tokens_differ=not control_same)
-    if out["status"] != PASS:
-        return out
-    if not zeroed:
-        return {**out, "status": SKIP, "reason": "the producer's kv_transfer_params name no "
-                                                   "remote_block_ids: the control could not "
-                                                   "zero its KV"}
-    if control_same:
-        return {**out, "status": SKIP,
-                "reason": "zeroing the producer's KV did not change the decode's tokens: the "
-                          "decode recomputed the prompt instead of reading it"}
-    return out
+    status = out.pop("status")
+    if status == PASS and not zeroed:
+        status, out["reason"] = SKIP, ("the producer's kv_transfer_params name no "
+                                       "remote_block_ids: the control could not zero its KV")
+    elif status == PASS and control_same:
+        status, out["reason"] = SKIP, ("zeroing the producer's KV did not change the decode's "
+                                       "tokens: the decode recomputed the prompt instead of "
+                                       "reading it")
+    return check_entry(status, **out)
 
 
 def _extent(facts: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -290,7 +286,7 @@ def _reload_case(run: _Run, base: dict[str, Any], cache: str) -> dict[str, Any]:
                    evidence=reason, signal=sig if sig != "timeout" else None, stage=e.stage)
         checks["starts"] = _starts(e.stage, reason)
         return out
-    checks["starts"] = {"status": PASS}
+    checks["starts"] = check_entry(PASS)
     checks["tokens"] = _tokens_check(result["first"][0], run.reference[0], needs_cache=False)
     checks["reload"] = _tokens_check(result["reloaded"], run.reference[0], needs_cache=True)
     sw = result["sleep_wake"]
@@ -328,10 +324,10 @@ def _pd_case(run: _Run, base: dict[str, Any], cache: str) -> dict[str, Any]:
                        stage=eng.stage)
             return out
     assert pres is not None and dres is not None  # the loop returned for a missing result
-    checks["starts"] = {"status": PASS}
+    checks["starts"] = check_entry(PASS)
     checks["transfer"] = _transfer_check(dres, run.reference)
-    checks["sleep_wake"] = {"status": SKIP, "reason": "1P1D rows do not sleep (the reload "
-                                                        "rows do, where vLLM can)"}
+    checks["sleep_wake"] = check_entry(SKIP, reason="1P1D rows do not sleep (the reload rows "
+                                                    "do, where vLLM can)")
     out["extent"] = _extent(pres.get("facts"))
     return out
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kvconnect.json_files import wait_for_json_file, write_json_file
-from kvconnect.verdicts import SKIP
+from kvconnect.verdicts import SKIP, check_entry
+from kvconnect.vllm.plugin_settings import settings
 
 __all__ = ["SCENARIOS", "main"]
 
@@ -71,7 +72,7 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int,
 
 
 def _facts(llm: Any) -> list[dict[str, Any]] | None:
-    if os.environ.get("KVCONNECT_EXTENSIBLE_KV") != "1":
+    if not settings().enabled:
         return None
     return llm.collective_rpc("kvconnect_kv_cache_facts")
 
@@ -95,14 +96,14 @@ def reference(spec: dict[str, Any]) -> dict[str, Any]:
 def _sleep_wake(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     from .compat import vllm_version
 
-    if os.environ.get("KVCONNECT_EXTENSIBLE_KV") != "1":
-        return {"status": SKIP, "reason": "plain cache: the plugin's release / recommit "
-                                            "needs the extensible cache"}
+    if not settings().enabled:
+        return check_entry(SKIP, reason="plain cache: the plugin's release / recommit needs "
+                                        "the extensible cache")
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     if not hasattr(get_kv_transfer_group(), "unregister_kv_caches"):
-        return {"status": SKIP, "reason": f"vLLM {vllm_version()}'s connector API has no "
-                                            "unregister_kv_caches / restore_kv_caches"}
+        return check_entry(SKIP, reason=f"vLLM {vllm_version()}'s connector API has no "
+                                        "unregister_kv_caches / restore_kv_caches")
     released = llm.collective_rpc("kvconnect_release_kv_cache")
     llm.collective_rpc("kvconnect_recommit_kv_cache")
     llm.reset_prefix_cache()

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvconnect.verdicts import FAIL, PASS
+from kvconnect.verdicts import FAIL, PASS, check_entry
 
 __all__ = ["addressed_runs", "held_tensors", "holdings_check"]
 
@@ -122,5 +122,5 @@ def holdings_check(connector: Any, handed: dict[str, torch.Tensor],
             bad.append({"attribute": path[:120], "shape": list(t.shape),
                         "offset_bytes": a - base, "span_bytes": n,
                         "uncommitted_bytes": outside})
-    return {"status": FAIL if bad else PASS, "held_views": views,
-            "views_reaching_uncommitted": len(bad), "examples": bad[:4]}
+    return check_entry(FAIL if bad else PASS, held_views=views,
+                       views_reaching_uncommitted=len(bad), examples=bad[:4])

@@ -46,7 +46,7 @@ def _digest(cache: Any, block_ids: list[int]) -> tuple[str, int]:
     import ctypes
 
     h, n = hashlib.sha256(), 0
-    regions = cache.cache.committed_regions()
+    regions = cache.committed_regions()
     for b in block_ids:
         for r in regions:
             h.update(ctypes.string_at(r.base_ptr + b * r.block_stride, r.block_len))

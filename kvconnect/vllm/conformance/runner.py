@@ -33,7 +33,7 @@ from typing import Any
 from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name, exit_text, log_tail
 from kvconnect.errors import KvconnectError
 from kvconnect.leftovers import become_subreaper, children, end_leftovers, is_subreaper
-from kvconnect.verdicts import FAIL, PASS, REFUSED
+from kvconnect.verdicts import FAIL, PASS, REFUSED, check_entry
 
 __all__ = ["DEFAULT_TIMEOUT", "RESULT_FILE", "START_METHODS", "case_status", "check_timeout",
            "run_cases", "warm_up"]
@@ -241,11 +241,11 @@ def _leftovers_check(left: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``leftovers`` check: no process of the case's (its group, its session, an orphan
     of its tree) outlived it; those that did are named here (the kit ended them)."""
     if not left:
-        return {"status": PASS, "processes": 0}
+        return check_entry(PASS, processes=0)
     names = ", ".join(f"{p['name']} (pid {p['pid']}, {p['found_by']})" for p in left[:5])
-    return {"status": FAIL, "processes": len(left), "left": left[:20],
-            "error": f"left {len(left)} process(es) running after the case ended, ended by "
-                     f"the kit: {names}"}
+    return check_entry(FAIL, processes=len(left), left=left[:20],
+                       error=f"left {len(left)} process(es) running after the case ended, "
+                             f"ended by the kit: {names}")
 
 
 def _last_lines(text: str, limit: int = 1500) -> str:
