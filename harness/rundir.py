@@ -26,6 +26,8 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+from kvconnect.framing import kernel_boot_id
+
 log = logging.getLogger(__name__)
 
 #: a Unix socket path must fit sockaddr_un.sun_path (108 bytes with the NUL)
@@ -51,11 +53,11 @@ class Owner:
     @classmethod
     def this_process(cls) -> Owner:
         pid = os.getpid()
-        return cls(pid, process_start_ticks(pid) or 0, _boot_id())
+        return cls(pid, process_start_ticks(pid) or 0, kernel_boot_id())
 
     def alive(self) -> bool:
         """True while the owner runs (a zombie, a reused pid or another boot: False)."""
-        return self.boot_id == _boot_id() and process_start_ticks(self.pid) == self.start_ticks
+        return self.boot_id == kernel_boot_id() and process_start_ticks(self.pid) == self.start_ticks
 
     @classmethod
     def read(cls, directory: str) -> Owner | None:
@@ -191,11 +193,3 @@ def process_start_ticks(pid: int) -> int | None:
     if len(fields) < 20 or fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
