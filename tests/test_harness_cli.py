@@ -311,6 +311,7 @@ def test_version_and_the_layout_list_come_from_one_place(run_validate_cli: Any) 
 
 def test_a_leftover_run_folder_is_removed_and_the_user_told(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_validate_cli: Any) -> None:
+    from kvconnect.framing import kernel_boot_id
     from kvconnect.harness import rundir
 
     base = tmp_path / "t"
@@ -318,7 +319,7 @@ def test_a_leftover_run_folder_is_removed_and_the_user_told(
     left = base / "kvv-leftover"
     left.mkdir()
     (left / rundir.OWNER_FILE).write_text(json.dumps(
-        {"pid": 999_999_999, "start_ticks": 1, "boot_id": rundir._boot_id()}))
+        {"pid": 999_999_999, "start_ticks": 1, "boot_id": kernel_boot_id()}))
     monkeypatch.setattr(rundir, "run_dir_base", lambda: str(base))
     out = tmp_path / "r.json"
     code, text = run_validate_cli(["--device", "host", "--transports", "ipc", "--num-layers",
