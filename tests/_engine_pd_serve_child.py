@@ -10,8 +10,9 @@ from; the worker's facts (its KV cache and its connector's fast path) come back 
 
 - ``prefill``: prefills the prompt (``do_remote_decode``), writes the request's
   ``kv_transfer_params`` to ``params_out`` and serves its KV until ``done_file`` appears.
-- ``decode``: decodes the prompt from each prefill in ``prefills`` (a prefix-cache reset
-  before each: every read moves the whole prompt), then locally (the reference).
+- ``decode``: waits until every prefill in ``prefills`` has published its request, then
+  decodes the prompt from each (a prefix-cache reset before each: every read moves the whole
+  prompt), then locally (the reference).
 
 Units: tokens are token ids.
 """
@@ -80,8 +81,12 @@ def decode(spec: dict[str, Any]) -> dict[str, Any]:
     llm = _llm(spec, "kv_consumer")
     remote: dict[str, Any] = {}
     try:
-        for name, params_file in spec["prefills"].items():
-            params = wait_for_json_file(params_file, deadline)["kv_transfer_params"]
+        # every prefill up before the first read: on a 2-core machine an engine still starting
+        # (UCX's start took 42 s there once) starves the others, and vLLM's NIXL handshake gives
+        # a peer 5 s to answer; a read that missed it finished with "error" (fresh-clone CI)
+        transfers = {name: wait_for_json_file(params_file, deadline)["kv_transfer_params"]
+                     for name, params_file in spec["prefills"].items()}
+        for name, params in transfers.items():
             llm.reset_prefix_cache()
             remote[name] = _generate(llm, spec["prompt"], spec["max_tokens"], params)
         llm.reset_prefix_cache()

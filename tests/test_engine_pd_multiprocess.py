@@ -99,10 +99,17 @@ def test_every_process_imports_the_nixl_package_as_installed(pd: dict[str, Any])
     assert "NIXL is not available" not in pd["decode_log"]
 
 
+def _decode_errors(pd: dict[str, Any]) -> str:
+    """The decode log's ERROR lines (a request that finished with "error" says why there)."""
+    lines = [ln for ln in pd["decode_log"].splitlines() if " ERROR " in ln]
+    return "\n".join(lines[:12])
+
+
 def test_the_decode_equals_a_single_engine_over_the_ipc_fast_path(pd: dict[str, Any]) -> None:
     d = pd["decode"]
     remote, local = d["remote"]["same"], d["local"]
-    assert remote["finish_reason"] == "length" and len(remote["tokens"]) == MAX_TOKENS
+    assert remote["finish_reason"] == "length", _decode_errors(pd)
+    assert len(remote["tokens"]) == MAX_TOKENS
     assert local["num_cached_tokens"] == 0
     assert remote["tokens"] == local["tokens"]
     peers = {p["engine_id"]: p for p in _worker(d)["fast_path"]["peers"]}
@@ -119,5 +126,5 @@ def test_the_decode_equals_a_single_engine_over_the_ipc_fast_path(pd: dict[str, 
 def test_control_a_prefill_with_other_weights_changes_the_tokens(pd: dict[str, Any]) -> None:
     d = pd["decode"]
     remote = d["remote"]["other"]
-    assert remote["finish_reason"] == "length"
+    assert remote["finish_reason"] == "length", _decode_errors(pd)
     assert remote["tokens"] != d["local"]["tokens"]
