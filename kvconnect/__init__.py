@@ -12,8 +12,7 @@ derives from :class:`KvconnectError` (``kvconnect.errors``).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .lazy_exports import lazy_exports as _lazy_exports
 
 __version__ = "0.1.0"
 
@@ -58,20 +57,8 @@ _MODULE_EXPORTS: dict[str, tuple[str, ...]] = {
     ),
 }
 #: public name -> submodule that defines it
-_EXPORTS: dict[str, str] = {name: module for module, names in _MODULE_EXPORTS.items()
+_EXPORTS: dict[str, str] = {name: f".{module}" for module, names in _MODULE_EXPORTS.items()
                             for name in names}
 
 __all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str) -> Any:  # the lazily imported attribute: any type
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)

@@ -138,12 +138,16 @@ def test_policy_settings_are_off_unless_set_and_refuse_bad_values() -> None:
                                 "KVCONNECT_KV_SHRINK_IDLE_SECONDS": "2.5"})
     assert p.grows and p.shrinks and p.grow_max_bytes == 8 << 30
     assert p.shrink_idle_seconds == 2.5 and p.grow_step_bytes is None
-    for env, match in (({"KVCONNECT_KV_GROW_MAX_BYTES": "8G"}, "whole number"),
-                       ({"KVCONNECT_KV_GROW_STEP_BYTES": "0"}, "positive"),
-                       ({"KVCONNECT_KV_SHRINK_IDLE_SECONDS": "nan"}, "positive"),
-                       ({"KVCONNECT_KV_SHRINK_FLOOR_BYTES": "-1"}, "positive")):
-        with pytest.raises(PluginConfigError, match=match):
+    # the message names the variable, the accepted form and the value it got
+    for env, form in (({"KVCONNECT_KV_GROW_MAX_BYTES": "8G"}, "whole number from 1"),
+                      ({"KVCONNECT_KV_GROW_STEP_BYTES": "0"}, "whole number from 1"),
+                      ({"KVCONNECT_KV_SHRINK_IDLE_SECONDS": "nan"}, "number above 0"),
+                      ({"KVCONNECT_KV_SHRINK_IDLE_SECONDS": "-2"}, "number above 0"),
+                      ({"KVCONNECT_KV_SHRINK_FLOOR_BYTES": "-1"}, "whole number from 1")):
+        ((name, raw),) = env.items()
+        with pytest.raises(PluginConfigError, match=f"{name} must be .*{form}.*{raw}") as info:
             ElasticPolicy.from_env(env)
+        assert "unset it" in str(info.value)
 
 
 def test_plugin_adds_the_resize_methods_to_the_engine_core_and_the_worker() -> None:

@@ -14,9 +14,8 @@ not import vLLM; the classes load on first use and need vLLM 0.33.
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvconnect.vllm import load_export
+from kvconnect.lazy_exports import lazy_exports
+from kvconnect.vllm import VLLM_NEEDED
 
 #: public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -28,11 +27,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    value = load_export(_EXPORTS, __name__, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, needs=VLLM_NEEDED)

@@ -20,8 +20,9 @@ connector code: :mod:`kvconnect.connectors.vllm`.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from kvconnect.lazy_exports import lazy_exports
 
 #: public name -> module that defines it (relative names are inside kvconnect.vllm)
 _EXPORTS: dict[str, str] = {
@@ -46,37 +47,20 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
+#: what :func:`~kvconnect.lazy_exports.lazy_exports` says a name that needs vLLM needs
+VLLM_NEEDED = ("vllm", "vLLM 0.33: pip install 'kvconnect[vllm]' (on CPU: make test-vllm "
+                       "builds .venv-vllm)")
 #: names that moved out of this package -> where they live now
 _MOVED = {name: "kvconnect.connectors.vllm" for name in (
     "KvconnectNixlConnector", "KvconnectSimpleCPUOffloadConnector",
     "KvconnectOffloadingConnector")}
 
 
-def load_export(exports: dict[str, str], package: str, name: str) -> Any:
-    """``exports[name]`` (a module path) imported and its ``name`` returned, for a package's
-    lazy ``__getattr__``; AttributeError for a name not exported, ImportError saying how to
-    install vLLM when that module needs it."""
-    module = exports.get(name)
-    if module is None:
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ModuleNotFoundError as exc:
-        if exc.name != "vllm" and not str(exc.name).startswith("vllm."):
-            raise
-        raise ImportError(f"{package}.{name} needs vLLM 0.33: pip install "
-                          f"'kvconnect[vllm]' (on CPU: make test-vllm builds .venv-vllm)"
-                          ) from exc
+_load, __dir__ = lazy_exports(__name__, _EXPORTS, needs=VLLM_NEEDED)
 
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
         raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}: set vLLM's "
                              f"kv_connector_module_path to {_MOVED[name]!r}")
-    value = load_export(_EXPORTS, __name__, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return _load(name)

@@ -20,12 +20,12 @@ blocks by the engine core; ``_`` separators are accepted.
 from __future__ import annotations
 
 import functools
-import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from kvconnect.checks import MAX_BYTES, parse_whole_number
+from kvconnect.checks import checked_seconds, parse_whole_number
 from kvconnect.errors import KvconnectError
 
 __all__ = ["CAPACITY_ENV", "ENTRY_POINT", "GROW_MAX_ENV", "GROW_STEP_ENV", "SHRINK_FLOOR_ENV",
@@ -47,6 +47,9 @@ ENTRY_POINT = "kvconnect_extensible_kv"
 SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
 
 _TRUE = {"1", "true", "yes", "on"}
+_T = TypeVar("_T")
+#: what a refused elastic-policy value's error adds
+_POLICY_HINT = "or unset it to turn this part of the elastic policy off"
 _FALSE = {"", "0", "false", "no", "off"}
 
 
@@ -74,15 +77,23 @@ def capacity_bytes_from_env(environ: Mapping[str, str] | None = None) -> int | N
     """``KVCONNECT_KV_CAPACITY_BYTES`` as an int from 1 to 2**63-1 (bytes, per worker), or
     None when unset or blank (then the device's total memory is reserved): ASCII digits,
     ``_`` only between digits. Anything else raises :class:`PluginConfigError`."""
-    raw = (os.environ if environ is None else environ).get(CAPACITY_ENV, "")
+    return _from_env(os.environ if environ is None else environ, CAPACITY_ENV,
+                     parse_whole_number, f"bytes of KV reservation per worker, e.g. "
+                     f"{CAPACITY_ENV}=8589934592 or 8_589_934_592 for 8 GiB")
+
+
+def _from_env(environ: Mapping[str, str], name: str, parse: Callable[[str, str], _T],
+              hint: str) -> _T | None:
+    """``environ[name]`` read by ``parse(name, text)`` (a :mod:`kvconnect.checks` parser),
+    None when unset or blank; a value it refuses raises :class:`PluginConfigError`: the
+    parser's words, then ``hint``."""
+    raw = environ.get(name, "")
     if not raw.strip(" \t\r\n"):
         return None
     try:
-        return parse_whole_number(CAPACITY_ENV, raw, minimum=1, maximum=MAX_BYTES)
+        return parse(name, raw)
     except ValueError as exc:
-        raise PluginConfigError(f"{exc} (bytes of KV reservation per worker, e.g. "
-                                f"{CAPACITY_ENV}=8589934592 or 8_589_934_592 for 8 GiB)"
-                                ) from None
+        raise PluginConfigError(f"{exc} ({hint})") from None
 
 
 def check_vllm_version(version: str) -> str:
@@ -100,35 +111,6 @@ def check_vllm_version(version: str) -> str:
     return series
 
 
-def _bytes(environ: Mapping[str, str], name: str) -> int | None:
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw.replace("_", ""))
-    except ValueError:
-        raise PluginConfigError(f"{name}={raw!r} is not a whole number of bytes (e.g. "
-                                f"{name}=8589934592 for 8 GiB)") from None
-    if value <= 0:
-        raise PluginConfigError(f"{name}={value}: give a positive number of bytes, or unset "
-                                f"it to turn this part of the policy off")
-    return value
-
-
-def _seconds(environ: Mapping[str, str], name: str) -> float | None:
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise PluginConfigError(f"{name}={raw!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise PluginConfigError(f"{name}={raw}: give a positive number of seconds, or unset "
-                                f"it to turn idle shrinking off")
-    return value
-
-
 @dataclass(frozen=True)
 class ElasticPolicy:
     """The elastic policy's knobs (None: that part is off); see the module docstring."""
@@ -142,8 +124,12 @@ class ElasticPolicy:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ElasticPolicy:
         """The knobs from the environment; PluginConfigError names a bad one."""
         env = os.environ if environ is None else environ
-        return cls(_bytes(env, GROW_MAX_ENV), _bytes(env, GROW_STEP_ENV),
-                   _seconds(env, SHRINK_IDLE_ENV), _bytes(env, SHRINK_FLOOR_ENV))
+        def size(name: str) -> int | None:
+            return _from_env(env, name, parse_whole_number, _POLICY_HINT)
+
+        return cls(size(GROW_MAX_ENV), size(GROW_STEP_ENV),
+                   _from_env(env, SHRINK_IDLE_ENV, checked_seconds, _POLICY_HINT),
+                   size(SHRINK_FLOOR_ENV))
 
     @property
     def grows(self) -> bool:

@@ -16,6 +16,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, TypeAlias
 
+from ..lazy_exports import lazy_exports
 from .base import (
     DEFAULT_OPTIONS,
     DLPACK_CPU,
@@ -54,21 +55,9 @@ _DRIVERS: dict[tuple[int, str, int], VmmDriver] = {}
 _DRIVERS_LOCK = threading.Lock()
 
 
-def __getattr__(name: str) -> object:
-    """Backends load lazily (their libraries are only opened when a driver is built)."""
-    if name == "HostVmmDriver":
-        from .host import HostVmmDriver
-
-        return HostVmmDriver
-    if name == "CudaVmmDriver":
-        from .cuda import CudaVmmDriver
-
-        return CudaVmmDriver
-    if name == "HipVmmDriver":
-        from .hip import HipVmmDriver
-
-        return HipVmmDriver
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: the backends load lazily (their libraries are only opened when a driver is built)
+__getattr__, __dir__ = lazy_exports(__name__, {"HostVmmDriver": ".host",
+                                               "CudaVmmDriver": ".cuda", "HipVmmDriver": ".hip"})
 
 
 def parse_device(device: object) -> tuple[str, int]:
