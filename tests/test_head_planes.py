@@ -38,10 +38,10 @@ def test_bounding_lhbnc_over_a_reservation_needs_the_opt_in(tmp_path) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
+    from kvconnect.harness.conformance.compat import kv_cache_config_from_groups
     from kvconnect.layout import LayoutError
     from kvconnect.vllm.bounding import bound_for_connector
     from kvconnect.vllm.cache import VllmKVCache
-    from kvconnect.vllm.conformance.compat import kv_cache_config_from_groups
     from kvconnect.vllm.runtime import make_vllm_config, write_tiny_model
 
     vc = make_vllm_config(write_tiny_model(tmp_path / "m"), layout="LHBNC")

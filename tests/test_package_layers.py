@@ -54,7 +54,7 @@ LAYER_OF = {
     "kvconnect.harness.coordinator": "harness.run", "kvconnect.harness.multihost": "harness.run",
     "kvconnect.harness.display": "harness.run", "kvconnect.harness.rundir": "harness.run",
     **{f"kvconnect.harness.{m}": "harness.command"
-       for m in ("cli", "arguments", "resources", "std_streams")},
+       for m in ("cli", "arguments", "resources", "std_streams", "conformance")},
 }
 #: the sub-packages of the layer ``harness.run``: neither imports the other
 RUN_PACKAGES = ("kvconnect.harness.coordinator", "kvconnect.harness.multihost")

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
+from kvconnect.harness.conformance.case import DeviceBytes, _read_runs
+from kvconnect.harness.conformance.probes import dma_copy
+from kvconnect.harness.conformance.runner import case_device
 from kvconnect.tensor import ExtensibleTensor
-from kvconnect.vllm.conformance.case import DeviceBytes, _read_runs
-from kvconnect.vllm.conformance.probes import dma_copy
-from kvconnect.vllm.conformance.runner import case_device
 from kvconnect.vllm.runtime import is_cuda_device, prepare_cuda_runtime
 from kvconnect.vllm.shims import MissingExtensionShim, install_extension_shims, is_shim
 
@@ -151,7 +151,7 @@ def test_a_case_runs_by_either_start_method(start_method: str) -> None:
 
     prepare_cpu_runtime()
     pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
-    from kvconnect.vllm.conformance import run_conformance
+    from kvconnect.harness.conformance import run_conformance
 
     (r,) = run_conformance(["kvconnect.connectors.vllm:KvconnectSimpleCPUOffloadConnector"],
                            ["LBHNC"], timeout=120, start_method=start_method, device="cpu")
@@ -168,7 +168,7 @@ def test_cuda_probes_keep_upstream_copy_engine() -> None:
     import vllm.v1.simple_kv_offload.worker as worker
 
     from kvconnect.connectors.vllm.patched_offload import KvconnectSimpleCPUOffloadConnector
-    from kvconnect.vllm.conformance.probes import SimpleCPUOffloadProbe, probe_for
+    from kvconnect.harness.conformance.probes import SimpleCPUOffloadProbe, probe_for
 
     probe = probe_for(KvconnectSimpleCPUOffloadConnector, "cuda:0")
     assert isinstance(probe, SimpleCPUOffloadProbe) and probe.device.type == "cuda"

@@ -23,7 +23,7 @@ from kvconnect.vllm.runtime import prepare_cpu_runtime
 prepare_cpu_runtime()
 pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
-from kvconnect.vllm.conformance import run_conformance  # noqa: E402
+from kvconnect.harness.conformance import run_conformance  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -72,7 +72,7 @@ def test_a_connector_deriving_rows_from_the_storage_size_fails(authored) -> None
 def test_a_connector_printing_to_inherited_fds_cannot_break_the_run(tmp_path: Path) -> None:
     report = tmp_path / "out.json"
     out = subprocess.run(
-        [sys.executable, "-m", "kvconnect.vllm.conformance.cli", f"{MOD}:NoisyConnector",
+        [sys.executable, "-m", "kvconnect.harness.conformance.cli", f"{MOD}:NoisyConnector",
          f"{MOD}:MinimalConnector", "--layouts", "LBHNC", "--json", str(report),
          "--timeout", "120"],
         capture_output=True, text=True, timeout=400, env=_env(), cwd=tmp_path)
@@ -120,7 +120,7 @@ def test_sigterm_kills_the_case_in_flight_and_keeps_the_results(tmp_path: Path) 
 
     report, lines = tmp_path / "out.json", tmp_path / "cases.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvconnect.vllm.conformance.cli", f"{MOD}:MinimalConnector",
+        [sys.executable, "-m", "kvconnect.harness.conformance.cli", f"{MOD}:MinimalConnector",
          f"{MOD}:HangingConnector", "--layouts", "LBHNC", "--json", str(report),
          "--jsonl", str(lines), "--timeout", "300"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path,

@@ -14,8 +14,8 @@ from kvconnect.vllm.runtime import prepare_cpu_runtime
 prepare_cpu_runtime()
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (make test-vllm)")
 
+from kvconnect.harness.conformance import STOCK_AND_PATCHED, run_conformance  # noqa: E402
 from kvconnect.layout import VLLM_LAYOUTS  # noqa: E402
-from kvconnect.vllm.conformance import STOCK_AND_PATCHED, run_conformance  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -105,7 +105,7 @@ def test_offloading_lhbnc_control_shows_upstreams_bug_and_our_fix(plain) -> None
 def test_one_prefill_one_decode_through_vllms_connector_api(layout: str) -> None:
     """Scheduler and worker roles in two processes, vLLM's handshake and metadata, real
     NIXL on CPU: the patched connector moves the blocks byte-exact, stock does not."""
-    from kvconnect.vllm.conformance.pd import run_pd
+    from kvconnect.harness.conformance.pd import run_pd
 
     ours = run_pd("kvconnect.connectors.vllm:KvconnectNixlConnector", layout, timeout=60)
     assert ours["status"] == "pass", ours

@@ -22,7 +22,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_importing_kvconnect_never_imports_vllm() -> None:
     out = _python("import sys, json, kvconnect, kvconnect.vllm, kvconnect.connectors.vllm, "
                   "kvconnect.views, "
-                  "kvconnect.layout, kvconnect.vllm.conformance.plugin; "
+                  "kvconnect.layout, kvconnect.harness.conformance.plugin; "
                   "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm')))")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
@@ -32,7 +32,7 @@ def test_importing_kvconnect_never_imports_vllm() -> None:
 def test_without_vllm_the_vllm_parts_say_what_to_install() -> None:
     out = _python("import kvconnect.connectors.vllm as v; v.KvconnectNixlConnector")
     assert out.returncode != 0 and "kvconnect[vllm]" in out.stderr
-    cli = subprocess.run([sys.executable, "-m", "kvconnect.vllm.conformance.cli",
+    cli = subprocess.run([sys.executable, "-m", "kvconnect.harness.conformance.cli",
                           "NixlConnector"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 3 and "not installed" in cli.stderr  # environment, as validate
 

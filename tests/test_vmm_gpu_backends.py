@@ -806,8 +806,8 @@ def test_kit_and_harness_probe_the_driver_through_the_table(
         simulated_libcuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
+    from kvconnect.harness.conformance.options import gpu_absent_reason
     from kvconnect.harness.environment import cuda_driver_present, cuda_driver_version
-    from kvconnect.vllm.conformance.options import gpu_absent_reason
 
     simulated_libcuda(driver_version=12080)
     assert cuda_driver_present() and cuda_driver_version() == "12.8"

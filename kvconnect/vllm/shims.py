@@ -11,7 +11,7 @@ connectors the kit exercises there (SimpleCPUOffload, Offloading):
   kernel the kit never calls: SimpleCPUOffload copies with ``cuMemcpyBatchAsync`` through
   ``cuda.bindings`` (no vLLM extension), and the kit replaces OffloadingConnector's CUDA
   worker (``torch.ops._C_cache_ops.swap_blocks_batch``) with row copies of the canonical
-  tensors it is built from (:class:`~kvconnect.vllm.conformance.probes.OffloadingProbe`).
+  tensors it is built from (:class:`~kvconnect.harness.conformance.probes.OffloadingProbe`).
 
 Nothing here runs unless asked: :func:`install_extension_shims` is called by
 :func:`kvconnect.vllm.runtime.prepare_cuda_runtime`, before vLLM is imported.

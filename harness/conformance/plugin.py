@@ -120,7 +120,7 @@ class ConformanceItem(_KitItem):
         self.add_marker(pytest.mark.vllm)
 
     def runtest(self) -> None:
-        from kvconnect.vllm.conformance.runner import run_cases
+        from kvconnect.harness.conformance.runner import run_cases
         from kvconnect.vllm.runtime import is_cuda_device
 
         # a pytest process may have initialised CUDA (fixtures, gpu markers): never fork it
@@ -141,7 +141,7 @@ class EngineConformanceItem(_KitItem):
         self.add_marker(pytest.mark.vllm)
 
     def runtest(self) -> None:
-        from kvconnect.vllm.conformance.engine import engine_unavailable, run_engine_conformance
+        from kvconnect.harness.conformance.engine import engine_unavailable, run_engine_conformance
 
         reason = engine_unavailable(self.device)
         if reason:

@@ -114,7 +114,7 @@ def render_markdown(results: Sequence[dict[str, Any]], *, title: str,
 
 def render_pd_markdown(results: Sequence[dict[str, Any]], *, title: str, preamble: str = ""
                        ) -> str:
-    """1P1D results (:func:`kvconnect.vllm.conformance.pd.run_pd`) as a Markdown section."""
+    """1P1D results (:func:`kvconnect.harness.conformance.pd.run_pd`) as a Markdown section."""
     lines = [f"## {title}", ""]
     if preamble:
         lines += [preamble.rstrip(), ""]
@@ -169,7 +169,7 @@ def _engine_cell(r: dict[str, Any], col: str) -> str:
 
 def render_engine_markdown(results: Sequence[dict[str, Any]], *, title: str | None,
                            preamble: str = "") -> str:
-    """Engine-mode rows (:func:`kvconnect.vllm.conformance.engine.run_engine_conformance`)
+    """Engine-mode rows (:func:`kvconnect.harness.conformance.engine.run_engine_conformance`)
     as a Markdown section: connector x cache (no heading when ``title`` is None)."""
     lines = [f"## {title}", ""] if title else []
     if preamble:

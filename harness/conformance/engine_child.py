@@ -1,6 +1,6 @@
 """One real vLLM engine of an engine-mode conformance case (runs in its own process).
 
-``python -m kvconnect.vllm.conformance.engine_child SCENARIO SPEC_JSON_FILE``; the parent
+``python -m kvconnect.harness.conformance.engine_child SCENARIO SPEC_JSON_FILE``; the parent
 (:mod:`.engine`) sets the environment (``KVCONNECT_EXTENSIBLE_KV`` on or off, an in-process
 engine, vLLM's CPU platform) and reads the JSON result this process writes to
 ``spec["result"]`` (atomically; ``{"crash": traceback}`` when the scenario raised).

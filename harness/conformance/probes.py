@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from kvconnect.views import block_span
-
-from ..host_stand_ins import HostCopyBackendStandIn, HostStreamStandIn
+from kvconnect.vllm.host_stand_ins import HostCopyBackendStandIn, HostStreamStandIn
 
 __all__ = ["PROBES", "ConnectorProbe", "GenericProbe", "NixlProbe", "NixlRegistrations",
            "OffloadingProbe", "Region", "SimpleCPUOffloadProbe", "dma_copy", "probe_for"]

@@ -88,7 +88,7 @@ class _Engine:
         spec_path.write_text(json.dumps({**spec, "result": str(self.result_path),
                                          "stage_file": str(self.stage_path)}))
         self.child = Child.spawn(
-            [sys.executable, "-m", "kvconnect.vllm.conformance.engine_child", scenario,
+            [sys.executable, "-m", "kvconnect.harness.conformance.engine_child", scenario,
              str(spec_path)], log_path=str(self.log_path), own_group=True, env=env,
             cwd=str(workdir))
 

@@ -16,7 +16,7 @@ On CUDA the parent must not initialise CUDA before it forks (a child of a proces
 cannot use it): :func:`warm_up` selects vLLM's CUDA platform and torch's NVML-based device
 count, and :func:`run_cases` refuses to fork once torch has initialised CUDA. With
 ``start_method="spawn"`` each case runs in a fresh interpreter instead (``python -m
-kvconnect.vllm.conformance.runner``: vLLM's import paid per case).
+kvconnect.harness.conformance.runner``: vLLM's import paid per case).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def warm_up(device: object = "cpu") -> None:
     import vllm.distributed.kv_transfer.kv_connector.factory  # noqa: F401
     import vllm.engine.arg_utils  # noqa: F401
 
+    import kvconnect.harness.conformance.case  # noqa: F401
     import kvconnect.vllm.cache  # noqa: F401
-    import kvconnect.vllm.conformance.case  # noqa: F401
 
     from .compat import kv_cache_planning_module
 
@@ -117,7 +117,7 @@ def _start(spec: dict[str, Any], wfd: int, rfd: int, log_path: str, token: str,
            start_method: str) -> Child:
     """Start the case's process in its own process group."""
     if start_method == "spawn":
-        return Child.spawn([sys.executable, "-m", "kvconnect.vllm.conformance.runner",
+        return Child.spawn([sys.executable, "-m", "kvconnect.harness.conformance.runner",
                             "--case", json.dumps(spec), str(wfd), token],
                            log_path=log_path, own_group=True, pass_fds=(wfd,))
     return Child.fork(lambda: _case_body(spec, wfd, token), log_path=log_path,
@@ -305,7 +305,7 @@ def run_cases(specs: Iterable[dict[str, Any]], *, timeout: float = DEFAULT_TIMEO
               on_result: Callable[[dict[str, Any]], None] | None = None,
               start_method: str = "fork") -> list[dict[str, Any]]:
     """Run each case spec (``connector``, ``layout``, ``device``, optional geometry: see
-    :data:`~kvconnect.vllm.conformance.case.CASE_DEFAULTS`) in its own process: a fork of
+    :data:`~kvconnect.harness.conformance.case.CASE_DEFAULTS`) in its own process: a fork of
     this one (vLLM imported once) or, with ``start_method="spawn"``, a fresh interpreter."""
     if start_method not in START_METHODS:
         raise ValueError(f"start_method {start_method!r}: choose from {START_METHODS}")
@@ -347,10 +347,10 @@ def _run_all(specs: list[dict[str, Any]], timeout: float, start_method: str, dev
 
 
 def _case_main(argv: list[str]) -> None:
-    """``python -m kvconnect.vllm.conformance.runner --case SPEC_JSON FD TOKEN``: one case
+    """``python -m kvconnect.harness.conformance.runner --case SPEC_JSON FD TOKEN``: one case
     in this fresh interpreter (the spawn start method; the parent points stdio at its log)."""
     if len(argv) != 4 or argv[0] != "--case":
-        sys.exit("usage: python -m kvconnect.vllm.conformance.runner --case SPEC_JSON FD "
+        sys.exit("usage: python -m kvconnect.harness.conformance.runner --case SPEC_JSON FD "
                  "TOKEN")
     code = _case_body(json.loads(argv[1]), int(argv[2]), argv[3])
     sys.stdout.flush()

@@ -1,7 +1,7 @@
 """The tensors a connector keeps over the KV cache, and whether they reach uncommitted memory.
 
 A connector of a kind the kit does not know (any ``KVConnectorBase_V1`` subclass) is checked
-by what it registers (NIXL, through :class:`~kvconnect.vllm.conformance.probes.NixlRegistrations`)
+by what it registers (NIXL, through :class:`~kvconnect.harness.conformance.probes.NixlRegistrations`)
 and by the views it holds after ``register_kv_caches``: :func:`held_tensors` walks its
 attributes breadth-first (bounded in depth and objects), and :func:`holdings_check` finds
 the ones that address uncommitted bytes of the reservation. A view that addresses exactly

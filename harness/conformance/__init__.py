@@ -41,7 +41,7 @@ def run_conformance(connectors: Sequence[str], layouts: Iterable[str] = VLLM_LAY
                     start_method: str = "fork", **geometry: Any) -> list[dict[str, Any]]:
     """One case per (connector, layout), each in its own process; their JSON results.
     ``connectors``: ``"module:Class"`` or names vLLM registers; ``geometry`` overrides
-    :data:`~kvconnect.vllm.conformance.case.CASE_DEFAULTS` (``num_blocks``,
+    :data:`~kvconnect.harness.conformance.case.CASE_DEFAULTS` (``num_blocks``,
     ``capacity_blocks``, ``num_layers``, ``device`` ("cpu" or "cuda:N"), ...);
     ``start_method``: "fork" (default) or "spawn" (see :mod:`.runner`)."""
     from .runner import DEFAULT_TIMEOUT, run_cases
@@ -53,7 +53,7 @@ def run_conformance(connectors: Sequence[str], layouts: Iterable[str] = VLLM_LAY
 
 
 def run_engine_conformance(connectors: Sequence[str], **kwargs: Any) -> dict[str, Any]:
-    """Engine mode: see :func:`kvconnect.vllm.conformance.engine.run_engine_conformance`."""
+    """Engine mode: see :func:`kvconnect.harness.conformance.engine.run_engine_conformance`."""
     from .engine import run_engine_conformance as run
 
     return run(connectors, **kwargs)

@@ -17,7 +17,7 @@ the committed blocks with random bytes, creates the connector through vLLM's own
   vLLM version's connector API has no such hooks: 0.32).
 
 A connector of no kind the kit knows (any ``KVConnectorBase_V1`` subclass: see
-:class:`~kvconnect.vllm.conformance.probes.GenericProbe`) is checked by its NIXL
+:class:`~kvconnect.harness.conformance.probes.GenericProbe`) is checked by its NIXL
 registrations and the views it holds; what could not be checked is in the result's
 ``unchecked``, check name -> reason in words.
 
