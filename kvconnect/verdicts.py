@@ -1,20 +1,32 @@
 """The check vocabulary of both command lines (torch-free): one :class:`Check`, written as
 rows of ``kvconnect-validate``'s report (:meth:`Check.to_json`) and as a conformance case's
 ``{name: {"status": ..., evidence...}}`` (:meth:`Check.to_entry`, :func:`check_entry`), with
-the same statuses (:data:`REFUSED`: kvconnect declined a layout, not a fault)."""
+the same statuses (:data:`REFUSED`: kvconnect declined a layout, not a fault). A conformance
+case's own status is its checks' verdict or how it ended without one (:data:`CASE_STATUSES`,
+:func:`engine_end`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CHECK_STATUSES", "FAIL", "PASS", "REFUSED", "SKIP", "Check", "check_entry"]
+__all__ = ["CASE_STATUSES", "CHECK_STATUSES", "ENDED_EARLY", "ERROR", "FAIL", "FAULT",
+           "INCONCLUSIVE", "PASS", "REFUSED", "SKIP", "TIMEOUT", "UNSUPPORTED", "Check",
+           "check_entry", "engine_end"]
 
 PASS = "pass"
 FAIL = "fail"
 SKIP = "skip"
 REFUSED = "refused"
 CHECK_STATUSES = (PASS, FAIL, SKIP, REFUSED)
+#: how a conformance case ended without its checks' verdict: out of time, killed by a
+#: signal, or gone without a result
+TIMEOUT, FAULT, ERROR = "timeout", "fault", "error"
+ENDED_EARLY = (TIMEOUT, FAULT, ERROR)
+#: an engine row that saw no KV move (the connector's own errors as evidence); one where
+#: vLLM's own connector cannot start either
+INCONCLUSIVE, UNSUPPORTED = "inconclusive", "unsupported"
+CASE_STATUSES = (PASS, FAIL, REFUSED, INCONCLUSIVE, UNSUPPORTED, *ENDED_EARLY)
 
 
 @dataclass
@@ -60,3 +72,14 @@ def check_entry(status: str, **data: Any) -> dict[str, Any]:
     """A conformance check entry: the :class:`Check` of ``status`` (one of
     :data:`CHECK_STATUSES`, else ValueError) and ``data``, as :meth:`Check.to_entry` writes it."""
     return Check("", status, data=data).to_entry()
+
+
+
+def engine_end(signal: str | None, evidence: str, stage: str) -> dict[str, Any]:
+    """How a conformance case ended whose engine left no result, as its JSON holds it
+    (``status``, ``evidence``, ``stage``, ``signal``): ``signal`` ``"timeout"`` (the deadline
+    passed) -> :data:`TIMEOUT`, another signal's name -> :data:`FAULT`, None (the engine
+    raised or exited) -> :data:`FAIL`."""
+    status = TIMEOUT if signal == "timeout" else FAULT if signal else FAIL
+    return {"status": status, "evidence": evidence, "stage": stage,
+            "signal": None if status == TIMEOUT else signal}

@@ -204,3 +204,15 @@ def test_the_conformance_kit_writes_the_same_check_as_an_entry() -> None:
     assert check_entry("refused", error="e") == {"status": "refused", "error": "e"}
     with pytest.raises(ValueError, match="check status"):
         check_entry("ran")
+
+
+def test_a_conformance_engine_that_left_no_result_ends_by_how_it_stopped() -> None:
+    """The kit's engine rows: out of time, killed by a signal, or raised; each a status of
+    the case vocabulary both reports share."""
+    from kvconnect.verdicts import CASE_STATUSES, engine_end
+
+    got = {sig: engine_end(sig, "why", "engine start") for sig in ("timeout", "SIGKILL", None)}
+    assert [(e["status"], e["signal"]) for e in got.values()] == [
+        ("timeout", None), ("fault", "SIGKILL"), ("fail", None)]
+    assert all(e["status"] in CASE_STATUSES and e["stage"] == "engine start"
+               and e["evidence"] == "why" for e in got.values())

@@ -40,7 +40,16 @@ from typing import Any
 
 from kvconnect.child import Child, exit_signal_name
 from kvconnect.ports import free_tcp_port
-from kvconnect.verdicts import FAIL, PASS, SKIP, check_entry
+from kvconnect.verdicts import (
+    ERROR,
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    SKIP,
+    UNSUPPORTED,
+    check_entry,
+    engine_end,
+)
 
 from .options import ENGINE_CACHES
 
@@ -282,8 +291,7 @@ def _reload_case(run: _Run, base: dict[str, Any], cache: str) -> dict[str, Any]:
     out: dict[str, Any] = {"checks": checks, "log_tail": tail[-1500:], "log_errors": e.errors}
     if result is None or "crash" in result or sig:
         reason = _crash_reason(result, sig, tail, e.stage)
-        out.update(status="timeout" if sig == "timeout" else "fault" if sig else FAIL,
-                   evidence=reason, signal=sig if sig != "timeout" else None, stage=e.stage)
+        out.update(engine_end(sig, reason, e.stage))
         checks["starts"] = _starts(e.stage, reason)
         return out
     checks["starts"] = check_entry(PASS)
@@ -319,9 +327,7 @@ def _pd_case(run: _Run, base: dict[str, Any], cache: str) -> dict[str, Any]:
         if res is None or "crash" in res or sig:
             reason = f"{side}: {_crash_reason(res, sig, tail, eng.stage)}"
             checks["starts"] = _starts(eng.stage, reason)
-            out.update(status="timeout" if sig == "timeout" else "fault" if sig else FAIL,
-                       evidence=reason, signal=sig if sig != "timeout" else None, side=side,
-                       stage=eng.stage)
+            out.update(engine_end(sig, reason, eng.stage), side=side)
             return out
     assert pres is not None and dres is not None  # the loop returned for a missing result
     checks["starts"] = check_entry(PASS)
@@ -346,7 +352,7 @@ def _status(out: dict[str, Any]) -> str:
         errors = "; ".join(out.get("log_errors", [])[:1])
         out["evidence"] = moved["reason"] + (f" (the engine log says: {errors})" if errors
                                              else "")
-        return "inconclusive"
+        return INCONCLUSIVE
     return PASS
 
 
@@ -415,7 +421,7 @@ def _connector_rows(run: _Run, connector: str, caches: Sequence[str], mode: str,
                    mode="1P1D" if pd else "reload", seconds=round(time.monotonic() - t0, 1),
                    vllm=vllm_version())
         if not ref["control_differs"]:
-            out.update(status="error", evidence="the negative control failed: a prompt "
+            out.update(status=ERROR, evidence="the negative control failed: a prompt "
                        "differing in its first token gave the same tokens")
         out["status"] = _status(out)
         rows.append(out)
@@ -432,6 +438,6 @@ def _mark_unsupported(rows: list[dict[str, Any]]) -> None:
         return
     for r in rows:
         if r["checks"].get("starts", {}).get("status") == FAIL and r["status"] == FAIL:
-            r["status"] = "unsupported"
+            r["status"] = UNSUPPORTED
             r["evidence"] = f"does not start on this platform, plain cache too: " \
                             f"{plain['evidence']}"

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name
 from kvconnect.ports import free_tcp_port
-from kvconnect.verdicts import FAIL, PASS, REFUSED
+from kvconnect.verdicts import FAIL, FAULT, PASS, REFUSED
 
 __all__ = ["run_pd", "transfers_over_nixl"]
 
@@ -306,7 +306,7 @@ def _end_sides(sides: list[_Side], out: dict[str, Any]) -> None:
     sigs = {side.name: side.end() for side in sides}
     for name, sig in sigs.items():
         if sig and sig != "SIGKILL":
-            out.update(status="fault", signal=sig, side=name, evidence=f"{name} died by {sig}")
+            out.update(status=FAULT, signal=sig, side=name, evidence=f"{name} died by {sig}")
     for side in sides:
         errors = side.log_errors()
         if out.get("status") != PASS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvconnect.verdicts import FAIL, PASS, SKIP
+from kvconnect.verdicts import ENDED_EARLY, FAIL, INCONCLUSIVE, PASS, SKIP
 
 __all__ = ["CHECK_COLUMNS", "ENGINE_COLUMNS", "engine_evidence", "evidence",
            "render_engine_markdown", "render_markdown", "render_pd_markdown", "summary_counts"]
@@ -57,7 +57,7 @@ def evidence(r: dict[str, Any]) -> str:
     reg = checks.get("register", {})
     if reg.get("error"):
         parts.append(reg["error"][:160])
-    if r.get("status") in ("fault", "timeout", "error"):
+    if r.get("status") in ENDED_EARLY:
         parts.append(str(r.get("evidence", r["status"]))[:160])
     if co and co.get("views_reaching_uncommitted"):
         parts.append(f"holds {co['views_reaching_uncommitted']} views reaching uncommitted "
@@ -139,7 +139,7 @@ def engine_evidence(r: dict[str, Any]) -> str:
     if r.get("evidence"):
         parts.append(str(r["evidence"])[:320])
     moved = checks.get("transfer") or checks.get("reload") or {}
-    if r.get("status") == "inconclusive":  # the evidence already says why
+    if r.get("status") == INCONCLUSIVE:  # the evidence already says why
         moved = {}
     if moved.get("status") == PASS and "control_zeroed_bytes" in moved:
         parts.append(f"consumer's tokens equal the reference; zeroing "

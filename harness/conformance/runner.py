@@ -33,7 +33,16 @@ from typing import Any
 from kvconnect.child import Child, LineReader, LineWriter, exit_signal_name, exit_text, log_tail
 from kvconnect.errors import KvconnectError
 from kvconnect.leftovers import become_subreaper, children, end_leftovers, is_subreaper
-from kvconnect.verdicts import FAIL, PASS, REFUSED, check_entry
+from kvconnect.verdicts import (
+    ENDED_EARLY,
+    ERROR,
+    FAIL,
+    FAULT,
+    PASS,
+    REFUSED,
+    TIMEOUT,
+    check_entry,
+)
 
 __all__ = ["DEFAULT_TIMEOUT", "RESULT_FILE", "START_METHODS", "case_status", "check_timeout",
            "run_cases", "warm_up"]
@@ -70,7 +79,7 @@ def case_status(result: dict[str, Any]) -> str:
     """``pass`` when every check passed (or was skipped); ``refused`` when kvconnect's
     bounding declined the layout before anything was registered; else ``fail``, ``fault``
     or ``timeout`` as the case ended."""
-    if result.get("status") in ("fault", "timeout", "error"):
+    if result.get("status") in ENDED_EARLY:
         return str(result["status"])
     checks = result.get("checks", {})
     if checks.get("register", {}).get("status") == REFUSED:
@@ -265,9 +274,9 @@ def _how_it_ended(out: dict[str, Any], progress: _Progress, *, timed_out: bool, 
     stage = progress.stage
     sig = exit_signal_name(code)
     if timed_out:
-        out.update(status="timeout", stage=stage, evidence=f"no result within {timeout:g} s")
+        out.update(status=TIMEOUT, stage=stage, evidence=f"no result within {timeout:g} s")
     elif sig is not None and not has_result:
-        out.update(status="fault", signal=sig, stage=stage, evidence=f"{sig} during {stage}")
+        out.update(status=FAULT, signal=sig, stage=stage, evidence=f"{sig} during {stage}")
     elif not has_result:
         tail = log_tail(log_path, max_bytes=2000)
         if tail:
@@ -275,7 +284,7 @@ def _how_it_ended(out: dict[str, Any], progress: _Progress, *, timed_out: bool, 
         evidence = (_last_lines(str(progress.error)) if progress.error else
                     f"the case's process ended ({exit_text(code)}) before it reported a result, "
                     f"in stage {stage!r}")
-        out.update(status="error", stage=stage, evidence=evidence)
+        out.update(status=ERROR, stage=stage, evidence=evidence)
 
 
 def case_device(specs: list[dict[str, Any]]) -> str:
@@ -338,7 +347,7 @@ def _run_all(specs: list[dict[str, Any]], timeout: float, start_method: str, dev
                 res = _run_one(spec, timeout, log_dir, start_method)
             except Exception as exc:  # noqa: BLE001 - one case's trouble never ends the run
                 res = {"connector": spec.get("connector"), "layout": spec.get("layout"),
-                       "checks": {}, "status": "error",
+                       "checks": {}, "status": ERROR,
                        "evidence": f"the kit failed on this case: {type(exc).__name__}: "
                                    f"{exc}"[:1500]}
             results.append(res)
