@@ -15,7 +15,8 @@ below load on first use, and those marked (vLLM) need vLLM 0.33 installed
   :class:`KVCacheResizeError`; the optional policy's knobs: :class:`ElasticPolicy`).
 
 vLLM's connectors patched to see only committed memory (``KvconnectNixlConnector``, ...) are
-connector code: :mod:`kvconnect.connectors.vllm`.
+connector code: :mod:`kvconnect.connectors.vllm`. The conformance kit for connector authors
+is a command: :mod:`kvconnect.harness.conformance`.
 """
 
 from __future__ import annotations
