@@ -18,6 +18,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from _engine_runs import exit_engine_child
+
 from kvconnect.json_files import write_json_file
 from kvconnect.vllm.runtime import prepare_runtime
 
@@ -265,4 +267,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os._exit(main())  # skip vLLM's atexit teardown races; the result file is written
+    exit_engine_child(main())  # the result file is written

@@ -35,6 +35,7 @@ from _engine_child import (  # noqa: E402 - the runtime first
     range_memory,
     status_bytes,
 )
+from _engine_runs import exit_engine_child  # noqa: E402
 
 from kvconnect.connectors.vllm.patched_nixl import KvconnectNixlConnector  # noqa: E402
 from kvconnect.json_files import write_json_file  # noqa: E402
@@ -355,4 +356,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os._exit(main())
+    exit_engine_child(main())

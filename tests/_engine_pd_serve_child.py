@@ -28,6 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from _engine_runs import exit_engine_child
+
 from kvconnect.json_files import wait_for_json_file, write_json_file
 
 
@@ -113,4 +115,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os._exit(main())  # skip vLLM's atexit teardown races; the session is killed after
+    exit_engine_child(main())  # the result file is written

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvconnect.ports import free_tcp_port
 
@@ -68,6 +68,19 @@ def engine_env(*, plugin: bool, multiprocess: bool = False,
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
     env.update(extra or {})
     return env
+
+
+def exit_engine_child(code: int) -> NoReturn:
+    """End an engine child process now, with ``code``: ``os._exit`` (vLLM's atexit teardown
+    races are skipped), after killing its own children. In multi-process mode those are the
+    engine core (whose workers leave once it is gone); the parent kills the child's session
+    too, but a parent that was itself killed (pytest interrupted) no longer can, and they
+    would keep loading the machine."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(code)
 
 
 class EngineProcess:
