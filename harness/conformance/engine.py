@@ -225,13 +225,13 @@ def _transfer_check(decode: dict[str, Any], reference: list[list[int]]) -> dict[
     return check_entry(status, **out)
 
 
+#: the plugin's facts a row quotes (its ``extent``)
+_EXTENT_FIELDS = ("reserved_bytes", "committed_bytes", "capacity_blocks", "num_blocks",
+                  "handle_type", "backend")
+
+
 def _extent(facts: list[dict[str, Any]] | None) -> dict[str, Any]:
-    if not facts:
-        return {}
-    f = facts[0]
-    return {"reserved_bytes": f.get("reserved_bytes"), "committed_bytes": f.get("committed_bytes"),
-            "capacity_blocks": f.get("capacity_blocks"), "num_blocks": f.get("num_blocks"),
-            "handle_type": f.get("handle_type"), "backend": f.get("backend")}
+    return {k: facts[0].get(k) for k in _EXTENT_FIELDS} if facts else {}
 
 
 class _Run:
@@ -278,8 +278,7 @@ class _Run:
                 "control_differs": self.reference[0] != self.reference[1]}
 
 
-def _connector_spec(run: _Run, connector: str, kind: str, cls_name: str, module: str | None,
-                    cache: str) -> dict[str, Any]:
+def _connector_spec(run: _Run, kind: str, cls_name: str, module: str | None) -> dict[str, Any]:
     store = run.dir / f"store-{run.n + 1}"
     store.mkdir()
     return run.spec(kind=kind, connector_class=cls_name, connector_module=module,
@@ -419,7 +418,7 @@ def _connector_rows(run: _Run, connector: str, caches: Sequence[str], mode: str,
     rows = []
     for cache in caches:
         t0 = time.monotonic()
-        base = _connector_spec(run, connector, kind, cls_name, module, cache)
+        base = _connector_spec(run, kind, cls_name, module)
         out = (_pd_case if pd else _reload_case)(run, base, cache)
         out.update(connector=connector, cache=cache, kind=kind, layout="LBHNC",
                    mode="1P1D" if pd else "reload", seconds=round(time.monotonic() - t0, 1),

@@ -41,6 +41,7 @@ def _stage(spec: dict[str, Any], name: str) -> None:
 
 
 def _llm(spec: dict[str, Any], role: str | None) -> Any:
+    """The engine (stage ``engine start``), with the connector in ``role`` unless None."""
     from vllm import LLM
 
     from kvconnect.vllm.tiny_model import engine_kwargs
@@ -55,6 +56,7 @@ def _llm(spec: dict[str, Any], role: str | None) -> Any:
         if spec.get("connector_module"):
             ktc["kv_connector_module_path"] = spec["connector_module"]
         extra["kv_transfer_config"] = KVTransferConfig(**ktc)
+    _stage(spec, "engine start")
     return LLM(**engine_kwargs(spec["model"], device=spec.get("device", "cpu"), **extra))
 
 
@@ -114,7 +116,6 @@ def _sleep_wake(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 def reload(spec: dict[str, Any]) -> dict[str, Any]:
     stand_ins = _stand_ins(spec)
-    _stage(spec, "engine start")
     llm = _llm(spec, "kv_both")
     n = spec["max_tokens"]
     _stage(spec, "store (first pass)")
@@ -146,7 +147,6 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
     zero the KV blocks of the second (the control: a decode that really reads this KV
     must then answer it differently from the reference)."""
     deadline = time.monotonic() + spec["timeout"]
-    _stage(spec, "engine start")
     llm = _llm(spec, "kv_producer")
     _stage(spec, "prefill")
     outs = _generate(llm, spec["prompts"], 1, [{"do_remote_decode": True}] * 2)
@@ -166,7 +166,6 @@ def pd_prefill(spec: dict[str, Any]) -> dict[str, Any]:
 def pd_decode(spec: dict[str, Any]) -> dict[str, Any]:
     """Decode both prompts from the producer's KV (the second one's was zeroed there)."""
     deadline = time.monotonic() + spec["timeout"]
-    _stage(spec, "engine start")
     llm = _llm(spec, "kv_consumer")
     try:
         got = wait_for_json_file(spec["params_in"], deadline)
