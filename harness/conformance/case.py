@@ -39,10 +39,11 @@ from kvconnect.errors import KvconnectError
 from kvconnect.layout import LayoutError
 from kvconnect.verdicts import FAIL, PASS, REFUSED, SKIP, check_entry
 
+from .holdings import holdings_check, outside_bytes
 from .probes import ConnectorProbe, GenericProbe, Region, probe_for
 
 __all__ = ["CASE_DEFAULTS", "ConnectorSpecError", "DeviceBytes", "fill_committed",
-           "resolve_connector", "run_case"]
+           "kv_cache_config", "resolve_connector", "run_case", "transfer_config"]
 
 #: the geometry every case uses unless told otherwise (small: the machine is shared)
 CASE_DEFAULTS: dict[str, Any] = {
@@ -129,12 +130,6 @@ def _read_runs(extents: list[tuple[int, int]], unreadable: list[int], memory: De
     return read
 
 
-def _outside_bytes(extents: list[tuple[int, int]], a: int, n: int) -> int:
-    """Bytes of ``[a, a + n)`` outside every committed extent."""
-    inside = sum(max(0, min(a + n, s + m) - max(a, s)) for s, m in extents)
-    return n - inside
-
-
 def _committed_only(probe: ConnectorProbe, regions: list[Region],
                     extents: list[tuple[int, int]]) -> dict[str, Any]:
     registered = probe.registered() or [(r.base, r.end - r.base) for r in regions]
@@ -143,7 +138,7 @@ def _committed_only(probe: ConnectorProbe, regions: list[Region],
     return check_entry(FAIL if outside or bad else PASS,
                        registered_bytes=sum(n for _, n in registered),
                        committed_bytes=sum(n for _, n in extents),
-                       registered_outside_bytes=sum(_outside_bytes(extents, a, n)
+                       registered_outside_bytes=sum(outside_bytes(extents, a, n)
                                                     for a, n in registered),
                        ranges=len(registered), ranges_outside=len(outside),
                        regions=len(regions), regions_outside=len(bad))
@@ -206,7 +201,7 @@ def _exercise(probe: ConnectorProbe, connector: Any, cache: Any, extents: list[t
     except NotImplementedError as exc:
         return check_entry(SKIP, reason=str(exc))
     except Exception as exc:  # the connector's geometry made the move fail: evidence
-        return check_entry(FAIL, error=f"{type(exc).__name__}: {exc}"[:400])
+        return check_entry(FAIL, error=_error(exc))
     bad = mismatched + unreadable[0]
     return check_entry(PASS if moved and not bad else FAIL, moved_bytes=moved,
                        mismatched_bytes=mismatched, unreadable_bytes=unreadable[0],
@@ -227,35 +222,46 @@ class _Checks(dict):
             self._send(key, value)
 
 
-def _build(s: dict[str, Any], tmp: str) -> tuple[Any, Any, Any, tuple[str, str | None, type]]:
-    """vLLM's config for the case's tiny model, the connector config, and the cache's vLLM
-    ``KVCacheConfig`` (planned for ``num_blocks``); the connector named by the spec."""
+def transfer_config(connector: str, **fields: Any) -> tuple[dict[str, Any], type]:
+    """vLLM's ``kv_transfer_config`` (a dict) naming ``connector`` (see
+    :func:`resolve_connector`) with ``fields`` (``kv_role``, ``engine_id``, ...); its class."""
+    cls_name, module, cls = resolve_connector(connector)
+    ktc: dict[str, Any] = {"kv_connector": cls_name, **fields}
+    if module:
+        ktc["kv_connector_module_path"] = module
+    return ktc, cls
+
+
+def kv_cache_config(vc: Any, s: dict[str, Any]) -> Any:
+    """vLLM's ``KVCacheConfig`` of the tiny model of geometry ``s`` (see
+    :data:`CASE_DEFAULTS`), planned for ``num_blocks``."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
-    from kvconnect.vllm.runtime import make_vllm_config, write_tiny_model
-
     from .compat import kv_cache_config_from_groups
 
-    resolved = resolve_connector(s["connector"])
-    cls_name, module, _ = resolved
-    ktc: dict[str, Any] = {"kv_connector": cls_name, "kv_role": "kv_both",
-                           "engine_id": f"conformance-{s['layout']}",
-                           "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20}}
-    if module:
-        ktc["kv_connector_module_path"] = module
+    page = FullAttentionSpec(block_size=s["block_size"], num_kv_heads=s["num_kv_heads"],
+                             head_size=s["head_size"], dtype=getattr(torch, s["dtype"]))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(s["num_layers"])]
+    return kv_cache_config_from_groups(
+        vc, [KVCacheGroupSpec(names, page)],
+        s["num_blocks"] * s["num_layers"] * page.page_size_bytes)
+
+
+def _build(s: dict[str, Any], tmp: str) -> tuple[Any, Any, type]:
+    """vLLM's config for the case's tiny model, with the connector named by the spec, the
+    cache's vLLM ``KVCacheConfig`` (planned for ``num_blocks``) and the connector's class."""
+    from kvconnect.vllm.runtime import make_vllm_config, write_tiny_model
+
+    ktc, cls = transfer_config(s["connector"], kv_role="kv_both",
+                               engine_id=f"conformance-{s['layout']}",
+                               kv_connector_extra_config={"cpu_bytes_to_use": 64 << 20})
     model = write_tiny_model(f"{tmp}/model", num_layers=s["num_layers"],
                              num_kv_heads=s["num_kv_heads"], head_dim=s["head_size"],
                              dtype=s["dtype"])
     vc = make_vllm_config(model, layout=s["layout"], block_size=s["block_size"],
                           kv_transfer_config=ktc, dtype=s["dtype"], device=s["device"])
-    page = FullAttentionSpec(block_size=s["block_size"], num_kv_heads=s["num_kv_heads"],
-                             head_size=s["head_size"], dtype=getattr(torch, s["dtype"]))
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(s["num_layers"])]
-    kv_cfg = kv_cache_config_from_groups(
-        vc, [KVCacheGroupSpec(names, page)],
-        s["num_blocks"] * s["num_layers"] * page.page_size_bytes)
-    return vc, ktc, kv_cfg, resolved
+    return vc, kv_cache_config(vc, s), cls
 
 
 def _error(exc: BaseException) -> str:
@@ -284,8 +290,6 @@ def _committed_checks(probe: ConnectorProbe, connector: Any, cache: Any, views: 
     regions = probe.regions(connector)
     out = _committed_only(probe, regions, extents)
     if isinstance(probe, GenericProbe):
-        from .holdings import holdings_check
-
         t = cache.tensors[0]
         held = holdings_check(connector, views, (t.base_ptr, t.capacity_bytes), extents)
         out.update(held_views=held["held_views"],
@@ -367,7 +371,7 @@ def run_case(spec: dict[str, Any], stage: Stage, report: Report | None = None
     rng = random.Random(s["seed"])
     tmp = s.get("workdir") or tempfile.mkdtemp(prefix="kvconnect-conformance-")
     stage("setup")
-    vc, _, kv_cfg, (_, _, cls) = _build(s, tmp)
+    vc, kv_cfg, cls = _build(s, tmp)
     probe = probe_for(cls, s["device"])
     result["probe"] = probe.kind
     result["unchecked"] = dict(probe.limits)

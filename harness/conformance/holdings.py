@@ -23,7 +23,7 @@ import torch
 
 from kvconnect.verdicts import FAIL, PASS, check_entry
 
-__all__ = ["addressed_runs", "held_tensors", "holdings_check"]
+__all__ = ["addressed_runs", "held_tensors", "holdings_check", "outside_bytes"]
 
 _SKIP = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
          types.MethodType, str, bytes, int, float, bool, type(None))
@@ -92,7 +92,8 @@ def addressed_runs(t: torch.Tensor) -> list[tuple[int, int]] | None:
             for idx in itertools.product(*(range(n) for n, _ in dims))]
 
 
-def _outside(extents: list[tuple[int, int]], a: int, n: int) -> int:
+def outside_bytes(extents: list[tuple[int, int]], a: int, n: int) -> int:
+    """Bytes of ``[a, a + n)`` outside every committed extent ``(address, nbytes)``."""
     inside = sum(max(0, min(a + n, s + m) - max(a, s)) for s, m in extents)
     return n - inside
 
@@ -117,7 +118,7 @@ def holdings_check(connector: Any, handed: dict[str, torch.Tensor],
         if (a, n) in handed_spans:
             continue
         runs = addressed_runs(t) or [(a, n)]
-        outside = sum(_outside(extents, ra, rn) for ra, rn in runs)
+        outside = sum(outside_bytes(extents, ra, rn) for ra, rn in runs)
         if outside:
             bad.append({"attribute": path[:120], "shape": list(t.shape),
                         "offset_bytes": a - base, "span_bytes": n,

@@ -58,30 +58,20 @@ def _side(spec: dict[str, Any], role: str, port: int, workdir: str) -> tuple[Any
     """vLLM config, cache, worker connector and scheduler connector of one side."""
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     from kvconnect.vllm.cache import VllmKVCache
     from kvconnect.vllm.runtime import init_single_process_group, make_vllm_config
 
-    from .case import resolve_connector
-    from .compat import kv_cache_config_from_groups as get_kv_cache_config_from_groups
+    from .case import kv_cache_config, transfer_config
 
-    cls_name, module, _ = resolve_connector(spec["connector"])
-    ktc: dict[str, Any] = {"kv_connector": cls_name, "engine_id": f"{role}-engine-{spec['run']}",
-                           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"}
-    if module:
-        ktc["kv_connector_module_path"] = module
-    vc = make_vllm_config(spec["model"], layout=spec["layout"], block_size=32, kv_transfer_config=ktc)
-    page = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
-                             dtype=torch.bfloat16)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(spec["num_layers"])]
-    kv_cfg = get_kv_cache_config_from_groups(
-        vc, [KVCacheGroupSpec(names, page)],
-        spec["num_blocks"] * spec["num_layers"] * page.page_size_bytes)
+    ktc, _ = transfer_config(spec["connector"], engine_id=f"{role}-engine-{spec['run']}",
+                             kv_role="kv_producer" if role == "prefill" else "kv_consumer")
+    vc = make_vllm_config(spec["model"], layout=spec["layout"], block_size=spec["block_size"],
+                          kv_transfer_config=ktc)
+    kv_cfg = kv_cache_config(vc, spec)
     ctx = set_current_vllm_config(vc)
     ctx.__enter__()
     init_single_process_group(f"{workdir}/dist")
@@ -124,7 +114,7 @@ def _prefill(spec: dict[str, Any], workdir: str, send: Any) -> None:
     sched.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
     fill_committed(cache, rng)
     ids = sorted(rng.sample(range(spec["num_blocks"]), spec["transfer_blocks"]))
-    tokens = spec["transfer_blocks"] * 32
+    tokens = spec["transfer_blocks"] * spec["block_size"]
     req = _request("prefill-req", tokens, {"do_remote_decode": True})
     sched.update_state_after_alloc(req, _blocks(ids), 0)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -161,7 +151,7 @@ def _decode(spec: dict[str, Any], p: dict[str, Any], workdir: str, send: Any) ->
     sched.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
     local = rng.sample(range(spec["num_blocks"]), spec["transfer_blocks"])
     params = dict(p["params"], do_remote_prefill=True, do_remote_decode=False)
-    req = _request("decode-req", spec["transfer_blocks"] * 32, params)
+    req = _request("decode-req", spec["transfer_blocks"] * spec["block_size"], params)
     count, is_async = sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, _blocks(local), count)
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())
@@ -249,10 +239,11 @@ def run_pd(connector: str, layout: str, *, num_blocks: int = 128, capacity_block
            seed: int = 0) -> dict[str, Any]:
     """One 1P1D transfer through vLLM's connector API; JSON result (``status`` pass / fail /
     fault / timeout, evidence)."""
+    from .case import CASE_DEFAULTS
     from .runner import warm_up
 
     warm_up()
-    spec = {"connector": connector, "layout": layout, "num_blocks": num_blocks,
+    spec = {**CASE_DEFAULTS, "connector": connector, "layout": layout, "num_blocks": num_blocks,
             "capacity_blocks": capacity_blocks, "transfer_blocks": transfer_blocks,
             "num_layers": num_layers, "timeout": timeout, "seed": seed,
             "prefill_port": free_tcp_port(), "decode_port": free_tcp_port(),
