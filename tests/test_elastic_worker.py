@@ -52,7 +52,7 @@ def worker(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     runner = SimpleNamespace(kv_cache_config=SimpleNamespace(num_blocks=64))
     w = SimpleNamespace(model_runner=runner, record=record, connector=None)
     monkeypatch.setattr(elastic_worker, "record_for_worker", lambda _: record)
-    monkeypatch.setattr(elastic_worker, "_connector", lambda: w.connector)
+    monkeypatch.setattr(elastic_worker, "transfer_group", lambda: w.connector)
     monkeypatch.setattr(elastic_worker, "engine_log", SimpleNamespace(info=lambda *a: None))
     yield w
     cache.close(force=True)

@@ -34,7 +34,7 @@ import torch
 from kvconnect.checks import round_up
 from kvconnect.errors import KvconnectError
 
-from .engine_cache import EngineKVCache, engine_log, record_for_worker
+from .engine_cache import EngineKVCache, engine_log, record_for_worker, transfer_group
 
 __all__ = ["ElasticResizeError", "device_free_bytes", "growth_bytes", "resize_worker_kv_cache"]
 
@@ -81,12 +81,6 @@ def _chunks_after_shrink(record: EngineKVCache, num_blocks: int) -> list[tuple[i
     return sorted(out)
 
 
-def _connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    return get_kv_transfer_group() if has_kv_transfer_group() else None
-
-
 def check_resize(worker: Any, num_blocks: int) -> tuple[EngineKVCache, Any]:
     """The worker's record and connector, or :class:`ElasticResizeError` (nothing done)."""
     try:
@@ -118,7 +112,7 @@ def check_resize(worker: Any, num_blocks: int) -> tuple[EngineKVCache, Any]:
                 f"cannot grow the KV cache to {num_blocks} blocks: that commits {need} more "
                 f"bytes on {cache.device} and only {free} are available. Nothing was "
                 f"changed.")
-    connector = _connector()
+    connector = transfer_group()
     if connector is not None and not callable(getattr(connector, "kvconnect_resize_kv_caches",
                                                       None)):
         raise ElasticResizeError(

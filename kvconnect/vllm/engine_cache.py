@@ -43,7 +43,7 @@ engine_log = logging.getLogger("vllm.kvconnect")
 
 __all__ = ["FACTS_SCHEMA", "EngineKVCache", "allocate_extensible_kv_cache", "kv_cache_facts",
            "record_for_views", "record_for_worker", "recommit_kv_cache", "release_kv_cache",
-           "worker_facts"]
+           "transfer_group", "worker_facts"]
 
 #: version of the facts dict's fields (docs/vllm-plugin.md lists them; 2 added ``resizes``)
 FACTS_SCHEMA = 2
@@ -117,14 +117,6 @@ class EngineKVCache:
                 f"backend {f['backend']} ({f['device']}); facts={json.dumps(f)}")
 
 
-def _connector_name() -> str | None:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return None
-    return type(get_kv_transfer_group()).__name__
-
-
 def _kernel_block_size(kernel_block_sizes: list[int] | None) -> int | None:
     sizes = set(kernel_block_sizes or ())
     if len(sizes) > 1:
@@ -193,7 +185,8 @@ def allocate_extensible_kv_cache(kv_cache_config: Any, device: torch.device, lay
             f"{probe_result.reason}. Unset {SWITCH_ENV} to use vLLM's own allocation. "
             f"Nothing was reserved.")
     backend = probe_result.driver.name
-    connector = _connector_name()
+    group = transfer_group()
+    connector = None if group is None else type(group).__name__
     options = AllocationOptions(shareable=connector is not None,
                                 rdma_capable=connector is not None and backend != "host")
     num_blocks = int(kv_cache_config.num_blocks)
@@ -259,10 +252,6 @@ def record_for_views(kv_caches: dict[str, torch.Tensor]) -> EngineKVCache | None
 
 def record_for_worker(worker: Any) -> EngineKVCache:
     """The plugin's record of ``worker``'s KV cache; PluginConfigError when it has none."""
-    return _record_for(worker)
-
-
-def _record_for(worker: Any) -> EngineKVCache:
     runner = getattr(worker, "model_runner", None)
     cfg = getattr(runner, "kv_cache_config", None)
     record = _lookup(cfg) if cfg is not None else None
@@ -279,14 +268,15 @@ def worker_facts(worker: Any) -> dict[str, Any]:
     ``kvconnect_fast_path_facts``, of
     :class:`~kvconnect.connectors.vllm.patched_nixl.KvconnectNixlConnector`: the one way to
     read them from a multi-process engine, as ``vllm serve`` runs)."""
-    facts = _record_for(worker).facts()
-    fast_path = getattr(_transfer_group(), "kvconnect_fast_path_facts", None)
+    facts = record_for_worker(worker).facts()
+    fast_path = getattr(transfer_group(), "kvconnect_fast_path_facts", None)
     if fast_path is not None:
         facts["fast_path"] = fast_path()
     return facts
 
 
-def _transfer_group() -> Any:
+def transfer_group() -> Any:
+    """vLLM's KV connector of this worker process, or None when none is configured."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     return get_kv_transfer_group() if has_kv_transfer_group() else None
@@ -297,8 +287,8 @@ def release_kv_cache(worker: Any, deregister: bool = True) -> dict[str, Any]:
     then every physical allocation is released; addresses stay reserved. Touching the KV
     cache (running the engine) before :func:`recommit_kv_cache` faults. Refuses, releasing
     nothing, when a connector is configured that cannot deregister (vLLM 0.32's)."""
-    record = _record_for(worker)
-    connector = _transfer_group()
+    record = record_for_worker(worker)
+    connector = transfer_group()
     if deregister and connector is not None and not record.cache.is_released:
         if not hasattr(connector, "unregister_kv_caches"):
             raise PluginConfigError(
@@ -316,10 +306,10 @@ def release_kv_cache(worker: Any, deregister: bool = True) -> dict[str, Any]:
 def recommit_kv_cache(worker: Any, reregister: bool = True) -> dict[str, Any]:
     """Wake the worker's KV cache: the same blocks, zero-filled, at the same addresses, one
     physical handle per segment; then the connector re-registers (``restore_kv_caches``)."""
-    record = _record_for(worker)
+    record = record_for_worker(worker)
     record.cache.recommit()
     record.events.append("recommitted")
-    connector = _transfer_group()
+    connector = transfer_group()
     if reregister and connector is not None and hasattr(connector, "restore_kv_caches"):
         connector.restore_kv_caches()
     engine_log.info("kvconnect KV cache recommitted: %d bytes",

@@ -19,6 +19,7 @@ blocks by the engine core; ``_`` separators are accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping
@@ -144,9 +145,7 @@ class ElasticPolicy:
         return self.grows or self.shrinks
 
     def to_json(self) -> dict[str, float | int | None]:
-        return {"grow_max_bytes": self.grow_max_bytes, "grow_step_bytes": self.grow_step_bytes,
-                "shrink_idle_seconds": self.shrink_idle_seconds,
-                "shrink_floor_bytes": self.shrink_floor_bytes}
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
