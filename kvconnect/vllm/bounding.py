@@ -32,7 +32,14 @@ from kvconnect.layout import LayoutError, LayoutPlan, plan_layout
 from kvconnect.layout.foreign import VllmKVCacheConfigLike, config_from_vllm, replace_vllm_config
 from kvconnect.views import narrow_kv_caches_to_num_blocks
 
-__all__ = ["BoundedKVCaches", "bound_for_connector"]
+__all__ = ["BoundedKVCaches", "bound_for_connector", "view_head_planes"]
+
+
+def view_head_planes(view: torch.Tensor) -> tuple[int, ...]:
+    """Addresses of the head planes of an LHBNC layer view ``[B, H, N, C]``: plane ``h``
+    starts at ``data_ptr + h * stride(1)`` (bytes)."""
+    e = view.element_size()
+    return tuple(view.data_ptr() + h * view.stride(1) * e for h in range(view.shape[1]))
 
 
 @dataclass(frozen=True)
@@ -117,10 +124,7 @@ def _bounded_tensors(plan: LayoutPlan, cfg: Any, views: dict[str, torch.Tensor],
                         f" x capacity bytes apart; vLLM connectors assume they lie num_blocks "
                         f"blocks apart, so no bounded config describes them (kvconnect's "
                         f"patched connectors place them from the views: head_planes=True)")
-                v = views[n]
-                e = v.element_size()
-                head_planes[n] = tuple(v.data_ptr() + h * v.stride(1) * e
-                                       for h in range(v.shape[1]))
+                head_planes[n] = view_head_planes(views[n])
             out.append(KVCacheTensor(size=st.nbytes(), layers=[n],
                                      layer_stride=committed_stride,
                                      block_stride=t.block_stride, offset=s - st.data_ptr()))

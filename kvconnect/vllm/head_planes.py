@@ -39,17 +39,10 @@ from typing import Any
 
 import torch
 
-from .bounding import BoundedKVCaches
+from .bounding import BoundedKVCaches, view_head_planes
 
 __all__ = ["nixl_head_planes", "offloading_head_planes", "simple_offload_head_planes",
            "split_to_committed", "view_head_planes"]
-
-
-def view_head_planes(view: torch.Tensor) -> tuple[int, ...]:
-    """Addresses of the head planes of an LHBNC layer view ``[B, H, N, C]``: plane ``h``
-    starts at ``data_ptr + h * stride(1)`` (bytes)."""
-    e = view.element_size()
-    return tuple(view.data_ptr() + h * view.stride(1) * e for h in range(view.shape[1]))
 
 
 def split_to_committed(ranges: list[tuple], committed: list[tuple[int, int]]) -> list[tuple]:
@@ -61,6 +54,13 @@ def split_to_committed(ranges: list[tuple], committed: list[tuple[int, int]]) ->
                   if a < start + n and start < a + m]
         out.extend((lo, hi - lo, *rest) for lo, hi in pieces if hi > lo)
     return out
+
+
+def _bytes_at(view: torch.Tensor, address: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` bytes (int8) of ``view``'s storage from ``address`` on."""
+    raw = torch.empty(0, dtype=torch.int8, device=view.device).set_(view.untyped_storage())
+    start = address - view.untyped_storage().data_ptr()
+    return raw[start: start + nbytes]
 
 
 @contextlib.contextmanager
@@ -124,16 +124,13 @@ def simple_offload_head_planes(handler: Any, bounded: BoundedKVCaches) -> Iterat
     def place(regions: dict[str, torch.Tensor]) -> None:
         for name, planes in bounded.head_planes.items():
             view = bounded.kv_caches[name]
-            raw = torch.empty(0, dtype=torch.int8, device=view.device).set_(
-                view.untyped_storage())
-            base = view.untyped_storage().data_ptr()
             for h, addr in enumerate(planes):
                 key = f"{name}.{h}"
                 if key not in regions:
                     raise RuntimeError(f"SimpleCPUOffload named no region {key!r} (it has "
                                        f"{sorted(regions)[:4]}...): vLLM changed its naming")
                 rows = regions[key]
-                regions[key] = raw[addr - base: addr - base + rows.numel()].view(rows.shape)
+                regions[key] = _bytes_at(view, addr, rows.numel()).view(rows.shape)
 
     def placing(original: Any) -> Any:
         def init_mode(regions: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -161,12 +158,9 @@ def _plane_canonical(kv_caches: dict[str, torch.Tensor], cfg: Any, group_ids: li
     for name, view in kv_caches.items():
         e = view.element_size()
         page = view.stride(0) * e  # one head's page: the plane's block stride
-        raw = torch.empty(0, dtype=torch.int8, device=view.device).set_(view.untyped_storage())
-        base = view.untyped_storage().data_ptr()
         refs_by_layer[name] = []
         for addr in view_head_planes(view):
-            plane = raw[addr - base: addr - base + cfg.num_blocks * page].view(
-                cfg.num_blocks, page)
+            plane = _bytes_at(view, addr, cfg.num_blocks * page).view(cfg.num_blocks, page)
             tensors.append(CanonicalKVCacheTensor(tensor=plane, page_size_bytes=page))
             refs_by_layer[name].append(CanonicalKVCacheRef(tensor_idx=len(tensors) - 1,
                                                            page_size_bytes=page))
