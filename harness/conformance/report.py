@@ -7,7 +7,7 @@ memory, the error, or the signal and the step it struck in. Units: MiB where mar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvconnect.verdicts import ENDED_EARLY, FAIL, INCONCLUSIVE, PASS, SKIP
@@ -94,42 +94,45 @@ def summary_counts(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, int
     return out
 
 
+def _section(title: str | None, preamble: str, header: Sequence[str],
+             rows: Iterable[Sequence[str]], intro: Sequence[str] = ()) -> str:
+    """A Markdown section: ``## title`` (none when None), ``preamble``, ``intro`` lines and
+    a table of ``rows`` under ``header``."""
+    lines = [] if title is None else [f"## {title}", ""]
+    if preamble:
+        lines += [preamble.rstrip(), ""]
+    lines += [*intro, "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(results: Sequence[dict[str, Any]], *, title: str,
                     preamble: str = "") -> str:
     """A Markdown section: ``title``, ``preamble``, a per-connector summary and the table."""
-    lines = [f"## {title}", ""]
-    if preamble:
-        lines += [preamble.rstrip(), ""]
-    for name, counts in summary_counts(results).items():
-        lines.append(f"- **{name}**: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-    lines += ["", "| connector | layout | status | " + " | ".join(CHECK_COLUMNS)
-              + " | evidence |", "|" + "---|" * (len(CHECK_COLUMNS) + 4)]
-    for r in results:
-        cells = [_short(r["connector"]), r["layout"], f"**{r['status']}**"]
-        cells += [_cell(r, c) for c in CHECK_COLUMNS]
-        cells.append(evidence(r))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    summary = [f"- **{name}**: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+               for name, counts in summary_counts(results).items()]
+    return _section(title, preamble, ["connector", "layout", "status", *CHECK_COLUMNS,
+                                      "evidence"],
+                    ([_short(r["connector"]), r["layout"], f"**{r['status']}**",
+                      *(_cell(r, c) for c in CHECK_COLUMNS), evidence(r)] for r in results),
+                    intro=[*summary, ""])
 
 
 def render_pd_markdown(results: Sequence[dict[str, Any]], *, title: str, preamble: str = ""
                        ) -> str:
     """1P1D results (:func:`kvconnect.harness.conformance.pd.run_pd`) as a Markdown section."""
-    lines = [f"## {title}", ""]
-    if preamble:
-        lines += [preamble.rstrip(), ""]
-    lines += ["| connector | layout | status | received | byte-exact | blocks with load errors "
-              "(vLLM) | prefill saw completion | seconds | evidence |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
+    def cells(r: dict[str, Any]) -> list[str]:
         errs = r.get("load_error_blocks")
-        lines.append("| " + " | ".join([
-            _short(r["connector"]), r["layout"], f"**{r['status']}**",
-            str(r.get("received", "—")), str(r.get("byte_exact", "—")),
-            "—" if errs is None else f"{len(errs)} of {len(r.get('local_ids', []))}",
-            str(r.get("prefill_saw_completion", "—")), str(r.get("seconds", "—")),
-            str(r.get("evidence", "-")).replace("|", "/")[:160]]) + " |")
-    return "\n".join(lines) + "\n"
+        return [_short(r["connector"]), r["layout"], f"**{r['status']}**",
+                str(r.get("received", "—")), str(r.get("byte_exact", "—")),
+                "—" if errs is None else f"{len(errs)} of {len(r.get('local_ids', []))}",
+                str(r.get("prefill_saw_completion", "—")), str(r.get("seconds", "—")),
+                str(r.get("evidence", "-")).replace("|", "/")[:160]]
+
+    return _section(title, preamble, ["connector", "layout", "status", "received", "byte-exact",
+                                      "blocks with load errors (vLLM)",
+                                      "prefill saw completion", "seconds", "evidence"],
+                    map(cells, results))
 
 
 def engine_evidence(r: dict[str, Any]) -> str:
@@ -171,14 +174,9 @@ def render_engine_markdown(results: Sequence[dict[str, Any]], *, title: str | No
                            preamble: str = "") -> str:
     """Engine-mode rows (:func:`kvconnect.harness.conformance.engine.run_engine_conformance`)
     as a Markdown section: connector x cache (no heading when ``title`` is None)."""
-    lines = [f"## {title}", ""] if title else []
-    if preamble:
-        lines += [preamble.rstrip(), ""]
-    lines += ["| connector | cache | mode | status | " + " | ".join(ENGINE_COLUMNS)
-              + " | seconds | evidence |", "|" + "---|" * (len(ENGINE_COLUMNS) + 6)]
-    for r in results:
-        cells = [_short(r["connector"]), r["cache"], r.get("mode", "?"), f"**{r['status']}**"]
-        cells += [_engine_cell(r, c) for c in ENGINE_COLUMNS]
-        cells += [str(r.get("seconds", "—")), engine_evidence(r)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return _section(title or None, preamble,
+                    ["connector", "cache", "mode", "status", *ENGINE_COLUMNS, "seconds",
+                     "evidence"],
+                    ([_short(r["connector"]), r["cache"], r.get("mode", "?"),
+                      f"**{r['status']}**", *(_engine_cell(r, c) for c in ENGINE_COLUMNS),
+                      str(r.get("seconds", "—")), engine_evidence(r)] for r in results))
