@@ -45,7 +45,7 @@ from .errors import KvconnectError
 __all__ = [
     "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "WIRE_VERSION", "IpcError",
     "PeerCredentials", "PeerError", "PeerRefusedError", "PeerTimeoutError", "check_peer",
-    "check_peer_uid", "connect_unix", "kernel_boot_id", "listen_unix", "peer_credentials", "private_socket_dir",
+    "connect_unix", "kernel_boot_id", "listen_unix", "peer_credentials", "private_socket_dir",
     "recv_json", "recv_message", "send_error", "send_message",
 ]
 
@@ -171,11 +171,6 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
     return PeerCredentials(pid, uid, gid)
-
-
-def check_peer_uid(sock: socket.socket, uid: int | None = None) -> PeerCredentials:
-    """Raise :class:`PeerRefusedError` unless the peer runs as ``uid`` (default: ours)."""
-    return check_peer(sock, uid=uid)
 
 
 def check_peer(sock: socket.socket, *, allowed_pids: Collection[int] | None = None,
