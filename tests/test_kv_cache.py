@@ -234,7 +234,7 @@ def test_state_errors() -> None:
 def test_config_that_cannot_be_backed_is_rejected_before_reserving() -> None:
     cfg = _small()
     t = cfg.kv_cache_tensors[0]
-    bad = type(cfg)(cfg.num_blocks, (type(t)(t.size + cfg.num_blocks * 2, t.shared_by),)
+    bad = type(cfg)(cfg.num_blocks, (type(t)(t.size + cfg.num_blocks * 2, t.layers),)
                     + cfg.kv_cache_tensors[1:], cfg.kv_cache_groups)
     with pytest.raises(LayoutError, match="does not match"):
         ExtensibleKVCache(bad)

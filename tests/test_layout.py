@@ -102,8 +102,8 @@ def test_jamba_preset_shares_pages_like_vllm_hybrid_allocator() -> None:
     assert len(cfg.kv_cache_tensors) == 4
     for t in cfg.kv_cache_tensors:
         assert t.size == 10 * a.page_size_bytes
-        assert sum(isinstance(specs[n], FullAttentionSpec) for n in t.shared_by) == 1
-        assert len(t.shared_by) == 8
+        assert sum(isinstance(specs[n], FullAttentionSpec) for n in t.layers) == 1
+        assert len(t.layers) == 8
     lp = plan_layout(cfg).layers[attn[0]]
     assert lp.blocks_per_block == 3  # 48-token blocks in 16-token kernel blocks
 
@@ -134,11 +134,11 @@ def test_packed_rows_must_be_one_block() -> None:
     good = preset("packed", num_blocks=4, num_layers=3)
     t = good.kv_cache_tensors[0]
     assert plan_layout(good).block_stride == t.size // 4 == 3 * 64 * KIB
-    two_blocks_per_row = KVCacheConfig(4, (KVCacheTensor(t.size * 2, t.shared_by),),
+    two_blocks_per_row = KVCacheConfig(4, (KVCacheTensor(t.size * 2, t.layers),),
                                        good.kv_cache_groups, layout="packed")
     with pytest.raises(LayoutError, match="exactly one logical block"):
         plan_layout(two_blocks_per_row)
-    split = KVCacheConfig(4, tuple(KVCacheTensor(t.size // 3, (n,)) for n in t.shared_by),
+    split = KVCacheConfig(4, tuple(KVCacheTensor(t.size // 3, (n,)) for n in t.layers),
                           good.kv_cache_groups, layout="packed")
     with pytest.raises(LayoutError, match="ONE tensor"):
         plan_layout(split)
@@ -148,7 +148,7 @@ def test_packed_rows_must_be_one_block() -> None:
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda c: KVCacheConfig(c.num_blocks, (KVCacheTensor(c.kv_cache_tensors[0].size + 16 * 4,
-                             c.kv_cache_tensors[0].shared_by),) + c.kv_cache_tensors[1:],
+                             c.kv_cache_tensors[0].layers),) + c.kv_cache_tensors[1:],
                              c.kv_cache_groups), "does not match its tensors"),
     (lambda c: KVCacheConfig(c.num_blocks, c.kv_cache_tensors[1:], c.kv_cache_groups),
      "have no KV cache tensor"),

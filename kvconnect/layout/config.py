@@ -59,11 +59,6 @@ class KVCacheTensor:
         """True for vLLM 0.33's placement form (strides given)."""
         return self.layer_stride is not None
 
-    @property
-    def shared_by(self) -> tuple[str, ...]:
-        """The seed's name for :attr:`layers` (kept for old callers)."""
-        return self.layers
-
     def to_dict(self) -> JSONObject:
         out: JSONObject = {"size": self.size, "layers": list(self.layers)}
         if self.is_placement:
