@@ -178,15 +178,11 @@ class Child:
         Raises ``subprocess.TimeoutExpired`` when it is still running then."""
         if self._popen is not None and self.returncode is None:
             self.returncode = self._popen.wait(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.005
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"child pid {self.pid}", timeout or 0)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        assert self.returncode is not None
-        return self.returncode
+        if not self.wait_exit(float("inf") if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(f"child pid {self.pid}", timeout or 0)
+        code = self.poll()  # exited: this reaps it
+        assert code is not None
+        return code
 
     def kill(self) -> None:
         """SIGKILL the child (its process group with ``own_group``) unless it was reaped."""
