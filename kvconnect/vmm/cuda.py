@@ -199,12 +199,6 @@ class GpuVmmDriver(VmmDriver):
             self._granularity[key] = gran
         return gran
 
-    def device_name(self) -> str:
-        """The device's marketing name (``NVIDIA H200``)."""
-        buf = ctypes.create_string_buffer(256)
-        self.lib.call("device_get_name", buf, len(buf), self._device)
-        return buf.value.decode(errors="replace")
-
     def driver_version(self) -> int:
         """The driver API version (e.g. 13000 for CUDA 13.0)."""
         out = ctypes.c_int()
