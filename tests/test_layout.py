@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -252,11 +253,10 @@ def test_placement_rescales_layer_outer_strides_and_keeps_block_outer_rows() -> 
     (b,) = blhnc.kv_cache_tensors
     assert (b.size, b.layer_stride, b.block_stride) == (100 * 2 * page, page, 2 * page)
     # a committed prefix of a larger placement: same bytes, fewer blocks in use
-    view = big.with_committed_blocks(8)
-    assert view.kv_cache_tensors == big.kv_cache_tensors and view.num_blocks == 8
+    view = dataclasses.replace(big, num_blocks=8)
     assert plan_layout(view).alloc_blocks == 100
-    with pytest.raises(ValueError, match="between 1 and the 100 blocks"):
-        big.with_committed_blocks(101)
+    with pytest.raises(LayoutError, match="holds 100 blocks, fewer than"):
+        plan_layout(dataclasses.replace(big, num_blocks=101))
 
 
 def test_seed_layouts_are_placements_with_their_own_page_format() -> None:

@@ -101,7 +101,7 @@ class KVCacheConfig:
     ``kernel_block_size`` (tokens, dividing every attention block size) splits each logical
     block into ``block_size // kernel_block_size`` kernel blocks; ``None`` means no split.
     In the placement form ``num_blocks`` may be below the blocks the placement was made
-    for (a committed prefix of a larger reservation): see :meth:`with_committed_blocks`.
+    for (a committed prefix of a larger reservation; :func:`plan_layout` refuses more).
     """
 
     num_blocks: int
@@ -156,17 +156,6 @@ class KVCacheConfig:
                                    layer_stride=t.layer_stride // alloc * num_blocks,
                                    offset=t.offset // alloc * num_blocks))
         return replace(self, num_blocks=num_blocks, kv_cache_tensors=tuple(out))
-
-    def with_committed_blocks(self, num_blocks: int) -> KVCacheConfig:
-        """The same placement with only its first ``num_blocks`` blocks in use (what a
-        connector of an extensible cache is handed). Shorthand configs: as
-        :meth:`with_num_blocks` (their placement follows the block count)."""
-        if not self.is_placement:
-            return self.with_num_blocks(num_blocks)
-        alloc = self.plan().alloc_blocks
-        checked_int(f"num_blocks (between 1 and the {alloc} blocks the placement holds)",
-                    num_blocks, maximum=alloc)
-        return replace(self, num_blocks=num_blocks)
 
     def to_dict(self) -> JSONObject:
         """A JSON-serialisable description (for handshakes: compare, never unpickle)."""
