@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 
 from ..bounded_json import JSON, Doc, JSONObject
 from ..checks import MAX_BYTES, checked_int
-from .geometry import LayoutPlan
 from .plan import plan_layout
 from .specs import KVCacheSpec, LayoutError
 
@@ -127,14 +126,10 @@ class KVCacheConfig:
         """True when the tensors use vLLM 0.33's placement form (one backing buffer)."""
         return bool(self.kv_cache_tensors) and self.kv_cache_tensors[0].is_placement
 
-    def plan(self) -> LayoutPlan:
-        """:func:`kvconnect.layout.plan_layout` of this config."""
-        return plan_layout(self)
-
     @property
     def bytes_per_block(self) -> int:
         """Bytes one logical block takes over all buffers (aliased pages count once)."""
-        return self.plan().bytes_per_block
+        return plan_layout(self).bytes_per_block
 
     def with_num_blocks(self, num_blocks: int) -> KVCacheConfig:
         """The same cache laid out for a fresh allocation of ``num_blocks`` blocks (sizes,
@@ -144,7 +139,7 @@ class KVCacheConfig:
             tensors = tuple(replace(t, size=t.size // self.num_blocks * num_blocks)
                             for t in self.kv_cache_tensors)
             return replace(self, num_blocks=num_blocks, kv_cache_tensors=tensors)
-        plan = self.plan()
+        plan = plan_layout(self)
         alloc = plan.alloc_blocks
         out = []
         for t in self.kv_cache_tensors:
