@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from .checks import checked_int
-from .vmm.base import DLPACK_CPU, VmmDriver
+from .vmm.base import VmmDriver
 
 
 class ViewAnchor:
@@ -68,11 +68,8 @@ def pointer_view(ptr: int, nbytes: int, driver: VmmDriver, owner: object,
     checked_int("view size in bytes", nbytes)
     checked_int("view address", ptr, maximum=(1 << 64) - 1)
     anchor = ViewAnchor(owner)
-    if driver.dlpack_device_type == DLPACK_CPU:
-        view = bytes_tensor(ptr, nbytes, torch.device("cpu"), anchor)
-    else:
-        driver.ensure_context()
-        view = bytes_tensor(ptr, nbytes, torch.device(driver.torch_device), anchor)
+    driver.ensure_context()  # a no-op on the host
+    view = bytes_tensor(ptr, nbytes, torch.device(driver.torch_device), anchor)
     if views is not None:
         views.add(anchor)
     return view

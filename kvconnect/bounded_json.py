@@ -260,10 +260,6 @@ class Doc:
         :meth:`strings`)."""
         return json_list(self.at(key), self.raw(key), self.error, max_items)
 
-    def child(self, key: str) -> Doc:
-        """An object field, as a :class:`Doc` named ``<where>.<key>``."""
-        return Doc(self.raw(key), self.at(key), self.error)
-
     def children(self, key: str, max_items: int) -> list[Doc]:
         """A list field of objects, each a :class:`Doc` named ``<where>.<key>[i]``."""
         return [Doc(x, f"{self.at(key)}[{i}]", self.error)

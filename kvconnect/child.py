@@ -23,6 +23,7 @@ Units: seconds (monotonic clock), bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -140,20 +141,12 @@ class Child:
         """Run ``argv`` (stdin ``/dev/null``, stdout and stderr into ``log_path``, None:
         inherited; every other fd but ``pass_fds`` closed); with ``own_group`` in a new
         session, so in a process group of its own."""
-        if log_path is None:
-            return cls._popen_child(argv, None, own_group, env, cwd, pass_fds)
-        with open(log_path, "wb") as logf:
-            return cls._popen_child(argv, logf, own_group, env, cwd, pass_fds)
-
-    @classmethod
-    def _popen_child(cls, argv: Sequence[str], logf: Any, own_group: bool,
-                     env: Mapping[str, str] | None, cwd: str | None,
-                     pass_fds: Sequence[int]) -> Child:
-        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=logf,
-                                stderr=subprocess.STDOUT if logf is not None else None,
-                                env=None if env is None else dict(env), cwd=cwd,
-                                close_fds=True, pass_fds=tuple(pass_fds),
-                                start_new_session=own_group)
+        with open(log_path, "wb") if log_path is not None else contextlib.nullcontext() as logf:
+            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=logf,
+                                    stderr=subprocess.STDOUT if logf is not None else None,
+                                    env=None if env is None else dict(env), cwd=cwd,
+                                    close_fds=True, pass_fds=tuple(pass_fds),
+                                    start_new_session=own_group)
         return cls(proc.pid, own_group=own_group, popen=proc)
 
     # -- Popen's interface ---------------------------------------------------------------------
@@ -178,15 +171,11 @@ class Child:
         Raises ``subprocess.TimeoutExpired`` when it is still running then."""
         if self._popen is not None and self.returncode is None:
             self.returncode = self._popen.wait(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.005
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"child pid {self.pid}", timeout or 0)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        assert self.returncode is not None
-        return self.returncode
+        if not self.wait_exit(float("inf") if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(f"child pid {self.pid}", timeout or 0)
+        code = self.poll()  # exited: this reaps it
+        assert code is not None
+        return code
 
     def kill(self) -> None:
         """SIGKILL the child (its process group with ``own_group``) unless it was reaped."""

@@ -34,9 +34,9 @@ import socket
 import struct
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .bounded_json import BoundedJSONError
 from .bounded_json import loads as bounded_loads
@@ -45,7 +45,7 @@ from .errors import KvconnectError
 __all__ = [
     "MAGIC", "MAX_FDS", "MAX_MESSAGE_BYTES", "SCM_MAX_FD", "WIRE_VERSION", "IpcError",
     "PeerCredentials", "PeerError", "PeerRefusedError", "PeerTimeoutError", "check_peer",
-    "check_peer_uid", "connect_unix", "kernel_boot_id", "listen_unix", "peer_credentials", "private_socket_dir",
+    "connect_unix", "kernel_boot_id", "listen_unix", "peer_credentials", "private_socket_dir",
     "recv_json", "recv_message", "send_error", "send_message",
 ]
 
@@ -64,6 +64,7 @@ SCM_MAX_FD = 253
 #: longest error text an ERROR frame carries (characters; longer text is cut)
 MAX_ERROR_CHARS = 8192
 _FD_SIZE = array.array("i").itemsize
+_T = TypeVar("_T")
 
 
 class IpcError(KvconnectError, RuntimeError):
@@ -173,11 +174,6 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     return PeerCredentials(pid, uid, gid)
 
 
-def check_peer_uid(sock: socket.socket, uid: int | None = None) -> PeerCredentials:
-    """Raise :class:`PeerRefusedError` unless the peer runs as ``uid`` (default: ours)."""
-    return check_peer(sock, uid=uid)
-
-
 def check_peer(sock: socket.socket, *, allowed_pids: Collection[int] | None = None,
                uid: int | None = None) -> PeerCredentials:
     """The peer's credentials (SO_PEERCRED, taken by the kernel at ``connect``), or
@@ -239,23 +235,24 @@ def send_error(sock: socket.socket, error: BaseException | str) -> bool:
 
 
 # -- receiving -----------------------------------------------------------------------------------
-def _deadline_left(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
+def _before(deadline: float | None, sock: socket.socket, call: Callable[..., _T],
+            *args: Any) -> _T:
+    """``call(*args)``, a read of ``sock``, with the time left until ``deadline`` (None: no
+    limit) as the socket's timeout; :class:`PeerTimeoutError` once it passes."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0:
         raise PeerTimeoutError("timed out waiting for the peer")
-    return left
+    sock.settimeout(left)
+    try:
+        return call(*args)
+    except TimeoutError:
+        raise PeerTimeoutError("timed out waiting for the peer") from None
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        sock.settimeout(_deadline_left(deadline))
-        try:
-            chunk = sock.recv(n - len(buf))
-        except TimeoutError:
-            raise PeerTimeoutError("timed out waiting for the peer") from None
+        chunk = _before(deadline, sock, sock.recv, n - len(buf))
         if not chunk:
             raise IpcError("peer closed the connection")
         buf += chunk
@@ -267,12 +264,8 @@ def _recv_frame(sock: socket.socket, deadline: float | None, room: int,
     """Read one frame header, appending the fds that came with it to ``fds`` (room for at
     most ``room``). Returns ``(kind, nfds, length, total_fds)``; an ERROR frame raises
     :class:`PeerError`."""
-    sock.settimeout(_deadline_left(deadline))
-    try:
-        msg, anc, flags, _ = sock.recvmsg(
-            _FRAME.size, socket.CMSG_SPACE(room * _FD_SIZE) if room else 0)
-    except TimeoutError:
-        raise PeerTimeoutError("timed out waiting for the peer") from None
+    msg, anc, flags, _ = _before(deadline, sock, sock.recvmsg, _FRAME.size,
+                                 socket.CMSG_SPACE(room * _FD_SIZE) if room else 0)
     got = array.array("i")
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

@@ -148,10 +148,6 @@ class ExtensibleKVCache(Closeable):
         return sum(t.num_physical_chunks for t in self._tensors)
 
     @property
-    def is_allocated(self) -> bool:
-        return bool(self._tensors) and not self._closed
-
-    @property
     def is_closed(self) -> bool:
         return self._closed
 
@@ -172,11 +168,6 @@ class ExtensibleKVCache(Closeable):
             return torch.device(self._device_arg.torch_device)
         kind, index = parse_device(self._device_arg)
         return torch.device("cpu" if kind == "host" else f"cuda:{index}")
-
-    def committed_config(self) -> KVCacheConfig:
-        """The config sized for the blocks committed now (what to hand a connector)."""
-        self._check_ready()
-        return self._config.with_num_blocks(self._num_blocks)
 
     # -- lifecycle -------------------------------------------------------------------------
     def allocate(self) -> None:

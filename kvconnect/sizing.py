@@ -78,43 +78,37 @@ def committed_bytes_for_blocks(num_blocks: int, segment_bytes_per_block: Sequenc
 
 def _fit(budget: int, bytes_per_block: int, segments: Sequence[int] | None, granule: int,
          capacity_blocks: int | None, what: str, mode: str) -> KVSizing:
-    if segments is not None:
-        if sum(segments) != bytes_per_block:
-            raise ValueError(f"segment_bytes_per_block sums to {sum(segments)}, not "
-                             f"bytes_per_block {bytes_per_block}")
-        need_one = committed_bytes_for_blocks(1, segments, granule)
-    else:
-        need_one = bytes_per_block
+    if segments is None:  # no segments given: blocks of bytes_per_block, nothing rounded
+        segments, granule = (bytes_per_block,), 1
+    elif sum(segments) != bytes_per_block:
+        raise ValueError(f"segment_bytes_per_block sums to {sum(segments)}, not "
+                         f"bytes_per_block {bytes_per_block}")
+    need_one = committed_bytes_for_blocks(1, segments, granule)
     if budget < need_one:
         missing = need_one - max(budget, 0)
         raise InsufficientMemoryError(
             f"{what} leaves {budget} bytes for the KV cache, not enough for one block "
             f"({need_one} bytes committed): {_fmt(missing)} missing", missing)
-    n = budget // bytes_per_block
-    if segments is not None:
-        # Each segment's commit rounds up to the granule (under one granule of overshoot per
-        # segment): binary-search the largest n whose mapped bytes fit; 1 fits (checked).
-        lo = max(1, (budget - len(segments) * granule) // bytes_per_block)
-        lo = min(lo, n)
-        while committed_bytes_for_blocks(lo, segments, granule) > budget:
-            lo = max(1, lo // 2)
-        hi = n
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if committed_bytes_for_blocks(mid, segments, granule) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        n = lo
+    # Each segment's commit rounds up to the granule (under one granule of overshoot per
+    # segment): binary-search the largest n whose mapped bytes fit; 1 fits (checked).
+    hi = budget // bytes_per_block
+    lo = min(max(1, (budget - len(segments) * granule) // bytes_per_block), hi)
+    while committed_bytes_for_blocks(lo, segments, granule) > budget:
+        lo = max(1, lo // 2)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if committed_bytes_for_blocks(mid, segments, granule) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    n = lo
     capped = False
     if capacity_blocks is not None and n > checked_int("capacity_blocks", capacity_blocks):
         warnings.warn(f"the memory budget fits {n} KV blocks but the reservation holds "
                       f"{capacity_blocks}; committing {capacity_blocks} (reserve more to use "
                       f"the rest)", stacklevel=3)
         n, capped = capacity_blocks, True
-    committed = (committed_bytes_for_blocks(n, segments, granule) if segments is not None
-                 else n * bytes_per_block)
-    return KVSizing(n, budget, committed, mode, capped)
+    return KVSizing(n, budget, committed_bytes_for_blocks(n, segments, granule), mode, capped)
 
 
 def blocks_for_utilization(total_memory_bytes: int, utilization: float,

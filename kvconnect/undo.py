@@ -40,13 +40,15 @@ class UndoStack:
     def __len__(self) -> int:
         return len(self._steps)
 
-    def discard(self) -> None:
-        """Success: forget every callback (what leaving the ``with`` block normally does)."""
-        self._steps.clear()
+    def __enter__(self) -> UndoStack:
+        return self
 
-    def rollback(self) -> None:
-        """Run every callback, newest first, then forget them. Never raises: an undo that
-        fails is logged with its traceback and the remaining ones still run."""
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """Success: forget every callback. An exception: run them newest first, then forget
+        them. Never raises: an undo that fails is logged with its traceback and the remaining
+        ones still run."""
+        if exc_type is None:
+            self._steps.clear()
         while self._steps:
             undo, args, kwargs = self._steps.pop()
             try:
@@ -54,12 +56,3 @@ class UndoStack:
             except Exception:
                 logger.exception("rollback step %s failed; continuing with the rest",
                                  getattr(undo, "__qualname__", undo))
-
-    def __enter__(self) -> UndoStack:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.discard()
-        else:
-            self.rollback()

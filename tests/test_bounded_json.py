@@ -155,7 +155,6 @@ def test_doc_reads_well_typed_fields() -> None:
     assert d.boolean("flag") is True and d.boolean("absent", default=False) is False
     assert d.array("items", 3) == [1, 2, 3]
     assert d.strings("names", 2, min_chars=1) == ["a", "b"]
-    assert d.child("obj").integer("x") == 1 and d.child("obj").where == "doc.obj"
     assert [(k.where, k.integer("x")) for k in d.children("kids", 2)] == \
         [("doc.kids[0]", 1), ("doc.kids[1]", 2)]
     assert d.raw("null") is None and d.raw("absent", None) is None
@@ -191,7 +190,6 @@ def _field_error(read) -> str:
     (lambda d: d.array("items", 2), "doc.items"),
     (lambda d: d.strings("items", 9), "doc.items[0]"),
     (lambda d: d.strings("names", 9, max_chars=0), "doc.names[0]"),
-    (lambda d: d.child("items"), "doc.items"),
     (lambda d: d.children("items", 9), "doc.items[0]"),
     (lambda d: d.children("kids", 1), "doc.kids"),
     (lambda d: d.refuse_unknown(set(_SAMPLE) - {"flag"}), "doc has unknown fields ['flag']"),

@@ -21,7 +21,7 @@ from kvconnect.framing import (
     SCM_MAX_FD,
     IpcError,
     PeerError,
-    check_peer_uid,
+    check_peer,
     peer_credentials,
     private_socket_dir,
     recv_json,
@@ -227,9 +227,9 @@ def test_private_dir_and_peer_credentials() -> None:
         conn, _ = srv.accept()
         creds = peer_credentials(conn)
         assert creds.pid == os.getpid() and creds.uid == os.getuid()
-        check_peer_uid(conn)
+        check_peer(conn)
         with pytest.raises(IpcError, match="expected uid"):
-            check_peer_uid(conn, uid=os.getuid() + 1)
+            check_peer(conn, uid=os.getuid() + 1)
         for s in (conn, cli, srv):
             s.close()
     assert not os.path.exists(d)

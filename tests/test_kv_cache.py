@@ -62,7 +62,7 @@ def test_commit_protocol(vmm_device: str) -> None:
     assert ExtensibleKVCache(cfg, vmm_device).capacity_blocks == 4 * 16
     with ExtensibleKVCache(cfg, vmm_device, capacity_blocks=1000,
                            options=AllocationOptions(shareable=True)) as cache:
-        assert cache.num_blocks == 0 and not cache.is_allocated
+        assert cache.num_blocks == 0 and not cache.tensors
         assert cache.capacity_blocks == 1024  # rounded to 64 blocks: 64 x 32 KiB = 2 MiB
         cache.allocate()
         assert cache.num_blocks == 1
@@ -80,7 +80,6 @@ def test_commit_protocol(vmm_device: str) -> None:
         assert cache.committed_bytes == 4 * 4 * MIB  # 100 x 32 KiB -> 2 granules per segment
         regions = cache.committed_regions()
         assert len(regions) == 4 and all(r.num_blocks == 100 for r in regions)
-        assert cache.committed_config().num_blocks == 100
         cache.extend_kv_cache(100)  # idempotent at the final size
         with pytest.raises(KVCacheStateError, match="final"):
             cache.ensure_kv_cache_blocks(101)
@@ -184,7 +183,7 @@ def test_failed_allocate_frees_every_reservation() -> None:
     with pytest.raises(VmmError):
         cache.allocate()
     assert drv.live_reservations == 0 and drv.live_handles == 0
-    assert not cache.is_allocated
+    assert not cache.tensors
     with pytest.raises(KVCacheStateError, match="allocate"):
         cache.kv_caches()
 
@@ -234,7 +233,7 @@ def test_state_errors() -> None:
 def test_config_that_cannot_be_backed_is_rejected_before_reserving() -> None:
     cfg = _small()
     t = cfg.kv_cache_tensors[0]
-    bad = type(cfg)(cfg.num_blocks, (type(t)(t.size + cfg.num_blocks * 2, t.shared_by),)
+    bad = type(cfg)(cfg.num_blocks, (type(t)(t.size + cfg.num_blocks * 2, t.layers),)
                     + cfg.kv_cache_tensors[1:], cfg.kv_cache_groups)
     with pytest.raises(LayoutError, match="does not match"):
         ExtensibleKVCache(bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -102,8 +103,8 @@ def test_jamba_preset_shares_pages_like_vllm_hybrid_allocator() -> None:
     assert len(cfg.kv_cache_tensors) == 4
     for t in cfg.kv_cache_tensors:
         assert t.size == 10 * a.page_size_bytes
-        assert sum(isinstance(specs[n], FullAttentionSpec) for n in t.shared_by) == 1
-        assert len(t.shared_by) == 8
+        assert sum(isinstance(specs[n], FullAttentionSpec) for n in t.layers) == 1
+        assert len(t.layers) == 8
     lp = plan_layout(cfg).layers[attn[0]]
     assert lp.blocks_per_block == 3  # 48-token blocks in 16-token kernel blocks
 
@@ -134,11 +135,11 @@ def test_packed_rows_must_be_one_block() -> None:
     good = preset("packed", num_blocks=4, num_layers=3)
     t = good.kv_cache_tensors[0]
     assert plan_layout(good).block_stride == t.size // 4 == 3 * 64 * KIB
-    two_blocks_per_row = KVCacheConfig(4, (KVCacheTensor(t.size * 2, t.shared_by),),
+    two_blocks_per_row = KVCacheConfig(4, (KVCacheTensor(t.size * 2, t.layers),),
                                        good.kv_cache_groups, layout="packed")
     with pytest.raises(LayoutError, match="exactly one logical block"):
         plan_layout(two_blocks_per_row)
-    split = KVCacheConfig(4, tuple(KVCacheTensor(t.size // 3, (n,)) for n in t.shared_by),
+    split = KVCacheConfig(4, tuple(KVCacheTensor(t.size // 3, (n,)) for n in t.layers),
                           good.kv_cache_groups, layout="packed")
     with pytest.raises(LayoutError, match="ONE tensor"):
         plan_layout(split)
@@ -148,7 +149,7 @@ def test_packed_rows_must_be_one_block() -> None:
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda c: KVCacheConfig(c.num_blocks, (KVCacheTensor(c.kv_cache_tensors[0].size + 16 * 4,
-                             c.kv_cache_tensors[0].shared_by),) + c.kv_cache_tensors[1:],
+                             c.kv_cache_tensors[0].layers),) + c.kv_cache_tensors[1:],
                              c.kv_cache_groups), "does not match its tensors"),
     (lambda c: KVCacheConfig(c.num_blocks, c.kv_cache_tensors[1:], c.kv_cache_groups),
      "have no KV cache tensor"),
@@ -252,11 +253,10 @@ def test_placement_rescales_layer_outer_strides_and_keeps_block_outer_rows() -> 
     (b,) = blhnc.kv_cache_tensors
     assert (b.size, b.layer_stride, b.block_stride) == (100 * 2 * page, page, 2 * page)
     # a committed prefix of a larger placement: same bytes, fewer blocks in use
-    view = big.with_committed_blocks(8)
-    assert view.kv_cache_tensors == big.kv_cache_tensors and view.num_blocks == 8
+    view = dataclasses.replace(big, num_blocks=8)
     assert plan_layout(view).alloc_blocks == 100
-    with pytest.raises(ValueError, match="between 1 and the 100 blocks"):
-        big.with_committed_blocks(101)
+    with pytest.raises(LayoutError, match="holds 100 blocks, fewer than"):
+        plan_layout(dataclasses.replace(big, num_blocks=101))
 
 
 def test_seed_layouts_are_placements_with_their_own_page_format() -> None:

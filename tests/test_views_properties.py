@@ -87,11 +87,11 @@ def oracle(cfg: KVCacheConfig, n: int):
     raws = []
     if cfg.layout == "packed":
         (t,) = cfg.kv_cache_tensors
-        k = _k(cfg, specs[t.shared_by[0]])
+        k = _k(cfg, specs[t.layers[0]])
         row = t.size // cfg.num_blocks // k
         raw = torch.zeros(n * k, row, dtype=torch.uint8)
         off = 0
-        for name in t.shared_by:
+        for name in t.layers:
             s = specs[name]
             pk = s.page_size_bytes // k
             sl = raw[:, off:off + pk].view(s.dtype)
@@ -106,7 +106,7 @@ def oracle(cfg: KVCacheConfig, n: int):
         page = t.size // cfg.num_blocks
         raw = torch.zeros(n * page, dtype=torch.uint8)
         raws.append(raw)
-        for name in t.shared_by:
+        for name in t.layers:
             s = specs[name]
             if isinstance(s, MambaSpec):
                 rows = raw.view(n, page)
@@ -151,7 +151,7 @@ def oracle_regions(cfg: KVCacheConfig, kv: dict) -> dict[str, list[tuple]]:
     """Per layer (non-packed): (part, first block's start address, block_len, block_stride)."""
     specs = cfg.layer_specs()
     hybrid = any(isinstance(s, MambaSpec) for s in specs.values())
-    page = {name: t.size // cfg.num_blocks for t in cfg.kv_cache_tensors for name in t.shared_by}
+    page = {name: t.size // cfg.num_blocks for t in cfg.kv_cache_tensors for name in t.layers}
     out: dict[str, list[tuple]] = {}
     for name, v in kv.items():
         s = specs[name]
@@ -260,12 +260,12 @@ def test_extensible_cache_regions_and_views(vmm_device: str, cfg: KVCacheConfig,
         # 4. geometry equals an ordinary allocation of the same layout
         raws, okv = oracle(cfg, n)
         expect = oracle_regions(cfg, okv)
-        raw_of = {name: i for i, t in enumerate(cfg.kv_cache_tensors) for name in t.shared_by}
+        raw_of = {name: i for i, t in enumerate(cfg.kv_cache_tensors) for name in t.layers}
         if cfg.layout == "packed":
             (r,) = regions
             assert (r.part, r.block_len, r.block_stride) == ("packed",) + (
                 cfg.bytes_per_block,) * 2
-            assert r.layers == tuple(cfg.kv_cache_tensors[0].shared_by)
+            assert r.layers == tuple(cfg.kv_cache_tensors[0].layers)
         else:
             for name, exp in expect.items():
                 got = [r for r in regions if r.layer_name == name]

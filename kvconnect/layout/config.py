@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 
 from ..bounded_json import JSON, Doc, JSONObject
 from ..checks import MAX_BYTES, checked_int
-from .geometry import LayoutPlan
 from .plan import plan_layout
 from .specs import KVCacheSpec, LayoutError
 
@@ -58,11 +57,6 @@ class KVCacheTensor:
     def is_placement(self) -> bool:
         """True for vLLM 0.33's placement form (strides given)."""
         return self.layer_stride is not None
-
-    @property
-    def shared_by(self) -> tuple[str, ...]:
-        """The seed's name for :attr:`layers` (kept for old callers)."""
-        return self.layers
 
     def to_dict(self) -> JSONObject:
         out: JSONObject = {"size": self.size, "layers": list(self.layers)}
@@ -106,7 +100,7 @@ class KVCacheConfig:
     ``kernel_block_size`` (tokens, dividing every attention block size) splits each logical
     block into ``block_size // kernel_block_size`` kernel blocks; ``None`` means no split.
     In the placement form ``num_blocks`` may be below the blocks the placement was made
-    for (a committed prefix of a larger reservation): see :meth:`with_committed_blocks`.
+    for (a committed prefix of a larger reservation; :func:`plan_layout` refuses more).
     """
 
     num_blocks: int
@@ -132,14 +126,10 @@ class KVCacheConfig:
         """True when the tensors use vLLM 0.33's placement form (one backing buffer)."""
         return bool(self.kv_cache_tensors) and self.kv_cache_tensors[0].is_placement
 
-    def plan(self) -> LayoutPlan:
-        """:func:`kvconnect.layout.plan_layout` of this config."""
-        return plan_layout(self)
-
     @property
     def bytes_per_block(self) -> int:
         """Bytes one logical block takes over all buffers (aliased pages count once)."""
-        return self.plan().bytes_per_block
+        return plan_layout(self).bytes_per_block
 
     def with_num_blocks(self, num_blocks: int) -> KVCacheConfig:
         """The same cache laid out for a fresh allocation of ``num_blocks`` blocks (sizes,
@@ -149,7 +139,7 @@ class KVCacheConfig:
             tensors = tuple(replace(t, size=t.size // self.num_blocks * num_blocks)
                             for t in self.kv_cache_tensors)
             return replace(self, num_blocks=num_blocks, kv_cache_tensors=tensors)
-        plan = self.plan()
+        plan = plan_layout(self)
         alloc = plan.alloc_blocks
         out = []
         for t in self.kv_cache_tensors:
@@ -161,17 +151,6 @@ class KVCacheConfig:
                                    layer_stride=t.layer_stride // alloc * num_blocks,
                                    offset=t.offset // alloc * num_blocks))
         return replace(self, num_blocks=num_blocks, kv_cache_tensors=tuple(out))
-
-    def with_committed_blocks(self, num_blocks: int) -> KVCacheConfig:
-        """The same placement with only its first ``num_blocks`` blocks in use (what a
-        connector of an extensible cache is handed). Shorthand configs: as
-        :meth:`with_num_blocks` (their placement follows the block count)."""
-        if not self.is_placement:
-            return self.with_num_blocks(num_blocks)
-        alloc = self.plan().alloc_blocks
-        checked_int(f"num_blocks (between 1 and the {alloc} blocks the placement holds)",
-                    num_blocks, maximum=alloc)
-        return replace(self, num_blocks=num_blocks)
 
     def to_dict(self) -> JSONObject:
         """A JSON-serialisable description (for handshakes: compare, never unpickle)."""

@@ -72,7 +72,14 @@ class VllmKVCacheConfigLike(Protocol):
     def kv_cache_groups(self) -> Sequence[VllmKVCacheGroupLike]: ...
 
 
-def _attention_fields(spec: Any, what: str) -> dict[str, Any]:
+def _attention_fields(spec: Any, what: str, head_size_v: int) -> dict[str, Any]:
+    """The attention spec's fields, after refusing what kvconnect does not model: a V head
+    size other than ``head_size_v`` (K's head size; 0 for MLA's latent), packed head slots
+    or state contents, compressed or pooled states."""
+    got = getattr(spec, "head_size_v", head_size_v)
+    if got is not None and got != head_size_v:
+        raise LayoutError(f"{what}: head_size_v={got} differs from {head_size_v}; kvconnect "
+                          f"models equal K and V head sizes (or MLA's latent only)")
     for field, ok in (("num_head_slots", None), ("state_content_bytes", None)):
         if getattr(spec, field, None) is not ok:
             raise LayoutError(f"{what}: vLLM spec field {field}={getattr(spec, field)!r} packs "
@@ -86,27 +93,17 @@ def _attention_fields(spec: Any, what: str) -> dict[str, Any]:
             "page_size_padded": getattr(spec, "page_size_padded", None)}
 
 
-def _check_value_size(spec: Any, want: int, what: str) -> None:
-    got = getattr(spec, "head_size_v", want)
-    if got is not None and got != want:
-        raise LayoutError(f"{what}: head_size_v={got} differs from {want}; kvconnect models "
-                          f"equal K and V head sizes (or MLA's latent only)")
-
-
 def _full(spec: Any, what: str) -> KVCacheSpec:
-    _check_value_size(spec, spec.head_size, what)
-    return FullAttentionSpec(**_attention_fields(spec, what))
+    return FullAttentionSpec(**_attention_fields(spec, what, spec.head_size))
 
 
 def _sliding(spec: Any, what: str) -> KVCacheSpec:
-    _check_value_size(spec, spec.head_size, what)
-    return SlidingWindowSpec(**_attention_fields(spec, what),
+    return SlidingWindowSpec(**_attention_fields(spec, what, spec.head_size),
                              sliding_window=int(spec.sliding_window))
 
 
 def _mla(spec: Any, what: str) -> KVCacheSpec:
-    _check_value_size(spec, 0, what)
-    return MLAAttentionSpec(**_attention_fields(spec, what))
+    return MLAAttentionSpec(**_attention_fields(spec, what, 0))
 
 
 def _mamba(spec: Any, what: str) -> KVCacheSpec:

@@ -249,11 +249,6 @@ class SeedPageFormat(PageFormat):
         if page % k:
             raise LayoutError(f"layer {name!r}: a {page}-byte page does not split into {k} "
                               f"kernel blocks")
-        if isinstance(spec, MLAAttentionSpec):
-            view = _moved(_attention_view(spec, k=k, mode="latent", hnd=self.hnd,
-                                          row_stride=page // k, offset=0, layer=name), seg)
-            return LayerPlan(name, spec, tensor_index, (view,),
-                             (_region_from_views("latent", (view,), page, seg),))
         if self.planes(spec, hybrid) == 2:
             if spec.page_size_padded not in (None, spec.real_page_size_bytes):
                 raise LayoutError(f"layer {name!r}: a padded page needs a block-major layout "
@@ -264,11 +259,13 @@ class SeedPageFormat(PageFormat):
             return LayerPlan(name, spec, tensor_index, (view,),
                              (RegionGeometry("k", seg, 0, half, half),
                               RegionGeometry("v", seg + 1, 0, half, half)))
-        mode = "kv_major" if self.kind == "kv_split" else "blocks_first"
+        # one segment: an MLA latent page, or K and V side by side in a block-major page
+        mla = isinstance(spec, MLAAttentionSpec)
+        mode = "latent" if mla else "kv_major" if self.kind == "kv_split" else "blocks_first"
         view = _moved(_attention_view(spec, k=k, mode=mode, hnd=self.hnd, row_stride=page // k,
                                       offset=0, layer=name), seg)
         return LayerPlan(name, spec, tensor_index, (view,),
-                         (_region_from_views("kv", (view,), page, seg),))
+                         (_region_from_views("latent" if mla else "kv", (view,), page, seg),))
 
     @staticmethod
     def _packed_layer(name: str, spec: KVCacheSpec, k: int, slot: LayerSlot,

@@ -21,7 +21,7 @@ from .formats import LayerSlot, PageFormat, page_format
 from .geometry import LayerPlan, LayoutPlan, TensorPlan
 from .specs import AttentionSpec, KVCacheSpec, LayoutError, MambaSpec, layout_int
 
-if TYPE_CHECKING:  # the config calls the planner (KVCacheConfig.plan); types only here
+if TYPE_CHECKING:  # the config calls the planner (bytes_per_block); types only here
     from .config import KVCacheConfig, KVCacheTensor
 
 __all__ = ["ConfigFacts", "plan_layout", "validate_config"]

@@ -212,7 +212,6 @@ SYMBOLS: tuple[Entry, ...] = (
     Entry("device_get", "cuDeviceGet", "hipDeviceGet", (_P(CUdevice), _int)),
     Entry("device_get_attribute", "cuDeviceGetAttribute", "hipDeviceGetAttribute",
           (_P(_int), _int, CUdevice)),
-    Entry("device_get_name", "cuDeviceGetName", "hipDeviceGetName", (_cp, _int, CUdevice)),
     # contexts (HIP: implicit, per-thread current device)
     Entry("device_primary_ctx_retain", "cuDevicePrimaryCtxRetain", "hipDevicePrimaryCtxRetain",
           (_P(CUcontext), CUdevice)),

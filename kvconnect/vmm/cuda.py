@@ -66,6 +66,8 @@ class GpuVmmDriver(VmmDriver):
     backend: api.Backend = api.CUDA
     #: ``cuMemMap``'s offset "currently must be zero" (cuda.h); ``hipMemMap``'s likewise
     map_offset_must_be_zero: bool = True
+    #: the table entry that waits for the device's work (HIP: ``device_synchronize``)
+    sync_entry: str = "ctx_synchronize"
 
     def __init__(self, device_index: int = 0, *,
                  library: str | api.DriverLibrary | None = None) -> None:
@@ -128,9 +130,10 @@ class GpuVmmDriver(VmmDriver):
             self.lib.try_call("ctx_pop_current", ctypes.byref(popped))
 
     def synchronize(self) -> None:
-        """Wait for all work in this device's context (``cuCtxSynchronize``)."""
+        """Wait for all work in this device's context (``cuCtxSynchronize``; HIP:
+        ``hipDeviceSynchronize``)."""
         with self._active():
-            self.lib.call("ctx_synchronize")
+            self.lib.call(self.sync_entry)
 
     # -- queries -------------------------------------------------------------------------------
     def _attribute(self, attr: int | None, device: int | None = None) -> int | None:
@@ -195,12 +198,6 @@ class GpuVmmDriver(VmmDriver):
             gran = int(out.value)
             self._granularity[key] = gran
         return gran
-
-    def device_name(self) -> str:
-        """The device's marketing name (``NVIDIA H200``)."""
-        buf = ctypes.create_string_buffer(256)
-        self.lib.call("device_get_name", buf, len(buf), self._device)
-        return buf.value.decode(errors="replace")
 
     def driver_version(self) -> int:
         """The driver API version (e.g. 13000 for CUDA 13.0)."""
@@ -359,10 +356,7 @@ class GpuVmmDriver(VmmDriver):
         _check_va(va, size)
         with self._active():
             self.lib.call("memset_d8", va, value, size)
-            self._sync_in_context()
-
-    def _sync_in_context(self) -> None:
-        self.lib.call("ctx_synchronize")
+            self.lib.call(self.sync_entry)
 
     # -- sharing -------------------------------------------------------------------------------
     def export_fd(self, handle: PhysicalHandle) -> int:

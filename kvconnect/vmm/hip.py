@@ -41,6 +41,7 @@ class HipVmmDriver(GpuVmmDriver):
     name = "hip"
     dlpack_device_type = DLPACK_ROCM
     backend = api.HIP
+    sync_entry = "device_synchronize"
 
     def ensure_context(self) -> None:
         """Make this device current on this thread (``hipSetDevice``)."""
@@ -58,14 +59,6 @@ class HipVmmDriver(GpuVmmDriver):
             yield
         finally:
             self.lib.try_call("set_device", cur.value)
-
-    def synchronize(self) -> None:
-        """Wait for all work on this device (``hipDeviceSynchronize``)."""
-        with self._active():
-            self.lib.call("device_synchronize")
-
-    def _sync_in_context(self) -> None:
-        self.lib.call("device_synchronize")
 
 
 def probe_hip(index: int = 0, library: str | None = None) -> VmmProbe:

@@ -101,10 +101,6 @@ class HostVmmDriver(VmmDriver):
         return DeviceCapabilities(vmm=True, posix_fd_handles=True, gpudirect_rdma_with_vmm=False,
                                   fabric_handles=False)
 
-    @property
-    def torch_device(self) -> str:
-        return "cpu"
-
     def reserve(self, size: int, alignment: int = 0) -> int:
         _check_range(0, size)
         checked_int("alignment in bytes", alignment, minimum=0, maximum=1 << 40)

@@ -28,14 +28,11 @@ CONTEXT_GONE = frozenset({"CUDA_ERROR_DEINITIALIZED", "CUDA_ERROR_CONTEXT_IS_DES
 def _free_at_collection(driver: VmmDriver, va: int, size: int) -> None:
     try:
         driver.free_reserved(va, size)
-    except VmmError as exc:
-        if exc.code in CONTEXT_GONE:
+    except Exception as exc:  # a finalizer must not raise; say what leaked
+        if isinstance(exc, VmmError) and exc.code in CONTEXT_GONE:
             logger.debug("reservation of %d bytes at %#x on %s: the driver context is gone "
                          "(%s); the process returns the VA", size, va, driver, exc.code)
             return
-        logger.exception("could not free the reservation of %d bytes at %#x on %s", size, va,
-                         driver)
-    except Exception:  # a finalizer must not raise; say what leaked
         logger.exception("could not free the reservation of %d bytes at %#x on %s", size, va,
                          driver)
 
