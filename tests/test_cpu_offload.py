@@ -123,7 +123,7 @@ def test_row_layout_stores_shared_pages_once_and_rejects_bad_regions() -> None:
     ]
     slices = offload_row_layout(PeerLayout.from_regions(regions, 8))
     assert [s.members for s in slices] == [("attn/kv", "mamba/state"), ("attn2/kv",)]
-    assert [(s.column, s.width, s.sub_blocks) for s in slices] == [(0, 4096, 1), (4096, 2048, 2)]
+    assert [(s.column, s.width, s.region.sub_blocks) for s in slices] == [(0, 4096, 1), (4096, 2048, 2)]
     assert [s.index for s in slices] == [0, 2] and regions[slices[0].index].block_len == 4096
     with pytest.raises(ValueError, match="not a multiple"):
         PeerLayout.from_regions([_region("x", "kv", 0, 64, 64, 9)], 8)
@@ -214,8 +214,9 @@ def test_committed_equals_capacity_is_byte_identical_to_plain_allocation(
         ext = CPUOffloadConnector(cache, 6)
         plain = CPUOffloadConnector.from_kv_caches(kv_plain, cap, cfg, 6)
         try:
-            assert [(s.members, s.column, s.width, s.block_stride) for s in ext.row_layout] == [
-                (s.members, s.column, s.width, s.block_stride) for s in plain.row_layout]
+            assert [(s.members, s.column, s.width, s.region.block_stride)
+                    for s in ext.row_layout] == [
+                (s.members, s.column, s.width, s.region.block_stride) for s in plain.row_layout]
             ids = [cap - 1, 0, 2, 3]
             ext.save(ids).wait()
             plain.save(ids).wait()
