@@ -14,9 +14,9 @@ Copies (:mod:`.copies`): one launch per batch over every region and block, on CU
 ``direct`` or ``staged`` (``path``, ``max_copy_runs``); the :class:`OffloadHandle` holds its event.
 
 Ordering contract (CUDA): do not overwrite GPU blocks passed to :meth:`save` before its handle
-is done; do not read blocks passed to :meth:`load` before ``handle.wait()`` (or
-``handle.wait_on_stream()``). Operations of one connector run in issue order, so a slot
-reused after eviction is never written before an earlier load from it has read it.
+is done; do not read blocks passed to :meth:`load` before ``handle.wait()``. Operations of
+one connector run in issue order, so a slot reused after eviction is never written before an
+earlier load from it has read it.
 
 Sleep / wake and growth. Before every operation the connector compares a cheap state token of
 the cache (block count, committed bytes and physical chunk count per tensor) with the one its
@@ -371,7 +371,6 @@ class CPUOffloadConnector(ClosesOnExit):
         event = self._copies.copy(handle.block_ids, handle.slots, to_cpu=to_cpu)
         if event is not None:
             handle._event = event
-            handle._device = self._device
             self._pending = [h for h in self._pending if not h.done()]
             self._pending.append(handle)
 

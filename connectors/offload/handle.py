@@ -6,8 +6,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kvconnect.polling import poll_until
 
 from ..errors import KVConnectorError, KVTransferError
@@ -47,7 +45,6 @@ class OffloadHandle:
     nbytes: int
     evicted: tuple[Hashable, ...] = ()
     _event: Any = None
-    _device: Any = None
     _keepalive: list[Any] = field(default_factory=list, repr=False)
 
     def done(self) -> bool:
@@ -75,15 +72,6 @@ class OffloadHandle:
                        PEER_NAME, self.block_ids,
                        f"{self.op} of {len(self.block_ids)} blocks not done after "
                        f"{timeout_s} s"))
-
-    def wait_on_stream(self, stream: Any = None) -> None:
-        """Make ``stream`` (default: the current CUDA stream) wait for this handle without
-        blocking the host. No-op on the host backend."""
-        if self._event is None:
-            return
-        if stream is None:
-            stream = torch.cuda.current_stream(self._device)
-        stream.wait_event(self._event)
 
     def _release(self) -> None:
         self._keepalive.clear()
