@@ -244,7 +244,10 @@ class NixlRegionWorker(ClosesOnExit):
 
         Call it before ``cache.release_physical()`` when the cache goes to sleep.
         """
-        self._release_local_prep()
+        if self._local_prep is not None:
+            prep, self._local_prep = self._local_prep, None
+            release_logged(self.engine_id, "releasing the local descriptor list",
+                           self._agent.release_dlist_handle, prep)
         errors: list[BaseException] = []
         while self._reg_dlists:
             dlist = self._reg_dlists.pop()
@@ -406,7 +409,14 @@ class NixlRegionWorker(ClosesOnExit):
         from a peer includes UCX connection set-up), ``blocks``, ``descriptors`` (blocks x
         transfer regions) and ``backend`` as NIXL reports it (``query_xfer_backend``).
         """
-        entry, plan = self._read_target(peer)
+        self._check_open()
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise KVConnectorError(f"{self.engine_id}: unknown peer {peer!r}; loaded: "
+                                   f"{sorted(self._peers)}")
+        plan = self._plan
+        if self._local_prep is None or plan is None:
+            raise KVConnectorError(f"{self.engine_id}: not registered")
         # negative ids: read_indices reports them with the valid range
         remote = as_block_ids(remote_block_ids, "remote_block_ids", allow_negative=True)
         local = as_block_ids(local_block_ids, "local_block_ids", allow_negative=True)
@@ -425,17 +435,6 @@ class NixlRegionWorker(ClosesOnExit):
                                             (entry.prep, remote_idx), notif, timeout)
         return FetchResult(bytes=nbytes, seconds=seconds, backend=backend,
                            blocks=int(local.size), descriptors=int(local_idx.size))
-
-    def _read_target(self, peer: str) -> tuple[LoadedPeer, RegistrationPlan]:
-        """The loaded peer and our registration a read needs (KVConnectorError without)."""
-        self._check_open()
-        entry = self._peers.get(peer)
-        if entry is None:
-            raise KVConnectorError(f"{self.engine_id}: unknown peer {peer!r}; loaded: "
-                                   f"{sorted(self._peers)}")
-        if self._local_prep is None or self._plan is None:
-            raise KVConnectorError(f"{self.engine_id}: not registered")
-        return entry, self._plan
 
     # -- notifications -------------------------------------------------------
     def get_notifications(self) -> dict[str, list[bytes]]:
@@ -475,20 +474,6 @@ class NixlRegionWorker(ClosesOnExit):
                               f"{timeout:.3g} s"))
 
     # -- shutdown ------------------------------------------------------------
-    def _release_local_prep(self) -> None:
-        if self._local_prep is not None:
-            prep, self._local_prep = self._local_prep, None
-            release_logged(self.engine_id, "releasing the local descriptor list",
-                           self._agent.release_dlist_handle, prep)
-
-    def _drop_agent(self) -> None:
-        """Drain the agent's UCX queues and drop our reference (the agent is destroyed unless
-        someone else still holds it)."""
-        self._agent = None
-        retire, self._retire_agent = self._retire_agent, None
-        if retire is not None:
-            retire()
-
     def close(self) -> None:
         """Release transfer and descriptor handles, remove remote agents, deregister, drain
         UCX progress, destroy the agent (idempotent). Safe after any failure: a peer killed
@@ -509,7 +494,12 @@ class NixlRegionWorker(ClosesOnExit):
         finally:
             self._source = None
             self._plan = None
-            self._drop_agent()
+            # drain the agent's UCX queues and drop our reference (the agent is destroyed
+            # unless someone else still holds it)
+            self._agent = None
+            retire, self._retire_agent = self._retire_agent, None
+            if retire is not None:
+                retire()
 
     def _check_open(self) -> None:
         if self._closed:
