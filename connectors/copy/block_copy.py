@@ -346,7 +346,7 @@ class BlockCopyPlan:
             self.check_ids(src, dst)
         how = self.method if method is None else self._resolve(method)
         if how == "kernel":
-            self._copy_kernel(src, dst)
+            self.launcher().submit(src, dst)
         elif how == "memcpy_batch":
             self._copy_memcpy_batch(src, dst)
         elif how == "host":
@@ -438,9 +438,6 @@ class BlockCopyPlan:
         if self.method != "kernel":
             return
         self.launcher().warm_up(capture_all)
-
-    def _copy_kernel(self, src: np.ndarray, dst: np.ndarray) -> None:
-        self.launcher().submit(src, dst)
 
     def batch_descriptors(self, src: np.ndarray, dst: np.ndarray
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
