@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvconnect.polling import poll_until
@@ -45,16 +45,10 @@ class OffloadHandle:
     nbytes: int
     evicted: tuple[Hashable, ...] = ()
     _event: Any = None
-    _keepalive: list[Any] = field(default_factory=list, repr=False)
 
     def done(self) -> bool:
         """True once the copies have finished (never blocks)."""
-        if self._event is None:
-            return True
-        if self._event.query():
-            self._release()
-            return True
-        return False
+        return self._event is None or bool(self._event.query())
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until done; with ``timeout_s``, raise :class:`KVTransferError` past it."""
@@ -65,13 +59,9 @@ class OffloadHandle:
                 self._event.synchronize()
             except RuntimeError as exc:
                 raise KVTransferError(PEER_NAME, self.block_ids, exc) from exc
-            self._release()
             return
         poll_until(self.done, max(0.0, timeout_s), max_pause=1e-2,
                    on_timeout=lambda _s: KVTransferError(
                        PEER_NAME, self.block_ids,
                        f"{self.op} of {len(self.block_ids)} blocks not done after "
                        f"{timeout_s} s"))
-
-    def _release(self) -> None:
-        self._keepalive.clear()
