@@ -39,7 +39,7 @@ from typing import Any
 from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.cache_source import KVCacheSource
 from kvconnect.lifetime import ClosesOnExit
-from kvconnect.peer_layout import LayoutFacts, PeerLayout, layout_facts
+from kvconnect.peer_layout import PeerLayout, layout_facts
 from kvconnect.polling import poll_until
 from kvconnect.views import PagedRegion
 
@@ -129,7 +129,6 @@ class NixlRegionWorker(ClosesOnExit):
         #: drains and drops the agent when this worker is closed or collected (see drain_agent)
         self._retire_agent: weakref.finalize | None = None
         self._closed = False
-        self._layout_info: LayoutFacts = {}
         self._source: KVCacheSource | GivenRegions | None = None
         #: the last registration's regions, extents and transfer regions (kept while the
         #: memory sleeps, so peers can still be loaded; dropped at close)
@@ -206,7 +205,6 @@ class NixlRegionWorker(ClosesOnExit):
                 "(cache.is_final is False): registration is deferred until "
                 "cache.extend_kv_cache(num_blocks) has committed the final size")
         self._check_unregistered()
-        self._layout_info = {}
         self._source = cache
         return self._register()
 
@@ -224,8 +222,8 @@ class NixlRegionWorker(ClosesOnExit):
         """
         self._check_open()
         self._check_unregistered()
-        self._layout_info = layout_facts(config, **layout_info)
-        self._source = GivenRegions(list(regions), list(chunks))
+        self._source = GivenRegions(list(regions), list(chunks),
+                                    layout_facts(config, **layout_info))
         return self._register()
 
     def reregister(self) -> HandshakeMetadata:
@@ -266,7 +264,7 @@ class NixlRegionWorker(ClosesOnExit):
             raise KVConnectorError(f"{self.engine_id}: no KV cache or regions to register")
         regions, chunks = source_regions(source, self.engine_id)
         plan = plan_registration(regions, chunks, self.engine_id)
-        layout = source_layout(source, regions, self._layout_info, self.engine_id)
+        layout = source_layout(source, regions, self.engine_id)
         self._ensure_agent()
         self._reg_dlists, self._local_prep = register_plan(self._agent, plan, self.engine_id)
         self._extents = plan.extents
