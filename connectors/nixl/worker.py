@@ -134,7 +134,6 @@ class NixlRegionWorker(ClosesOnExit):
         #: memory sleeps, so peers can still be loaded; dropped at close)
         self._plan: RegistrationPlan | None = None
         self._reg_dlists: list[Any] = []
-        self._extents: list[tuple[int, int, int]] = []
         self._local_prep: Any = None
         self._layout: PeerLayout | None = None
         self._metadata: HandshakeMetadata | None = None
@@ -159,7 +158,8 @@ class NixlRegionWorker(ClosesOnExit):
     @property
     def registered_extents(self) -> list[tuple[int, int, int]]:
         """``(addr, length, device_id)`` of each live registration, in bytes."""
-        return list(self._extents)
+        plan = self._plan
+        return list(plan.extents) if plan is not None and self.is_registered else []
 
     @property
     def regions(self) -> list[PagedRegion]:
@@ -253,7 +253,6 @@ class NixlRegionWorker(ClosesOnExit):
                 self._agent.deregister_memory(dlist)
             except Exception as exc:  # noqa: BLE001 - keep releasing the others
                 errors.append(exc)
-        self._extents = []
         self._metadata = None
         if errors:
             raise KVConnectorError(f"{self.engine_id}: deregistration failed: {errors[0]}")
@@ -267,7 +266,6 @@ class NixlRegionWorker(ClosesOnExit):
         layout = source_layout(source, regions, self.engine_id)
         self._ensure_agent()
         self._reg_dlists, self._local_prep = register_plan(self._agent, plan, self.engine_id)
-        self._extents = plan.extents
         self._plan = plan
         if self._layout is not None and layout.differences(self._layout) and self._peers:
             logger.warning("%s: the layout changed on re-registration; dropping peers %s "
