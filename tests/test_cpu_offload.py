@@ -243,7 +243,7 @@ def test_lru_eviction_and_slot_accounting() -> None:
         conn = CPUOffloadConnector(cache, 4)
         h = conn.save([0, 1, 2, 3])
         assert h.evicted == () and sorted(h.slots) == [0, 1, 2, 3]
-        assert conn.num_free_slots == 0 and conn.num_used_slots == 4
+        assert conn.num_used_slots == conn.num_cpu_blocks == 4
         h = conn.save([4])  # pool full: key 0 (least recently used) goes
         assert h.evicted == (0,)
         assert not conn.contains(0) and 4 in conn
@@ -266,7 +266,7 @@ def test_lru_eviction_and_slot_accounting() -> None:
         for dst, src in zip([10, 11, 12, 13], [1, 5, 6, 7], strict=True):
             assert_same(layer_blocks(cache, dst), cold[src], f"{dst} <- {src}")
         assert conn.discard([5, "nope"]) == [5]
-        assert conn.num_free_slots == 1 and not conn.contains(5)
+        assert conn.num_used_slots == conn.num_cpu_blocks - 1 and not conn.contains(5)
         with pytest.raises(ValueError, match="cannot save 5 blocks into a CPU pool of 4"):
             conn.save([0, 1, 2, 3, 4])
         conn.close()

@@ -187,10 +187,6 @@ class CPUOffloadConnector(ClosesOnExit):
         return len(self._slots)
 
     @property
-    def num_free_slots(self) -> int:
-        return self._slots.num_free
-
-    @property
     def is_pinned(self) -> bool:
         return self._copies.pinned
 
