@@ -48,6 +48,7 @@ from kvconnect.polling import poll_until
 from kvconnect.vmm import _driver_api as api
 
 from ._cuda_streams import current_device, current_stream, raw_stream
+from .ops import WORD_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,6 @@ class KernelLauncher:
                  device: torch.device, max_blocks: int, mode: str = "graph") -> None:
         if mode not in LAUNCH_MODES:
             raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
-        from .ops import WORD_DTYPES
-
         self.device = device
         self._index = device.index if device.index is not None else current_device()
         self.mode = mode
