@@ -8,7 +8,7 @@ from typing import Any
 
 from kvconnect.polling import poll_until
 
-from ..errors import KVConnectorError, KVTransferError
+from ..errors import KVConnectorError, KVTransferError, shown_items
 
 __all__ = ["PEER_NAME", "OffloadHandle", "OffloadKeyError"]
 
@@ -21,11 +21,9 @@ class OffloadKeyError(KVConnectorError):
 
     def __init__(self, missing: Sequence[Hashable]) -> None:
         self.missing = list(missing)
-        shown = ", ".join(repr(k) for k in self.missing[:16])
-        more = f", ... ({len(self.missing)} keys)" if len(self.missing) > 16 else ""
         super().__init__(
             f"{len(self.missing)} key(s) not in the CPU offload pool (never saved or evicted): "
-            f"[{shown}{more}]; check contains(key) before load()"
+            f"{shown_items(self.missing, 'keys')}; check contains(key) before load()"
         )
 
 
