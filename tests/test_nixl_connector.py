@@ -24,16 +24,16 @@ import pytest
 from _json_peer import JsonLinePeer
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
-from kvconnect.connectors.nixl.worker import (
-    NixlRegionWorker,
+from kvconnect.connectors.nixl.agent import nixl_importable
+from kvconnect.connectors.nixl.descriptors import (
     check_descriptors_in_chunks,
     memory_type_for_device,
-    nixl_importable,
     region_descriptors,
     registration_extents,
     transfer_regions,
 )
+from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
+from kvconnect.connectors.nixl.worker import NixlRegionWorker
 
 needs_nixl = pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed")
 # The two-process tests share one child process; keep them on one xdist worker. Workers come

@@ -45,31 +45,10 @@ from kvconnect.views import PagedRegion
 
 from ..errors import IncompatiblePeerError, KVConnectorError
 from ..transport import FetchResult
-from .agent import (
-    NixlUnavailableError,
-    NotificationInbox,
-    create_agent,
-    drain_agent,
-    nixl_importable,
-    release_logged,
-)
-from .descriptors import (
-    PhysicalChunk,
-    check_descriptors_in_chunks,
-    memory_type_for_device,
-    region_descriptors,
-    registration_extents,
-    transfer_regions,
-)
+from .agent import NotificationInbox, create_agent, drain_agent, release_logged
+from .descriptors import PhysicalChunk, memory_type_for_device
 from .handshake import HandshakeMetadata, RegionAddress
-from .peers import (
-    MAX_PEER_DESCRIPTORS,
-    LoadedPeer,
-    drop_peer,
-    load_peer,
-    peer_descriptors,
-    read_indices,
-)
+from .peers import LoadedPeer, drop_peer, load_peer, peer_descriptors, read_indices
 from .reads import Reads
 from .registration import (
     GivenRegions,
@@ -82,18 +61,7 @@ from .registration import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "MAX_PEER_DESCRIPTORS",
-    "NixlRegionWorker",
-    "NixlUnavailableError",
-    "check_descriptors_in_chunks",
-    "memory_type_for_device",
-    "nixl_importable",
-    "region_descriptors",
-    "registration_extents",
-    "transfer_regions",
-]
+__all__ = ["DEFAULT_TIMEOUT_S", "NixlRegionWorker"]
 
 #: default deadline of one transfer, in seconds
 DEFAULT_TIMEOUT_S = 30.0
