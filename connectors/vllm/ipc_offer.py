@@ -293,13 +293,6 @@ def _is_int_in(value: object, lo: int, hi: int) -> bool:
     return type(value) is int and lo <= value <= hi
 
 
-def _declined(reply: dict[str, Any]) -> FastPathDecision:
-    code, reason = reply.get("code"), reply.get("reason", "")
-    reason = reason[:500] if isinstance(reason, str) else repr(reason)[:200]
-    key = f"remote_{code}" if isinstance(code, str) else ""
-    return FastPathDecision.nixl(key if key in REASONS else "remote_declined", reason)
-
-
 def request_offer(directory: str, agent: str, engine_id: str, timeout: float
                   ) -> FastPathDecision:
     """Ask the prefill worker whose NIXL agent is ``agent`` (engine ``engine_id``) for its
@@ -340,8 +333,11 @@ def _decide(reply: dict[str, Any], agent: str, engine_id: str, server_pid: int
     if reply.get("boot_id") != kernel_boot_id():
         return FastPathDecision.nixl("other_host", f"boot id {reply.get('boot_id')!r:.80} "
                                                    f"!= ours {kernel_boot_id()!r}")
-    if reply.get("ok") is not True:
-        return _declined(reply)
+    if reply.get("ok") is not True:  # declined: its code as one of ours, else remote_declined
+        code, reason = reply.get("code"), reply.get("reason", "")
+        reason = reason[:500] if isinstance(reason, str) else repr(reason)[:200]
+        key = f"remote_{code}" if isinstance(code, str) else ""
+        return FastPathDecision.nixl(key if key in REASONS else "remote_declined", reason)
     offer = reply.get("offer")
     if not isinstance(offer, dict) or not _is_int_in(offer.get("pid"), server_pid, server_pid) \
             or not isinstance(offer.get("path"), str) \
