@@ -12,12 +12,11 @@ from kvconnect.errors import KvconnectError
 __all__ = ["IncompatiblePeerError", "KVConnectorError", "KVTransferError"]
 
 
-def _fmt_blocks(block_ids: Sequence[int], limit: int = 16) -> str:
-    ids = list(block_ids)
-    if len(ids) <= limit:
-        return "[" + ", ".join(str(b) for b in ids) + "]"
-    head = ", ".join(str(b) for b in ids[:limit])
-    return f"[{head}, ... ({len(ids)} blocks)]"
+def shown_items(items: Sequence[object], noun: str, limit: int = 16) -> str:
+    """``[a, b, ...]`` for a message: the first ``limit`` items (``repr``), then how many
+    ``noun`` there are in all when some were left out."""
+    head = ", ".join(repr(x) for x in items[:limit])
+    return f"[{head}, ... ({len(items)} {noun})]" if len(items) > limit else f"[{head}]"
 
 
 class KVConnectorError(KvconnectError, RuntimeError):
@@ -43,7 +42,7 @@ class KVTransferError(KVConnectorError):
         self.cause = cause_text
         super().__init__(
             f"KV transfer with peer {self.peer!r} failed for blocks "
-            f"{_fmt_blocks(self.block_ids)}: {self.cause}"
+            f"{shown_items(self.block_ids, 'blocks')}: {self.cause}"
         )
 
     def __reduce__(self):  # keep the exception picklable inside one process (e.g. pytest)

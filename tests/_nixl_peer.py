@@ -56,7 +56,7 @@ def fill_cache(cache: Any, seed: int) -> None:
     (regions aliasing the same pages, as hybrid layers sharing a KV tensor do, count once)."""
     import torch
 
-    from kvconnect.connectors.nixl.worker import transfer_regions
+    from kvconnect.connectors.nixl.descriptors import transfer_regions
 
     for region in transfer_regions(cache.committed_regions()):
         view = cache.region_view(region)

@@ -123,7 +123,7 @@ def test_row_layout_stores_shared_pages_once_and_rejects_bad_regions() -> None:
     ]
     slices = offload_row_layout(PeerLayout.from_regions(regions, 8))
     assert [s.members for s in slices] == [("attn/kv", "mamba/state"), ("attn2/kv",)]
-    assert [(s.column, s.width, s.sub_blocks) for s in slices] == [(0, 4096, 1), (4096, 2048, 2)]
+    assert [(s.column, s.width, s.region.sub_blocks) for s in slices] == [(0, 4096, 1), (4096, 2048, 2)]
     assert [s.index for s in slices] == [0, 2] and regions[slices[0].index].block_len == 4096
     with pytest.raises(ValueError, match="not a multiple"):
         PeerLayout.from_regions([_region("x", "kv", 0, 64, 64, 9)], 8)
@@ -214,8 +214,9 @@ def test_committed_equals_capacity_is_byte_identical_to_plain_allocation(
         ext = CPUOffloadConnector(cache, 6)
         plain = CPUOffloadConnector.from_kv_caches(kv_plain, cap, cfg, 6)
         try:
-            assert [(s.members, s.column, s.width, s.block_stride) for s in ext.row_layout] == [
-                (s.members, s.column, s.width, s.block_stride) for s in plain.row_layout]
+            assert [(s.members, s.column, s.width, s.region.block_stride)
+                    for s in ext.row_layout] == [
+                (s.members, s.column, s.width, s.region.block_stride) for s in plain.row_layout]
             ids = [cap - 1, 0, 2, 3]
             ext.save(ids).wait()
             plain.save(ids).wait()
@@ -242,7 +243,7 @@ def test_lru_eviction_and_slot_accounting() -> None:
         conn = CPUOffloadConnector(cache, 4)
         h = conn.save([0, 1, 2, 3])
         assert h.evicted == () and sorted(h.slots) == [0, 1, 2, 3]
-        assert conn.num_free_slots == 0 and conn.num_used_slots == 4
+        assert conn.num_used_slots == conn.num_cpu_blocks == 4
         h = conn.save([4])  # pool full: key 0 (least recently used) goes
         assert h.evicted == (0,)
         assert not conn.contains(0) and 4 in conn
@@ -265,7 +266,7 @@ def test_lru_eviction_and_slot_accounting() -> None:
         for dst, src in zip([10, 11, 12, 13], [1, 5, 6, 7], strict=True):
             assert_same(layer_blocks(cache, dst), cold[src], f"{dst} <- {src}")
         assert conn.discard([5, "nope"]) == [5]
-        assert conn.num_free_slots == 1 and not conn.contains(5)
+        assert conn.num_used_slots == conn.num_cpu_blocks - 1 and not conn.contains(5)
         with pytest.raises(ValueError, match="cannot save 5 blocks into a CPU pool of 4"):
             conn.save([0, 1, 2, 3, 4])
         conn.close()

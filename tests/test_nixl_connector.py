@@ -24,16 +24,16 @@ import pytest
 from _json_peer import JsonLinePeer
 
 from kvconnect.connectors.errors import IncompatiblePeerError, KVConnectorError, KVTransferError
-from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
-from kvconnect.connectors.nixl.worker import (
-    NixlRegionWorker,
+from kvconnect.connectors.nixl.agent import nixl_importable
+from kvconnect.connectors.nixl.descriptors import (
     check_descriptors_in_chunks,
     memory_type_for_device,
-    nixl_importable,
     region_descriptors,
     registration_extents,
     transfer_regions,
 )
+from kvconnect.connectors.nixl.handshake import HandshakeMetadata, MetadataError
+from kvconnect.connectors.nixl.worker import NixlRegionWorker
 
 needs_nixl = pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed")
 # The two-process tests share one child process; keep them on one xdist worker. Workers come
@@ -368,15 +368,12 @@ def test_region_descriptors_and_extents_follow_committed_regions() -> None:
         cache = peerlib.make_cache(_spec(name, 6))
         with cache:
             regions = cache.committed_regions()
-            ids = [5, 0, 3]
-            descs = region_descriptors(regions, ids)
-            assert descs.dtype == np.uint64 and descs.shape == (len(regions) * len(ids), 3)
+            descs = region_descriptors(regions)
+            assert descs.dtype == np.uint64 and descs.shape == (len(regions) * 6, 3)
             for r_i, region in enumerate(regions):
-                for i, b in enumerate(ids):
-                    assert descs[r_i * len(ids) + i].tolist() == [
+                for b in range(6):
+                    assert descs[r_i * 6 + b].tolist() == [
                         region.block_address(b), region.block_len, 0]
-            with pytest.raises(IndexError, match="outside the 6 committed blocks"):
-                region_descriptors(regions, [6])
             chunks = [c for t in cache.tensors for c in t.physical_chunks()]
             extents = registration_extents(regions, chunks)
             assert len(extents) == len(cache.tensors) * cache.tensors[0].num_segments

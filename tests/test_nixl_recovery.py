@@ -22,8 +22,9 @@ import pytest
 from _json_peer import JsonLinePeer
 
 from kvconnect.connectors.errors import KVConnectorError, KVTransferError
+from kvconnect.connectors.nixl.agent import nixl_importable
+from kvconnect.connectors.nixl.descriptors import transfer_regions
 from kvconnect.connectors.nixl.handshake import HandshakeMetadata
-from kvconnect.connectors.nixl.worker import nixl_importable, transfer_regions
 
 pytestmark = [pytest.mark.nixl,
               pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings missing")]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconnect.connectors.nixl.worker import nixl_importable
+from kvconnect.connectors.nixl.agent import nixl_importable
 
 #: slow: each scenario is a child process against real prefill processes (6-30 s each)
 pytestmark = [pytest.mark.skipif(not nixl_importable(), reason="NIXL Python bindings not installed"),

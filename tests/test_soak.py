@@ -32,7 +32,8 @@ import pytest
 from _json_peer import JsonLinePeer
 
 from kvconnect import ExtensibleKVCache, ExtensibleTensor
-from kvconnect.connectors.nixl.worker import nixl_importable, transfer_regions
+from kvconnect.connectors.nixl.agent import nixl_importable
+from kvconnect.connectors.nixl.descriptors import transfer_regions
 from kvconnect.layout import preset
 from kvconnect.vmm import get_vmm_driver
 

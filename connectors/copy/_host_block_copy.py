@@ -54,6 +54,8 @@ import torch
 
 from kvconnect.bounded_json import JSONObject
 
+from .ops import WORD_DTYPES, word_size
+
 __all__ = ["ENGINES", "MEMMOVE_MIN_RUN_BYTES", "MIN_ROW_BYTES", "STAGING_BYTES",
            "HostRowCopier", "host_row_copier"]
 
@@ -86,8 +88,6 @@ MEMMOVE_MAX_THREADS = 8
 STAGING_BYTES = 16 << 20
 #: widest row the torch-rows engine gathers as one (its gather is serial from 32768 elements)
 TORCH_ROW_MAX_BYTES = 64 << 10
-
-_INT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,12 +133,12 @@ def _torch_row_shape(row_bytes: int, src_lo: int, dst_lo: int) -> tuple[torch.dt
     base addresses) and sub-rows per row: the fewest that keep a sub-row of whole elements
     under :data:`TORCH_ROW_MAX_BYTES`, none if that needs sub-rows under
     :data:`MIN_ROW_BYTES`."""
-    width = next(w for w in (8, 4, 2, 1) if math.gcd(row_bytes, src_lo, dst_lo) % w == 0)
+    width = word_size(row_bytes, src_lo, dst_lo)
     elems = row_bytes // width
     fewest = -(-row_bytes // TORCH_ROW_MAX_BYTES)
     split = next((k for k in range(fewest, row_bytes // MIN_ROW_BYTES + 1) if elems % k == 0),
                  1)
-    return _INT_DTYPES[width], split
+    return WORD_DTYPES[width], split
 
 
 class HostRowCopier:

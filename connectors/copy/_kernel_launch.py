@@ -48,11 +48,12 @@ from kvconnect.polling import poll_until
 from kvconnect.vmm import _driver_api as api
 
 from ._cuda_streams import current_device, current_stream, raw_stream
+from .ops import WORD_DTYPES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ITEMS_PER_PROGRAM", "LAUNCH_MODES", "MAX_SLOTS", "KernelLauncher", "bucket_sizes",
-           "grid_programs", "wait_events"]
+__all__ = ["ITEMS_PER_PROGRAM", "LAUNCH_MODES", "MAX_SLOTS", "KernelLauncher",
+           "anchored_table", "bucket_sizes", "grid_programs", "wait_events"]
 
 #: how a launcher issues copies (module docstring)
 LAUNCH_MODES = ("graph", "eager")
@@ -90,6 +91,19 @@ def grid_programs(num_blocks: int, num_columns: int, items_per_program: int = 1)
         raise ValueError(f"num_blocks {num_blocks}, num_columns {num_columns} and "
                          f"items_per_program {items_per_program} must be positive")
     return -(-num_blocks * num_columns // items_per_program)
+
+
+def anchored_table(table: np.ndarray, word: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(anchor, table)`` on ``device``: a small tensor of ``word``-byte elements and a plan's
+    ``(columns, 5)`` byte table in words, its addresses (columns 0 and 2) from the anchor's."""
+    anchor = torch.empty(64, dtype=WORD_DTYPES[word], device=device)
+    rel = table.copy()
+    rel[:, 0] -= anchor.data_ptr()
+    rel[:, 2] -= anchor.data_ptr()
+    if np.any(rel % word):  # word_size() chose a word dividing every value
+        raise AssertionError("descriptor table is not word-aligned")
+    return anchor, torch.from_numpy(rel // word).to(device)
 
 
 def wait_events(events: Sequence[torch.cuda.Event], timeout: float, what: str = "copy"
@@ -146,8 +160,6 @@ class KernelLauncher:
                  device: torch.device, max_blocks: int, mode: str = "graph") -> None:
         if mode not in LAUNCH_MODES:
             raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
-        from .ops import WORD_DTYPES
-
         self.device = device
         self._index = device.index if device.index is not None else current_device()
         self.mode = mode
@@ -155,13 +167,7 @@ class KernelLauncher:
         self.buckets = bucket_sizes(max_blocks)
         self._bucket: dict[int, _Bucket] = {b: _Bucket(b) for b in self.buckets}
         with torch.cuda.device(device):
-            self.anchor = torch.empty(64, dtype=WORD_DTYPES[word], device=device)
-            rel = table.copy()
-            rel[:, 0] -= self.anchor.data_ptr()
-            rel[:, 2] -= self.anchor.data_ptr()
-            if np.any(rel % word):  # word_size() chose a word dividing every value
-                raise AssertionError("descriptor table is not word-aligned")
-            self.table = torch.from_numpy(rel // word).to(device)
+            self.anchor, self.table = anchored_table(table, word, device)
         #: the CUDA driver's table (None without libcuda: torch uploads, replay() replays)
         self._driver = api.optional_library(api.CUDA)
         self._upload = self._driver.raw("memcpy_htod_async") if self._driver else None

@@ -49,7 +49,7 @@ from kvconnect.peer_layout import LayoutRegion
 from kvconnect.views import block_span
 
 from ._host_block_copy import HostRowCopier, host_row_copier
-from ._kernel_launch import ITEMS_PER_PROGRAM, LAUNCH_MODES, KernelLauncher
+from ._kernel_launch import ITEMS_PER_PROGRAM, LAUNCH_MODES, KernelLauncher, anchored_table
 from .ops import WORD_DTYPES, word_size
 
 logger = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class BlockCopyPlan:
             self.check_ids(src, dst)
         how = self.method if method is None else self._resolve(method)
         if how == "kernel":
-            self._copy_kernel(src, dst)
+            self.launcher().submit(src, dst)
         elif how == "memcpy_batch":
             self._copy_memcpy_batch(src, dst)
         elif how == "host":
@@ -408,19 +408,12 @@ class BlockCopyPlan:
         on ``device`` without the launcher (for tests that run the kernel in Triton's
         interpreter on the host): the table as anchor-relative words, ``ids`` as the kernel
         reads them (``[live, 0, src0, dst0, ...]``), a grid of exactly ``len(src)`` blocks."""
-        dtype = WORD_DTYPES[self.word]
-        anchor = torch.empty(64, dtype=dtype, device=device)
-        table = self._table.copy()
-        table[:, 0] -= anchor.data_ptr()
-        table[:, 2] -= anchor.data_ptr()
-        if np.any(table % self.word):  # word_size() chose a word dividing every value
-            raise AssertionError("descriptor table is not word-aligned")
+        anchor, table = anchored_table(self._table, self.word, device)
         words = np.zeros(2 + 2 * src.size, dtype=np.int64)
         words[0] = src.size
         words[2::2], words[3::2] = src, dst
         ids = torch.from_numpy(words).to(device)
-        return anchor, torch.from_numpy(table // self.word).to(device), ids, {
-            **self._kernel_options, "num_blocks": int(src.size)}
+        return anchor, table, ids, {**self._kernel_options, "num_blocks": int(src.size)}
 
     def launcher(self) -> KernelLauncher:
         """The kernel method's launcher (device table, pinned id staging, CUDA graphs per
@@ -438,9 +431,6 @@ class BlockCopyPlan:
         if self.method != "kernel":
             return
         self.launcher().warm_up(capture_all)
-
-    def _copy_kernel(self, src: np.ndarray, dst: np.ndarray) -> None:
-        self.launcher().submit(src, dst)
 
     def batch_descriptors(self, src: np.ndarray, dst: np.ndarray
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -475,11 +475,9 @@ class IpcTransport(ClosesOnExit):
         events: list[torch.cuda.Event] = []
         timing = None
         try:
-            if first is None:
-                nbytes = entry.plan.copy(src, dst, validate=False)
-            else:
-                prepared = time.perf_counter()
-                nbytes = entry.plan.copy(src, dst, validate=False)
+            prepared = time.perf_counter()
+            nbytes = entry.plan.copy(src, dst, validate=False)
+            if first is not None:
                 issued = time.perf_counter()
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(current_stream(entry.launch.index))

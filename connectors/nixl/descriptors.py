@@ -13,7 +13,6 @@ from typing import TypeAlias, TypeVar
 
 import numpy as np
 
-from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.tensor import Chunk
 from kvconnect.views import PagedRegion, page_holders
 from kvconnect.vmm import parse_device
@@ -51,35 +50,21 @@ def memory_type_for_device(device: object) -> tuple[str, int]:
     return ("DRAM", 0) if kind == "host" else ("VRAM", index)
 
 
-def region_descriptors(regions: Sequence[PagedRegion], block_ids: BlockIds | None = None, *,
-                       device_id: int | None = None) -> np.ndarray:
-    """Transfer descriptors for blocks of committed regions: an ``N x 3`` uint64 array of
-    ``(address, length, device_id)`` rows, region-major.
+def region_descriptors(regions: Sequence[PagedRegion]) -> np.ndarray:
+    """Transfer descriptors for every committed block of ``regions``: an ``N x 3`` uint64
+    array of ``(address, length, device_id)`` rows, region-major, each region contributing
+    its ``num_blocks`` blocks in order (regions may differ in block count).
 
-    With ``block_ids``, row ``r * len(block_ids) + i`` is block ``block_ids[i]`` of
-    ``regions[r]``; every id must be below that region's ``num_blocks``. Without it, each region
-    contributes all its ``num_blocks`` blocks in order (regions may then differ in block count).
-    ``device_id`` defaults to the id implied by each region's ``device`` (0 for DRAM, the GPU
-    index for CUDA). Lengths are ``block_len`` bytes; addresses advance by ``block_stride``.
+    ``device_id`` is the id implied by each region's ``device`` (0 for DRAM, the GPU index
+    for CUDA). Lengths are ``block_len`` bytes; addresses advance by ``block_stride``.
     """
     parts = []
-    ids = None if block_ids is None else as_block_ids(block_ids, "block_ids", allow_negative=True)
     for region in regions:
-        nblocks = int(region.num_blocks)
-        if ids is None:
-            these = np.arange(nblocks, dtype=np.int64)
-        else:
-            these = ids
-            if these.size and (these.min() < 0 or these.max() >= nblocks):
-                bad = these[(these < 0) | (these >= nblocks)][0]
-                raise IndexError(f"block {int(bad)} outside the {nblocks} committed blocks of "
-                                 f"{region.layer_name}/{region.part}")
-        dev = memory_type_for_device(region.device)[1] if device_id is None else int(device_id)
-        rows = np.empty((these.size, 3), dtype=np.uint64)
-        rows[:, 0] = np.uint64(region.base_ptr) + these.astype(np.uint64) * np.uint64(
-            region.block_stride)
+        blocks = np.arange(int(region.num_blocks), dtype=np.uint64)
+        rows = np.empty((blocks.size, 3), dtype=np.uint64)
+        rows[:, 0] = np.uint64(region.base_ptr) + blocks * np.uint64(region.block_stride)
         rows[:, 1] = np.uint64(region.block_len)
-        rows[:, 2] = np.uint64(dev)
+        rows[:, 2] = np.uint64(memory_type_for_device(region.device)[1])
         parts.append(rows)
     if not parts:
         return np.empty((0, 3), dtype=np.uint64)

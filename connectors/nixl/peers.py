@@ -29,11 +29,10 @@ MAX_PEER_DESCRIPTORS = 1 << 25
 
 @dataclass
 class LoadedPeer:
-    """A peer a worker reads from: its handshake metadata, NIXL remote agent name and the
-    descriptor list prepared once over all its committed blocks."""
+    """A peer a worker reads from: its handshake metadata (which names its NIXL remote
+    agent) and the descriptor list prepared once over all its committed blocks."""
 
     metadata: HandshakeMetadata
-    agent_name: str
     prep: NixlHandle | None
     #: for each local region (local order): first row of that region in the remote dlist
     offsets: np.ndarray
@@ -147,7 +146,7 @@ def load_peer(agent: NixlAgent, engine_id: str, md: HandshakeMetadata, remote_de
         agent.remove_remote_agent(md.agent_name)
         raise KVConnectorError(f"{engine_id}: preparing descriptors of peer "
                                f"{md.engine_id!r} failed: {type(exc).__name__}: {exc}") from exc
-    return LoadedPeer(md, md.agent_name, prep, offsets, counts)
+    return LoadedPeer(md, prep, offsets, counts)
 
 
 def drop_peer(agent: NixlAgent, engine_id: str, entry: LoadedPeer) -> None:
@@ -156,6 +155,6 @@ def drop_peer(agent: NixlAgent, engine_id: str, entry: LoadedPeer) -> None:
         release_logged(engine_id, f"releasing the descriptor list of {entry.metadata.engine_id}",
                        agent.release_dlist_handle, entry.prep)
         entry.prep = None
-    release_logged(engine_id, f"removing remote agent {entry.agent_name!s}",
-                   agent.remove_remote_agent, entry.agent_name)
+    name = entry.metadata.agent_name
+    release_logged(engine_id, f"removing remote agent {name!s}", agent.remove_remote_agent, name)
 

@@ -38,10 +38,11 @@ LOCAL_AGENT = "NIXL_INIT_AGENT"
 
 @dataclass(frozen=True)
 class GivenRegions:
-    """Regions and the physical chunks holding them, given by hand (no cache object)."""
+    """Regions, the physical chunks holding them and their layout facts, given by hand."""
 
     regions: list[PagedRegion]
     chunks: list[PhysicalChunk]
+    facts: LayoutFacts
 
 
 def source_regions(src: KVCacheSource | GivenRegions, who: str
@@ -61,15 +62,15 @@ def source_regions(src: KVCacheSource | GivenRegions, who: str
     return regions, chunks
 
 
-def source_layout(src: KVCacheSource | GivenRegions, regions: Sequence[PagedRegion],
-                  facts: LayoutFacts, who: str) -> PeerLayout:
+def source_layout(src: KVCacheSource | GivenRegions, regions: Sequence[PagedRegion], who: str
+                  ) -> PeerLayout:
     """The layout a worker publishes for ``regions`` of ``src``: a cache's
     ``PeerLayout.from_cache`` (the one every user of that cache builds), or for
-    :class:`GivenRegions` the regions' layout with ``facts`` (``block_size``, ``dtype``,
-    ``layout``, ``kernel_block_size``). Raises :class:`KVConnectorError` prefixed with
-    ``who`` when the regions do not form a layout."""
+    :class:`GivenRegions` the regions' layout with its facts. Raises
+    :class:`KVConnectorError` prefixed with ``who`` when the regions do not form a layout."""
     try:
         if isinstance(src, GivenRegions):
+            facts = src.facts
             return PeerLayout.from_regions(
                 regions, block_size=facts.get("block_size"), dtype=facts.get("dtype"),
                 layout=facts.get("layout"), kernel_block_size=facts.get("kernel_block_size"))

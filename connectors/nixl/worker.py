@@ -39,37 +39,16 @@ from typing import Any
 from kvconnect.block_ids import BlockIds, as_block_ids
 from kvconnect.cache_source import KVCacheSource
 from kvconnect.lifetime import ClosesOnExit
-from kvconnect.peer_layout import LayoutFacts, PeerLayout, layout_facts
+from kvconnect.peer_layout import PeerLayout, layout_facts
 from kvconnect.polling import poll_until
 from kvconnect.views import PagedRegion
 
 from ..errors import IncompatiblePeerError, KVConnectorError
 from ..transport import FetchResult
-from .agent import (
-    NixlUnavailableError,
-    NotificationInbox,
-    create_agent,
-    drain_agent,
-    nixl_importable,
-    release_logged,
-)
-from .descriptors import (
-    PhysicalChunk,
-    check_descriptors_in_chunks,
-    memory_type_for_device,
-    region_descriptors,
-    registration_extents,
-    transfer_regions,
-)
+from .agent import NotificationInbox, create_agent, drain_agent, release_logged
+from .descriptors import PhysicalChunk, memory_type_for_device
 from .handshake import HandshakeMetadata, RegionAddress
-from .peers import (
-    MAX_PEER_DESCRIPTORS,
-    LoadedPeer,
-    drop_peer,
-    load_peer,
-    peer_descriptors,
-    read_indices,
-)
+from .peers import LoadedPeer, drop_peer, load_peer, peer_descriptors, read_indices
 from .reads import Reads
 from .registration import (
     GivenRegions,
@@ -82,18 +61,7 @@ from .registration import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "MAX_PEER_DESCRIPTORS",
-    "NixlRegionWorker",
-    "NixlUnavailableError",
-    "check_descriptors_in_chunks",
-    "memory_type_for_device",
-    "nixl_importable",
-    "region_descriptors",
-    "registration_extents",
-    "transfer_regions",
-]
+__all__ = ["DEFAULT_TIMEOUT_S", "NixlRegionWorker"]
 
 #: default deadline of one transfer, in seconds
 DEFAULT_TIMEOUT_S = 30.0
@@ -129,13 +97,11 @@ class NixlRegionWorker(ClosesOnExit):
         #: drains and drops the agent when this worker is closed or collected (see drain_agent)
         self._retire_agent: weakref.finalize | None = None
         self._closed = False
-        self._layout_info: LayoutFacts = {}
         self._source: KVCacheSource | GivenRegions | None = None
         #: the last registration's regions, extents and transfer regions (kept while the
         #: memory sleeps, so peers can still be loaded; dropped at close)
         self._plan: RegistrationPlan | None = None
         self._reg_dlists: list[Any] = []
-        self._extents: list[tuple[int, int, int]] = []
         self._local_prep: Any = None
         self._layout: PeerLayout | None = None
         self._metadata: HandshakeMetadata | None = None
@@ -160,7 +126,8 @@ class NixlRegionWorker(ClosesOnExit):
     @property
     def registered_extents(self) -> list[tuple[int, int, int]]:
         """``(addr, length, device_id)`` of each live registration, in bytes."""
-        return list(self._extents)
+        plan = self._plan
+        return list(plan.extents) if plan is not None and self.is_registered else []
 
     @property
     def regions(self) -> list[PagedRegion]:
@@ -206,7 +173,6 @@ class NixlRegionWorker(ClosesOnExit):
                 "(cache.is_final is False): registration is deferred until "
                 "cache.extend_kv_cache(num_blocks) has committed the final size")
         self._check_unregistered()
-        self._layout_info = {}
         self._source = cache
         return self._register()
 
@@ -224,8 +190,8 @@ class NixlRegionWorker(ClosesOnExit):
         """
         self._check_open()
         self._check_unregistered()
-        self._layout_info = layout_facts(config, **layout_info)
-        self._source = GivenRegions(list(regions), list(chunks))
+        self._source = GivenRegions(list(regions), list(chunks),
+                                    layout_facts(config, **layout_info))
         return self._register()
 
     def reregister(self) -> HandshakeMetadata:
@@ -244,7 +210,10 @@ class NixlRegionWorker(ClosesOnExit):
 
         Call it before ``cache.release_physical()`` when the cache goes to sleep.
         """
-        self._release_local_prep()
+        if self._local_prep is not None:
+            prep, self._local_prep = self._local_prep, None
+            release_logged(self.engine_id, "releasing the local descriptor list",
+                           self._agent.release_dlist_handle, prep)
         errors: list[BaseException] = []
         while self._reg_dlists:
             dlist = self._reg_dlists.pop()
@@ -252,7 +221,6 @@ class NixlRegionWorker(ClosesOnExit):
                 self._agent.deregister_memory(dlist)
             except Exception as exc:  # noqa: BLE001 - keep releasing the others
                 errors.append(exc)
-        self._extents = []
         self._metadata = None
         if errors:
             raise KVConnectorError(f"{self.engine_id}: deregistration failed: {errors[0]}")
@@ -263,10 +231,9 @@ class NixlRegionWorker(ClosesOnExit):
             raise KVConnectorError(f"{self.engine_id}: no KV cache or regions to register")
         regions, chunks = source_regions(source, self.engine_id)
         plan = plan_registration(regions, chunks, self.engine_id)
-        layout = source_layout(source, regions, self._layout_info, self.engine_id)
+        layout = source_layout(source, regions, self.engine_id)
         self._ensure_agent()
         self._reg_dlists, self._local_prep = register_plan(self._agent, plan, self.engine_id)
-        self._extents = plan.extents
         self._plan = plan
         if self._layout is not None and layout.differences(self._layout) and self._peers:
             logger.warning("%s: the layout changed on re-registration; dropping peers %s "
@@ -406,7 +373,14 @@ class NixlRegionWorker(ClosesOnExit):
         from a peer includes UCX connection set-up), ``blocks``, ``descriptors`` (blocks x
         transfer regions) and ``backend`` as NIXL reports it (``query_xfer_backend``).
         """
-        entry, plan = self._read_target(peer)
+        self._check_open()
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise KVConnectorError(f"{self.engine_id}: unknown peer {peer!r}; loaded: "
+                                   f"{sorted(self._peers)}")
+        plan = self._plan
+        if self._local_prep is None or plan is None:
+            raise KVConnectorError(f"{self.engine_id}: not registered")
         # negative ids: read_indices reports them with the valid range
         remote = as_block_ids(remote_block_ids, "remote_block_ids", allow_negative=True)
         local = as_block_ids(local_block_ids, "local_block_ids", allow_negative=True)
@@ -425,17 +399,6 @@ class NixlRegionWorker(ClosesOnExit):
                                             (entry.prep, remote_idx), notif, timeout)
         return FetchResult(bytes=nbytes, seconds=seconds, backend=backend,
                            blocks=int(local.size), descriptors=int(local_idx.size))
-
-    def _read_target(self, peer: str) -> tuple[LoadedPeer, RegistrationPlan]:
-        """The loaded peer and our registration a read needs (KVConnectorError without)."""
-        self._check_open()
-        entry = self._peers.get(peer)
-        if entry is None:
-            raise KVConnectorError(f"{self.engine_id}: unknown peer {peer!r}; loaded: "
-                                   f"{sorted(self._peers)}")
-        if self._local_prep is None or self._plan is None:
-            raise KVConnectorError(f"{self.engine_id}: not registered")
-        return entry, self._plan
 
     # -- notifications -------------------------------------------------------
     def get_notifications(self) -> dict[str, list[bytes]]:
@@ -475,20 +438,6 @@ class NixlRegionWorker(ClosesOnExit):
                               f"{timeout:.3g} s"))
 
     # -- shutdown ------------------------------------------------------------
-    def _release_local_prep(self) -> None:
-        if self._local_prep is not None:
-            prep, self._local_prep = self._local_prep, None
-            release_logged(self.engine_id, "releasing the local descriptor list",
-                           self._agent.release_dlist_handle, prep)
-
-    def _drop_agent(self) -> None:
-        """Drain the agent's UCX queues and drop our reference (the agent is destroyed unless
-        someone else still holds it)."""
-        self._agent = None
-        retire, self._retire_agent = self._retire_agent, None
-        if retire is not None:
-            retire()
-
     def close(self) -> None:
         """Release transfer and descriptor handles, remove remote agents, deregister, drain
         UCX progress, destroy the agent (idempotent). Safe after any failure: a peer killed
@@ -509,7 +458,12 @@ class NixlRegionWorker(ClosesOnExit):
         finally:
             self._source = None
             self._plan = None
-            self._drop_agent()
+            # drain the agent's UCX queues and drop our reference (the agent is destroyed
+            # unless someone else still holds it)
+            self._agent = None
+            retire, self._retire_agent = self._retire_agent, None
+            if retire is not None:
+                retire()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -14,9 +14,9 @@ Copies (:mod:`.copies`): one launch per batch over every region and block, on CU
 ``direct`` or ``staged`` (``path``, ``max_copy_runs``); the :class:`OffloadHandle` holds its event.
 
 Ordering contract (CUDA): do not overwrite GPU blocks passed to :meth:`save` before its handle
-is done; do not read blocks passed to :meth:`load` before ``handle.wait()`` (or
-``handle.wait_on_stream()``). Operations of one connector run in issue order, so a slot
-reused after eviction is never written before an earlier load from it has read it.
+is done; do not read blocks passed to :meth:`load` before ``handle.wait()``. Operations of
+one connector run in issue order, so a slot reused after eviction is never written before an
+earlier load from it has read it.
 
 Sleep / wake and growth. Before every operation the connector compares a cheap state token of
 the cache (block count, committed bytes and physical chunk count per tensor) with the one its
@@ -100,14 +100,12 @@ class CPUOffloadConnector(ClosesOnExit):
         if path not in OFFLOAD_PATHS:
             raise ValueError(f"path must be one of {OFFLOAD_PATHS}, got {path!r}")
         self._src: CacheSource | TensorsSource = block_source(cache)
-        self._num_cpu_blocks = num_cpu_blocks
         self._closed = False
         self._pending: list[OffloadHandle] = []
 
         self._src.check_usable()
         self._layout, regions = self._derive_layout()
         self._slices = offload_row_layout(self._layout)
-        self._num_blocks = self._layout.num_blocks
         self._token = self._src.state_token()
         self._bytes_per_block = sum(s.width for s in self._slices)
         flat0 = self._src.flat_view(regions[0], regions[0].block_len)
@@ -152,7 +150,7 @@ class CPUOffloadConnector(ClosesOnExit):
     @property
     def num_cpu_blocks(self) -> int:
         """Slots in the CPU pool."""
-        return self._num_cpu_blocks
+        return self._slots.num_slots
 
     @property
     def bytes_per_block(self) -> int:
@@ -162,7 +160,7 @@ class CPUOffloadConnector(ClosesOnExit):
     @property
     def pool_bytes(self) -> int:
         """Bytes of the CPU pool: ``num_cpu_blocks * bytes_per_block``."""
-        return self._num_cpu_blocks * self._bytes_per_block
+        return self.num_cpu_blocks * self._bytes_per_block
 
     @property
     def layout(self) -> PeerLayout:
@@ -182,15 +180,11 @@ class CPUOffloadConnector(ClosesOnExit):
     @property
     def num_blocks(self) -> int:
         """Committed logical blocks of the cache as last bound (valid ids: ``0..num_blocks-1``)."""
-        return self._num_blocks
+        return self._layout.num_blocks
 
     @property
     def num_used_slots(self) -> int:
         return len(self._slots)
-
-    @property
-    def num_free_slots(self) -> int:
-        return self._slots.num_free
 
     @property
     def is_pinned(self) -> bool:
@@ -259,7 +253,7 @@ class CPUOffloadConnector(ClosesOnExit):
                 "the KV cache's region layout changed under the CPU offload pool "
                 f"({'; '.join(diffs[:8])}); close this connector and create a new one"
             )
-        self._layout, self._num_blocks = layout, layout.num_blocks
+        self._layout = layout
         self._slices = offload_row_layout(layout)
         self._copies.bind(self._cache_regions(regions), self._slices)
         self._token = self._src.state_token()
@@ -273,7 +267,7 @@ class CPUOffloadConnector(ClosesOnExit):
 
     def _cache_regions(self, regions: list[CommittedRegion]) -> list[BlockRegion]:
         out = []
-        n = self._num_blocks
+        n = self.num_blocks
         for sl in self._slices:
             r = regions[sl.index]
             span = sl.region.span(n)
@@ -287,12 +281,6 @@ class CPUOffloadConnector(ClosesOnExit):
             out.append(layout_block_region(flat, sl.region, n, name="+".join(sl.members)))
         return out
 
-    def _refresh(self) -> None:
-        self._check_alive()
-        self._src.check_usable()
-        if self._src.state_token() != self._token:
-            self.rebind()
-
     # -- operations ------------------------------------------------------------
     def save(self, block_ids: BlockIds,
              keys: Sequence[Hashable] | None = None) -> OffloadHandle:
@@ -304,9 +292,7 @@ class CPUOffloadConnector(ClosesOnExit):
         repeated keys, or more keys than the pool holds; :class:`KVTransferError` if a copy
         fails (the batch's keys are then dropped from the pool).
         """
-        self._refresh()
-        ids = self._validate_ids(block_ids, "save")
-        key_list = self._validate_keys(ids, keys)
+        ids, key_list = self._batch("save", block_ids, keys)
         if len(set(key_list)) != len(key_list):
             raise ValueError("save() got the same key twice in one batch")
         reservation = self._slots.reserve(key_list)
@@ -332,9 +318,7 @@ class CPUOffloadConnector(ClosesOnExit):
         outside the committed blocks or repeated destination ids, :class:`KVTransferError`
         if a copy fails. On CUDA, wait on the handle before reading the blocks.
         """
-        self._refresh()
-        ids = self._validate_ids(block_ids, "load")
-        key_list = self._validate_keys(ids, keys)
+        ids, key_list = self._batch("load", block_ids, keys)
         if len(set(ids)) != len(ids):
             raise ValueError("load() got the same destination block id twice in one batch")
         slots, missing = self._slots.lookup(key_list)
@@ -371,22 +355,29 @@ class CPUOffloadConnector(ClosesOnExit):
         event = self._copies.copy(handle.block_ids, handle.slots, to_cpu=to_cpu)
         if event is not None:
             handle._event = event
-            handle._device = self._device
             self._pending = [h for h in self._pending if not h.done()]
             self._pending.append(handle)
 
     # -- validation ------------------------------------------------------------
-    def _validate_ids(self, block_ids: BlockIds, op: str) -> list[int]:
+    def _batch(self, op: str, block_ids: BlockIds, keys: Sequence[Hashable] | None
+               ) -> tuple[list[int], list[Hashable]]:
+        """The checked ids and keys (default: the ids) of a ``save`` / ``load``, after a
+        :meth:`rebind` when the cache's commit state moved."""
+        self._check_alive()
+        self._src.check_usable()
+        if self._src.state_token() != self._token:
+            self.rebind()
         ids = as_block_ids(block_ids, f"{op}() block_ids", allow_negative=True).tolist()
-        bad = [b for b in ids if not 0 <= b < self._num_blocks]
+        n = self.num_blocks
+        bad = [b for b in ids if not 0 <= b < n]
         if bad:
             cap = self._src.capacity_blocks
             extra = f" (capacity {cap} blocks, but only committed blocks exist)" if cap else ""
             raise ValueError(
-                f"{op}(): block id(s) {bad[:8]} outside the {self._num_blocks} committed blocks "
-                f"(valid ids 0..{self._num_blocks - 1}){extra}"
+                f"{op}(): block id(s) {bad[:8]} outside the {n} committed blocks "
+                f"(valid ids 0..{n - 1}){extra}"
             )
-        return ids
+        return ids, self._validate_keys(ids, keys)
 
     @staticmethod
     def _validate_keys(ids: list[int], keys: Sequence[Hashable] | None) -> list[Hashable]:
@@ -423,6 +414,6 @@ class CPUOffloadConnector(ClosesOnExit):
             self._copies.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._slots)}/{self._num_cpu_blocks} used"
-        return (f"CPUOffloadConnector({self._num_cpu_blocks} x {self._bytes_per_block} bytes, "
+        state = "closed" if self._closed else f"{len(self._slots)}/{self.num_cpu_blocks} used"
+        return (f"CPUOffloadConnector({self.num_cpu_blocks} x {self._bytes_per_block} bytes, "
                 f"{len(self._slices)} regions, {state})")

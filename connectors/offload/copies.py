@@ -109,14 +109,13 @@ class PoolCopies:
         if not plans.staging:
             rows = max(1, min(self._num_rows, self._max_staging_bytes // 2 // self._row,
                               self._staging_chunk_bytes // self._row))
-            pool_like = [BlockRegion(r.flat, r.block_len, r.block_stride, r.num_blocks,
-                                     r.sub_blocks, r.name) for r in plans.cache_regions]
+            cache = plans.cache_regions
             for _ in range(2):
                 buf = torch.empty(rows * self._row, dtype=torch.uint8, device=self._device)
                 staged = self._row_regions(buf, rows)
                 plans.staging.append(_Staging(
-                    buf, rows, BlockCopyPlan(pool_like, staged, device=self._device),
-                    BlockCopyPlan(staged, pool_like, device=self._device)))
+                    buf, rows, BlockCopyPlan(cache, staged, device=self._device),
+                    BlockCopyPlan(staged, cache, device=self._device)))
         return plans.staging
 
     def path_for(self, slots: Sequence[int]) -> str:

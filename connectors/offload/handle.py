@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from kvconnect.polling import poll_until
 
-from ..errors import KVConnectorError, KVTransferError
+from ..errors import KVConnectorError, KVTransferError, shown_items
 
 __all__ = ["PEER_NAME", "OffloadHandle", "OffloadKeyError"]
 
@@ -23,11 +21,9 @@ class OffloadKeyError(KVConnectorError):
 
     def __init__(self, missing: Sequence[Hashable]) -> None:
         self.missing = list(missing)
-        shown = ", ".join(repr(k) for k in self.missing[:16])
-        more = f", ... ({len(self.missing)} keys)" if len(self.missing) > 16 else ""
         super().__init__(
             f"{len(self.missing)} key(s) not in the CPU offload pool (never saved or evicted): "
-            f"[{shown}{more}]; check contains(key) before load()"
+            f"{shown_items(self.missing, 'keys')}; check contains(key) before load()"
         )
 
 
@@ -47,17 +43,10 @@ class OffloadHandle:
     nbytes: int
     evicted: tuple[Hashable, ...] = ()
     _event: Any = None
-    _device: Any = None
-    _keepalive: list[Any] = field(default_factory=list, repr=False)
 
     def done(self) -> bool:
         """True once the copies have finished (never blocks)."""
-        if self._event is None:
-            return True
-        if self._event.query():
-            self._release()
-            return True
-        return False
+        return self._event is None or bool(self._event.query())
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until done; with ``timeout_s``, raise :class:`KVTransferError` past it."""
@@ -68,22 +57,9 @@ class OffloadHandle:
                 self._event.synchronize()
             except RuntimeError as exc:
                 raise KVTransferError(PEER_NAME, self.block_ids, exc) from exc
-            self._release()
             return
         poll_until(self.done, max(0.0, timeout_s), max_pause=1e-2,
                    on_timeout=lambda _s: KVTransferError(
                        PEER_NAME, self.block_ids,
                        f"{self.op} of {len(self.block_ids)} blocks not done after "
                        f"{timeout_s} s"))
-
-    def wait_on_stream(self, stream: Any = None) -> None:
-        """Make ``stream`` (default: the current CUDA stream) wait for this handle without
-        blocking the host. No-op on the host backend."""
-        if self._event is None:
-            return
-        if stream is None:
-            stream = torch.cuda.current_stream(self._device)
-        stream.wait_event(self._event)
-
-    def _release(self) -> None:
-        self._keepalive.clear()

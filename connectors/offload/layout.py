@@ -38,21 +38,6 @@ class RowSlice:
         """Bytes of this region per logical block: ``sub_blocks * block_len``."""
         return self.region.bytes_per_block
 
-    @property
-    def block_len(self) -> int:
-        """Bytes of one kernel block of the region."""
-        return self.region.block_len
-
-    @property
-    def block_stride(self) -> int:
-        """Bytes between the region's kernel blocks in the cache."""
-        return self.region.block_stride
-
-    @property
-    def sub_blocks(self) -> int:
-        """Kernel blocks per logical block."""
-        return self.region.sub_blocks
-
 
 def offload_row_layout(layout: PeerLayout) -> list[RowSlice]:
     """The CPU row of ``layout``: one slice per region that holds its own pages, in order,

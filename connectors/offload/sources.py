@@ -1,6 +1,7 @@
 """Where a CPU offload connector reads its geometry and bounded views from.
 
-Two sources, one interface (:class:`BlockSource`):
+Two sources with one interface (``num_blocks``, ``capacity_blocks``, ``regions()``,
+``layout(regions)``, ``flat_view(region, span)``, ``state_token()``, ``check_usable()``):
 
 - :class:`CacheSource`: an :class:`~kvconnect.kv_cache.ExtensibleKVCache` (any
   :class:`~kvconnect.cache_source.KVCacheSource`); views are ``committed_view``s of its
@@ -14,8 +15,6 @@ Two sources, one interface (:class:`BlockSource`):
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from kvconnect.cache_source import KVCacheSource
@@ -24,26 +23,7 @@ from kvconnect.views import CommittedRegion, KVCacheConfigLike, KVCaches
 
 from ..errors import KVConnectorError
 
-__all__ = ["BlockSource", "CacheSource", "TensorsSource", "block_source"]
-
-
-class BlockSource(Protocol):
-    """Geometry and bounded views of a KV cache, for connectors."""
-
-    capacity_blocks: int | None
-
-    @property
-    def num_blocks(self) -> int: ...
-
-    def regions(self) -> list[CommittedRegion]: ...
-
-    def layout(self, regions: list[CommittedRegion]) -> PeerLayout: ...
-
-    def flat_view(self, r: CommittedRegion, span: int) -> torch.Tensor: ...
-
-    def state_token(self) -> object: ...
-
-    def check_usable(self) -> None: ...
+__all__ = ["CacheSource", "TensorsSource", "block_source"]
 
 
 class CacheSource:

@@ -31,7 +31,6 @@ import socket
 import stat
 import tempfile
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,25 +288,12 @@ class IpcOfferServer:
         self._server.close()
 
 
-def _is_exactly(value: object, want: int) -> bool:
-    """``value`` is the int ``want`` (not ``True``, not ``1.0``)."""
-    return type(value) is int and value == want
-
-
 def _is_int_in(value: object, lo: int, hi: int) -> bool:
     """``value`` is an int (not a bool) in ``[lo, hi]``."""
     return type(value) is int and lo <= value <= hi
 
 
-def _declined(reply: dict[str, Any]) -> FastPathDecision:
-    code, reason = reply.get("code"), reply.get("reason", "")
-    reason = reason[:500] if isinstance(reason, str) else repr(reason)[:200]
-    key = f"remote_{code}" if isinstance(code, str) else ""
-    return FastPathDecision.nixl(key if key in REASONS else "remote_declined", reason)
-
-
-def request_offer(directory: str, agent: str, engine_id: str, timeout: float,
-                  connect: Callable[[str, float], socket.socket] = connect_unix
+def request_offer(directory: str, agent: str, engine_id: str, timeout: float
                   ) -> FastPathDecision:
     """Ask the prefill worker whose NIXL agent is ``agent`` (engine ``engine_id``) for its
     ipc offer: an ``"ipc"`` decision with the offer, or a ``"nixl"`` one saying why not
@@ -320,24 +306,18 @@ def request_offer(directory: str, agent: str, engine_id: str, timeout: float,
     except IpcError as exc:
         return FastPathDecision.nixl("refused", str(exc))
     try:
-        sock = connect(path, timeout)
-    except (FileNotFoundError, NotADirectoryError):
-        return FastPathDecision.nixl("no_endpoint", path)
-    except (PeerTimeoutError, TimeoutError) as exc:
-        return FastPathDecision.nixl("refused", f"{path}: {exc}", transient=True)
-    except (OSError, IpcError) as exc:
-        return FastPathDecision.nixl("refused", f"{path}: {exc}")
-    with sock:
-        try:
+        with connect_unix(path, timeout) as sock:
             creds = check_peer(sock)
             send_message(sock, {"op": "ipc_offer", "version": WIRE_VERSION, "agent": agent,
                                 "engine_id": engine_id, "pid": os.getpid(),
                                 "boot_id": kernel_boot_id()})
             reply = recv_json(sock, timeout, max_bytes=MAX_REQUEST_BYTES)
-        except (PeerTimeoutError, TimeoutError) as exc:
-            return FastPathDecision.nixl("refused", f"{path}: {exc}", transient=True)
-        except (OSError, IpcError, ValueError) as exc:
-            return FastPathDecision.nixl("refused", f"{path}: {exc}")
+    except (FileNotFoundError, NotADirectoryError):  # from the connect: nothing listens there
+        return FastPathDecision.nixl("no_endpoint", path)
+    except (PeerTimeoutError, TimeoutError) as exc:
+        return FastPathDecision.nixl("refused", f"{path}: {exc}", transient=True)
+    except (OSError, IpcError, ValueError) as exc:
+        return FastPathDecision.nixl("refused", f"{path}: {exc}")
     return _decide(reply, agent, engine_id, creds.pid)
 
 
@@ -353,10 +333,13 @@ def _decide(reply: dict[str, Any], agent: str, engine_id: str, server_pid: int
     if reply.get("boot_id") != kernel_boot_id():
         return FastPathDecision.nixl("other_host", f"boot id {reply.get('boot_id')!r:.80} "
                                                    f"!= ours {kernel_boot_id()!r}")
-    if reply.get("ok") is not True:
-        return _declined(reply)
+    if reply.get("ok") is not True:  # declined: its code as one of ours, else remote_declined
+        code, reason = reply.get("code"), reply.get("reason", "")
+        reason = reason[:500] if isinstance(reason, str) else repr(reason)[:200]
+        key = f"remote_{code}" if isinstance(code, str) else ""
+        return FastPathDecision.nixl(key if key in REASONS else "remote_declined", reason)
     offer = reply.get("offer")
-    if not isinstance(offer, dict) or not _is_exactly(offer.get("pid"), server_pid) \
+    if not isinstance(offer, dict) or not _is_int_in(offer.get("pid"), server_pid, server_pid) \
             or not isinstance(offer.get("path"), str) \
             or not _is_int_in(offer.get("generation"), 1, _MAX_GENERATION):
         return FastPathDecision.nixl("refused", f"malformed offer {offer!r:.200}")

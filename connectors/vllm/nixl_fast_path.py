@@ -47,6 +47,7 @@ from .ipc_handles import IpcXferHandles
 from .ipc_offer import (
     FastPathDecision,
     IpcOfferServer,
+    default_offer_dir,
     ensure_offer_dir,
     export_socket_name,
     request_offer,
@@ -81,8 +82,6 @@ class FastPathSettings:
 
     @classmethod
     def from_extra_config(cls, extra: object) -> FastPathSettings:
-        from .ipc_offer import default_offer_dir
-
         if extra is None:
             extra = {}
         if not isinstance(extra, dict):

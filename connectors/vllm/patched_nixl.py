@@ -25,6 +25,7 @@ from kvconnect.vllm.head_planes import nixl_head_planes
 from .nixl_fast_path import FastPathSettings, NixlIpcFastPath
 from .nixl_resize import (
     KV_VERSION_PARAM,
+    NixlResizeError,
     NixlResizeState,
     flatten_registered,
     per_handle_registration,
@@ -78,8 +79,6 @@ class KvconnectNixlConnector(CommittedOnly, NixlConnector):
         grows (decoders re-map). All-or-nothing (:class:`NixlResizeError`)."""
         state = self.kvconnect_resize
         if state is None:
-            from .nixl_resize import NixlResizeError
-
             raise NixlResizeError("this connector registered vLLM's own KV allocation (not "
                                   "the plugin's cache): it cannot follow a resize")
         fast = self.kvconnect_fast_path

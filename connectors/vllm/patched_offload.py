@@ -23,6 +23,7 @@ Load one with::
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -78,8 +79,6 @@ class KvconnectSimpleCPUOffloadConnector(CommittedOnly, SimpleCPUOffloadConnecto
         holds; the pinned CPU pool and its contents stay (CUDA's batched copy reads only
         each region's base and row stride). ``chunks`` is not needed: nothing is
         registered with a transport."""
-        import time
-
         from kvconnect.vllm.engine_cache import record_for_views
 
         t0 = time.perf_counter()
