@@ -246,11 +246,11 @@ class StoreControl(Control):
         self.checks.append(check)
         self.display.check(check)
 
-    def _send_transfer(self, t: Transfer) -> None:
+    def transfer(self, t: Transfer) -> None:
         self.transfers.append(t)
         self.display.transfer(t)
 
-    def _send_sweep(self, point: SweepPoint) -> None:
+    def sweep(self, point: SweepPoint) -> None:
         self.sweep_points.append(point)
 
     def _send_fault(self, record: dict[str, Any]) -> None:
