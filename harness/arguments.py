@@ -17,6 +17,7 @@ from kvconnect.checks import (
 )
 
 from .config import ROLES
+from .environment import package_version
 from .faults import PHASES, FaultSpec, FaultSpecError, fault_names, parse_fault
 from .multihost.store_auth import TOKEN_ENV
 
@@ -130,15 +131,6 @@ def layout_names() -> list[str]:
     return sorted(layout.PRESETS)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvconnect")
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree
-        return "unknown (not installed)"
-
-
 def _fault(text: str) -> FaultSpec:
     try:
         return parse_fault(text)
@@ -186,7 +178,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPUs of the workers: round-robin over all (default), or split: "
                         "prefills on the first half, decodes on the second (every transfer "
                         "crosses GPUs; needs two GPUs, one GPU runs all)")
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--version", action="version",
+                   version=f"%(prog)s {package_version('kvconnect') or 'unknown (not installed)'}")
     p.add_argument("--layout", default=DEFAULT_LAYOUT, metavar="PRESET", action=_LayoutHelp)
     p.add_argument("--num-blocks", type=_positive_int, default=None, metavar="K",
                    help=f"committed KV blocks per worker (default {DEFAULT_BLOCKS}; with "
