@@ -367,7 +367,7 @@ class StoreControl(Control):
 def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) -> None:
     """Run this process's worker of a multi-host run; the reporter gathers everyone's
     results into ``report``."""
-    cfg.local_device = _local_device(cfg, m)
+    cfg.local_device = cfg.device_for(m.role, m.rank, local_index=m.local_rank)
     display.worker(m.name, os.getpid(), cfg.device_for(m.role, m.rank))
     store, sealer = _join(cfg, m, report)
     try:
@@ -452,10 +452,6 @@ def _work(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> N
             _gather(ctl, cfg, m, report)
         else:
             _await_verdict(ctl, cfg, m, report)
-
-
-def _local_device(cfg: RunConfig, m: Membership) -> str:
-    return cfg.device_for(m.role, m.rank, local_index=m.local_rank)
 
 
 def _agree_on_config(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> bool:

@@ -147,13 +147,12 @@ class WorkerSteps:
             self.cache.close(force=True)  # cleanup: never mask the run's own error
             self.cache = None
 
-    def hello(self) -> dict[str, Any]:
+    def hello(self) -> None:
         info = {"pid": os.getpid(), "boot_id": self.boot_id,
                 "hostname": environment.hostname(), "device": self.device}
         if self.device.startswith("cuda"):
             info["gpu"] = torch.cuda.get_device_name(torch.device(self.device))
         self.ctl.publish("hello", info)
-        return info
 
     # -- step 1: the extensible KV cache -------------------------------------------------------
     def build_cache(self) -> None:
