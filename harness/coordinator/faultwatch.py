@@ -93,10 +93,8 @@ class FaultWatch:
             data = {"fault": spec.text, "role": spec.role, "rank": spec.rank,
                     "phase": spec.phase, "outcome": entry["outcome"],
                     "time_to_report_seconds": entry["time_to_report_seconds"]}
-            if problem:
-                report.add_check(f"fault/{spec.text}", FAIL, problem, data=data)
-            else:
-                report.add_check(f"fault/{spec.text}", PASS, entry["summary"], data=data)
+            report.add_check(f"fault/{spec.text}", FAIL if problem else PASS,
+                             problem or entry["summary"], data=data)
 
     def _outcome(self, rec: _Record, others_failed: list[Check]
                  ) -> tuple[dict[str, Any], str]:
