@@ -321,15 +321,8 @@ def _cgroup_memory(root: str = "/sys/fs/cgroup",
     """``(limit, room)`` of this process's memory cgroup in bytes: the limit, and the limit
     less the usage that cannot be reclaimed (usage less the page cache); ``(None, None)``
     without a limit. cgroup v2 (``memory.max``) or v1 (``memory.limit_in_bytes``)."""
-    try:
-        with open(self_cgroup, encoding="ascii", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None, None
     candidates = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
-        rel = path.lstrip("/")
+    for controllers, rel in _cgroups(self_cgroup):
         if controllers == "":  # v2
             candidates.append((os.path.join(root, rel), "memory.max", "memory.current", "file"))
         elif "memory" in controllers.split(","):  # v1
@@ -351,14 +344,7 @@ def usable_cpus(root: str = "/sys/fs/cgroup",
     """CPUs this process may use: its affinity mask, capped by its CPU cgroup's quota
     (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), rounded up."""
     cpus = len(os.sched_getaffinity(0))
-    try:
-        with open(self_cgroup, encoding="ascii", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return cpus
-    for line in lines:
-        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
-        rel = path.lstrip("/")
+    for controllers, rel in _cgroups(self_cgroup):
         quota = period = None
         if controllers == "":  # v2: "max 100000" or "200000 100000"
             try:
@@ -377,6 +363,18 @@ def usable_cpus(root: str = "/sys/fs/cgroup",
         if quota and period:
             cpus = min(cpus, max(1, -(-quota // period)))
     return cpus
+
+
+def _cgroups(self_cgroup: str) -> list[tuple[str, str]]:
+    """``(controllers, path below the cgroup root)`` per line of ``self_cgroup``
+    (``/proc/self/cgroup``; v2's line has no controllers); empty when it cannot be read."""
+    try:
+        with open(self_cgroup, encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    return [(controllers, path.lstrip("/")) for _, controllers, path in
+            (line.split(":", 2) if line.count(":") >= 2 else ("", "", "") for line in lines)]
 
 
 def _stat_value(path: str, key: str) -> int:
