@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvconnect.checks import round_up
 from kvconnect.framing import MAX_FDS
 
 from .config import RunConfig
@@ -187,7 +188,7 @@ def estimate_worker_needs(cfg: RunConfig, *, forked: bool) -> WorkerNeeds:
     segments = kv_bytes = chunk_fds = 0
     for t in plan.tensors:
         per_block = t.segment_bytes_per_block
-        sizes = [_round_up(b * per_block, granule) for b in (1, warm, cfg.num_blocks)]
+        sizes = [round_up(b * per_block, granule) for b in (1, warm, cfg.num_blocks)]
         steps = 1 + sum(1 for a, b in zip(sizes, sizes[1:], strict=False) if b > a)
         segments += t.num_segments
         kv_bytes += t.num_segments * sizes[-1]
@@ -407,10 +408,6 @@ def _host_granule() -> int:
 
 def _finite(limit: int) -> int:
     return (1 << 62) if limit == resource.RLIM_INFINITY else int(limit)
-
-
-def _round_up(n: int, granule: int) -> int:
-    return -(-n // granule) * granule
 
 
 def _gib(n: int | None) -> str:
