@@ -300,7 +300,8 @@ class Report:
                                  classname=f"kvconnect-validate.{check.worker or 'run'}",
                                  time=f"{check.seconds:.3f}")
             if check.status == FAIL:
-                el = ET.SubElement(case, "failure", message=_first_line(check.detail),
+                first_line = (check.detail.strip().splitlines() or [""])[0]
+                el = ET.SubElement(case, "failure", message=first_line[:200],
                                    type="ValidationFailure")
                 el.text = check.detail
             elif check.status == SKIP:
@@ -320,8 +321,3 @@ class Report:
         ET.indent(root)
         text = ET.tostring(root, encoding="unicode", xml_declaration=False)
         write_report(path, '<?xml version="1.0" encoding="utf-8"?>\n' + text + "\n")
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line[:limit]
