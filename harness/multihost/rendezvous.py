@@ -157,16 +157,14 @@ def open_store(m: Membership, timeout: float, master: bool) -> Any:
     if not master:
         _wait_for_listener(m.host, m.port, start, deadline)
 
-    def build(left: float) -> Any:
-        return TCPStore(m.host, m.port, world_size=None, is_master=master,
-                        timeout=datetime.timedelta(seconds=max(left, 0.1)),
-                        wait_for_workers=False)
-
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["store"] = build(deadline - time.monotonic())
+            left = deadline - time.monotonic()
+            box["store"] = TCPStore(m.host, m.port, world_size=None, is_master=master,
+                                    timeout=datetime.timedelta(seconds=max(left, 0.1)),
+                                    wait_for_workers=False)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             box["error"] = exc
 
