@@ -18,7 +18,7 @@ from kvconnect.checks import (
 
 from .config import ROLES
 from .environment import package_version
-from .faults import PHASES, FaultSpec, FaultSpecError, fault_names, parse_fault
+from .faults import FAULT_KINDS, PHASES, FaultSpec, FaultSpecError, parse_fault
 from .multihost.store_auth import TOKEN_ENV
 
 DEFAULT_LAYOUT = "llama3-8b-like"
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="FAULT@PHASE",
                    help="inject a fault (repeatable): the run must report it (exit 1) naming "
                         "the worker, its rank and phase within --timeout, or recover from it "
-                        f"(restart-prefill: exit 0). Faults: {', '.join(fault_names())} "
+                        f"(restart-prefill: exit 0). Faults: {', '.join(FAULT_KINDS)} "
                         "(append a rank: kill-decode1); phases: " + ", ".join(PHASES))
     _add_multi_host_arguments(p)
     p.add_argument("--plain", action="store_true",
