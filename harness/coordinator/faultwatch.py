@@ -42,13 +42,9 @@ class FaultWatch:
 
     def __init__(self, specs: list[FaultSpec], timeout: float, started: float) -> None:
         self.records = [_Record(s) for s in specs]
-        self.timeout = timeout
+        #: seconds from firing within which a fault must be reported
+        self.deadline = timeout + REPORT_GRACE_S
         self.started = started
-
-    @property
-    def deadline(self) -> float:
-        """Seconds from firing within which a fault must be reported."""
-        return self.timeout + REPORT_GRACE_S
 
     def fired(self, worker: str, record: dict[str, Any]) -> _Record | None:
         """A worker says fault ``record["fault"]`` fires now (its ``at``: monotonic)."""
