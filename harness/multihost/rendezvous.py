@@ -70,7 +70,6 @@ class Membership:
     rank: int
     num_prefill: int
     num_decode: int
-    source: str = "cli"
     use_agent_store: bool = False
     local_rank: int | None = None
     #: the shared rendezvous token (:mod:`.store_auth`); never printed or reported
@@ -121,7 +120,7 @@ def membership_from_env(env: Mapping[str, str], num_prefill: int, num_decode: in
     role, r = (PREFILL, grank) if grank < num_prefill else (DECODE, grank - num_prefill)
     local = env.get("LOCAL_RANK", env.get("SLURM_LOCALID"))
     return Membership(host=addr, port=p, role=role, rank=r, num_prefill=num_prefill,
-                      num_decode=num_decode, source="env",
+                      num_decode=num_decode,
                       use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
                       local_rank=int(local) if local is not None and local.isascii()
                       and local.isdigit() and len(local) < 7 else None)
