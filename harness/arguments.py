@@ -17,7 +17,8 @@ from kvconnect.checks import (
 )
 
 from .config import ROLES
-from .faults import PHASES, FaultSpec, FaultSpecError, fault_names, parse_fault
+from .environment import package_version
+from .faults import FAULT_KINDS, PHASES, FaultSpec, FaultSpecError, parse_fault
 from .multihost.store_auth import TOKEN_ENV
 
 DEFAULT_LAYOUT = "llama3-8b-like"
@@ -130,15 +131,6 @@ def layout_names() -> list[str]:
     return sorted(layout.PRESETS)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvconnect")
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree
-        return "unknown (not installed)"
-
-
 def _fault(text: str) -> FaultSpec:
     try:
         return parse_fault(text)
@@ -161,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="FAULT@PHASE",
                    help="inject a fault (repeatable): the run must report it (exit 1) naming "
                         "the worker, its rank and phase within --timeout, or recover from it "
-                        f"(restart-prefill: exit 0). Faults: {', '.join(fault_names())} "
+                        f"(restart-prefill: exit 0). Faults: {', '.join(FAULT_KINDS)} "
                         "(append a rank: kill-decode1); phases: " + ", ".join(PHASES))
     _add_multi_host_arguments(p)
     p.add_argument("--plain", action="store_true",
@@ -186,7 +178,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPUs of the workers: round-robin over all (default), or split: "
                         "prefills on the first half, decodes on the second (every transfer "
                         "crosses GPUs; needs two GPUs, one GPU runs all)")
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--version", action="version",
+                   version=f"%(prog)s {package_version('kvconnect') or 'unknown (not installed)'}")
     p.add_argument("--layout", default=DEFAULT_LAYOUT, metavar="PRESET", action=_LayoutHelp)
     p.add_argument("--num-blocks", type=_positive_int, default=None, metavar="K",
                    help=f"committed KV blocks per worker (default {DEFAULT_BLOCKS}; with "

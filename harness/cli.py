@@ -206,7 +206,7 @@ def _membership_of(args: argparse.Namespace) -> Membership | None:
             raise OptionError(f"--rank {args.rank} is out of range for --role {args.role}: "
                              f"there are {limit} {args.role} workers (ranks 0..{limit - 1})")
         return Membership(host=host, port=port, role=args.role, rank=args.rank,
-                          num_prefill=args.prefill, num_decode=args.decode, source="cli")
+                          num_prefill=args.prefill, num_decode=args.decode)
     try:
         m = membership_from_env(os.environ, args.prefill, args.decode)
     except ValueError as exc:

@@ -142,12 +142,12 @@ class Control(abc.ABC):
     def skipped(self, name: str, reason: str) -> Check:
         return self.check(name, SKIP, reason)
 
-    def transfer(self, t: Transfer) -> None:
-        self._send_transfer(t)
+    @abc.abstractmethod
+    def transfer(self, t: Transfer) -> None: ...
 
+    @abc.abstractmethod
     def sweep(self, point: SweepPoint) -> None:
         """Report one size of a ``--sizes`` sweep."""
-        self._send_sweep(point)
 
     def progress(self) -> None:
         """Say this worker moves on (inside a long step that reports nothing else, e.g. a
@@ -179,12 +179,6 @@ class Control(abc.ABC):
 
     @abc.abstractmethod
     def _send_check(self, check: Check) -> None: ...
-
-    @abc.abstractmethod
-    def _send_transfer(self, t: Transfer) -> None: ...
-
-    @abc.abstractmethod
-    def _send_sweep(self, point: SweepPoint) -> None: ...
 
     @abc.abstractmethod
     def _send_fault(self, record: dict[str, Any]) -> None: ...
@@ -272,10 +266,10 @@ class SocketControl(Control):
     def _send_check(self, check: Check) -> None:
         self._send({"op": "check", "check": check.to_json()})
 
-    def _send_transfer(self, t: Transfer) -> None:
+    def transfer(self, t: Transfer) -> None:
         self._send({"op": "transfer", "transfer": asdict(t)})
 
-    def _send_sweep(self, point: SweepPoint) -> None:
+    def sweep(self, point: SweepPoint) -> None:
         self._send({"op": "sweep", "point": point.to_json()})
 
     def progress(self) -> None:

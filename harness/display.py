@@ -75,7 +75,7 @@ class Display:
     def _elapsed(self) -> str:
         return f"{time.monotonic() - self._t0:6.2f}s"
 
-    def _line(self, text: str) -> None:
+    def message(self, text: str) -> None:
         if self.quiet:
             return
         if self._live is not None:
@@ -98,7 +98,7 @@ class Display:
         if self._live is None and (self.verbose or phase == "done"):
             tally = (f" ({row['pass']} passed, {row['fail']} failed, {row['skip']} skipped)"
                      if phase == "done" and not self.verbose else "")
-            self._line(f"{worker}: {phase}{tally}")
+            self.message(f"{worker}: {phase}{tally}")
         self._refresh()
 
     def check(self, check: Check) -> None:
@@ -106,25 +106,22 @@ class Display:
         row[check.status] = str(int(row[check.status]) + 1)
         if check.status == FAIL or (self._live is None and self.verbose):
             detail = f": {check.detail}" if check.detail else ""
-            self._line(f"{check.status.upper():4} {check.worker}/{check.name}{detail}")
+            self.message(f"{check.status.upper():4} {check.worker}/{check.name}{detail}")
         self._refresh()
 
     def transfer(self, t: Transfer) -> None:
         if not self.verbose and t.verified:
             return
         ok = "verified" if t.verified else "NOT VERIFIED"
-        self._line(f"xfer {t.label}: {t.bytes / 2**20:.1f} MiB in {t.seconds * 1e3:.1f} ms "
-                   f"= {t.gbps:.2f} GB/s via {t.backend or t.transport}, {ok}")
+        self.message(f"xfer {t.label}: {t.bytes / 2**20:.1f} MiB in {t.seconds * 1e3:.1f} ms "
+                     f"= {t.gbps:.2f} GB/s via {t.backend or t.transport}, {ok}")
 
     def sweep(self, p: SweepPoint) -> None:
         if self._live is None:
-            self._line(f"sweep {p.pair} {p.transport} {p.bytes:>12} B: avg "
-                       f"{p.avg_seconds * 1e6:.1f} us = {p.avg_gbps:.3f} GB/s (peak "
-                       f"{p.peak_gbps:.3f}), {p.iters} iters"
-                       + ("" if p.verified else ", NOT VERIFIED"))
-
-    def message(self, text: str) -> None:
-        self._line(text)
+            self.message(f"sweep {p.pair} {p.transport} {p.bytes:>12} B: avg "
+                         f"{p.avg_seconds * 1e6:.1f} us = {p.avg_gbps:.3f} GB/s (peak "
+                         f"{p.peak_gbps:.3f}), {p.iters} iters"
+                         + ("" if p.verified else ", NOT VERIFIED"))
 
     def _refresh(self) -> None:
         if self._live is not None:

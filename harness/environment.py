@@ -58,10 +58,6 @@ def package_version(*names: str) -> str | None:
     return None
 
 
-def kvconnect_version() -> str:
-    return package_version("kvconnect") or "unknown"
-
-
 def torch_version() -> str | None:
     """torch's own version string (with the local tag, e.g. ``2.11.0+cu130``) when torch is
     already imported, else the installed distribution's version (never imports torch)."""
@@ -70,10 +66,6 @@ def torch_version() -> str | None:
         cuda = getattr(getattr(torch, "version", None), "cuda", None)
         return str(torch.__version__) + (f" (CUDA {cuda})" if cuda else "")
     return package_version("torch")
-
-
-def nixl_version() -> str | None:
-    return package_version(*NIXL_DISTRIBUTIONS)
 
 
 def ucx_version() -> str | None:
@@ -170,14 +162,11 @@ def resolve_device(requested: str) -> ResolvedDevice:
     """
     if requested in ("host", "cpu"):
         return _require_host()
-    if requested == "cuda":
-        n, reason = _probe_cuda()
-        if n == 0:
-            raise EnvironmentProblem(f"--device cuda was asked for but {reason}")
-        return ResolvedDevice("cuda", n)
     n, reason = _probe_cuda()
     if n:
         return ResolvedDevice("cuda", n)
+    if requested == "cuda":
+        raise EnvironmentProblem(f"--device cuda was asked for but {reason}")
     _require_host()
     return ResolvedDevice("host", 0, f"--device auto chose host: {reason}")
 
@@ -192,9 +181,9 @@ def _require_host() -> ResolvedDevice:
 def describe(device: ResolvedDevice | None = None, with_gpus: bool = False) -> dict[str, Any]:
     """The environment record of a report (versions, GPUs, hostname, boot id)."""
     env: dict[str, Any] = {
-        "kvconnect": kvconnect_version(),
+        "kvconnect": package_version("kvconnect") or "unknown",
         "torch": torch_version(),
-        "nixl": nixl_version(),
+        "nixl": package_version(*NIXL_DISTRIBUTIONS),
         "ucx": ucx_version(),
         "cuda_driver": cuda_driver_version(),
         "gpus": gpus() if with_gpus else [],

@@ -166,11 +166,6 @@ register_fault(FaultKind(
     expect=EXPECT_RECOVERY, local_only=True, restarts=True, ends_worker=True))
 
 
-def fault_names() -> list[str]:
-    """The registered fault kinds, in registration order."""
-    return list(FAULT_KINDS)
-
-
 class FaultSpecError(KvconnectError, ValueError):
     """A ``--inject`` value that cannot work (exit code 2)."""
 

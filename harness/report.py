@@ -242,18 +242,16 @@ class Report:
         """One line: verdict and counts."""
         c = self.counts()
         verified = sum(1 for t in self.transfers if t.verified)
+        tally = (f"{c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped; {verified}/"
+                 f"{len(self.transfers)} transfers verified in {self.wall_seconds:.1f} s")
         if self.interrupted is not None:
             return (f"INTERRUPTED by {self.interrupted['signal']} during "
-                    f"{self.interrupted['stage']}: {c[PASS]} passed, {c[FAIL]} failed, "
-                    f"{c[SKIP]} skipped; {verified}/{len(self.transfers)} transfers verified "
-                    f"in {self.wall_seconds:.1f} s")
+                    f"{self.interrupted['stage']}: {tally}")
         if self.usage_error:
             return f"BAD CONFIGURATION: {self.usage_error}"
         if self.environment_error:
             return f"CANNOT RUN: {self.environment_error}"
-        verdict = "PASSED" if self.passed else "FAILED"
-        return (f"{verdict}: {c[PASS]} passed, {c[FAIL]} failed, {c[SKIP]} skipped; "
-                f"{verified}/{len(self.transfers)} transfers verified in {self.wall_seconds:.1f} s")
+        return f"{'PASSED' if self.passed else 'FAILED'}: {tally}"
 
     # -- output --------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -302,7 +300,8 @@ class Report:
                                  classname=f"kvconnect-validate.{check.worker or 'run'}",
                                  time=f"{check.seconds:.3f}")
             if check.status == FAIL:
-                el = ET.SubElement(case, "failure", message=_first_line(check.detail),
+                first_line = (check.detail.strip().splitlines() or [""])[0]
+                el = ET.SubElement(case, "failure", message=first_line[:200],
                                    type="ValidationFailure")
                 el.text = check.detail
             elif check.status == SKIP:
@@ -322,8 +321,3 @@ class Report:
         ET.indent(root)
         text = ET.tostring(root, encoding="unicode", xml_declaration=False)
         write_report(path, '<?xml version="1.0" encoding="utf-8"?>\n' + text + "\n")
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line[:limit]

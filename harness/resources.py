@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvconnect.checks import round_up
 from kvconnect.framing import MAX_FDS
 
 from .config import RunConfig
@@ -187,7 +188,7 @@ def estimate_worker_needs(cfg: RunConfig, *, forked: bool) -> WorkerNeeds:
     segments = kv_bytes = chunk_fds = 0
     for t in plan.tensors:
         per_block = t.segment_bytes_per_block
-        sizes = [_round_up(b * per_block, granule) for b in (1, warm, cfg.num_blocks)]
+        sizes = [round_up(b * per_block, granule) for b in (1, warm, cfg.num_blocks)]
         steps = 1 + sum(1 for a, b in zip(sizes, sizes[1:], strict=False) if b > a)
         segments += t.num_segments
         kv_bytes += t.num_segments * sizes[-1]
@@ -321,15 +322,8 @@ def _cgroup_memory(root: str = "/sys/fs/cgroup",
     """``(limit, room)`` of this process's memory cgroup in bytes: the limit, and the limit
     less the usage that cannot be reclaimed (usage less the page cache); ``(None, None)``
     without a limit. cgroup v2 (``memory.max``) or v1 (``memory.limit_in_bytes``)."""
-    try:
-        with open(self_cgroup, encoding="ascii", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None, None
     candidates = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
-        rel = path.lstrip("/")
+    for controllers, rel in _cgroups(self_cgroup):
         if controllers == "":  # v2
             candidates.append((os.path.join(root, rel), "memory.max", "memory.current", "file"))
         elif "memory" in controllers.split(","):  # v1
@@ -351,14 +345,7 @@ def usable_cpus(root: str = "/sys/fs/cgroup",
     """CPUs this process may use: its affinity mask, capped by its CPU cgroup's quota
     (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), rounded up."""
     cpus = len(os.sched_getaffinity(0))
-    try:
-        with open(self_cgroup, encoding="ascii", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return cpus
-    for line in lines:
-        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
-        rel = path.lstrip("/")
+    for controllers, rel in _cgroups(self_cgroup):
         quota = period = None
         if controllers == "":  # v2: "max 100000" or "200000 100000"
             try:
@@ -377,6 +364,18 @@ def usable_cpus(root: str = "/sys/fs/cgroup",
         if quota and period:
             cpus = min(cpus, max(1, -(-quota // period)))
     return cpus
+
+
+def _cgroups(self_cgroup: str) -> list[tuple[str, str]]:
+    """``(controllers, path below the cgroup root)`` per line of ``self_cgroup``
+    (``/proc/self/cgroup``; v2's line has no controllers); empty when it cannot be read."""
+    try:
+        with open(self_cgroup, encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    return [(controllers, path.lstrip("/")) for _, controllers, path in
+            (line.split(":", 2) if line.count(":") >= 2 else ("", "", "") for line in lines)]
 
 
 def _stat_value(path: str, key: str) -> int:
@@ -409,10 +408,6 @@ def _host_granule() -> int:
 
 def _finite(limit: int) -> int:
     return (1 << 62) if limit == resource.RLIM_INFINITY else int(limit)
-
-
-def _round_up(n: int, granule: int) -> int:
-    return -(-n // granule) * granule
 
 
 def _gib(n: int | None) -> str:

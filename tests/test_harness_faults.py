@@ -259,8 +259,8 @@ def test_the_leak_check_sees_a_left_child_and_a_left_run_directory(
         generic.mkdir()
         assert _new_temp_entries(before) == [str(generic), str(left)]
         generic.rmdir()
-        assert _new_temp_entries(Baseline(set(), {}, {"kvv-leftover", "someone-else"}, 0,
-                                          str(short))) == []
+        assert _new_temp_entries(Baseline(Footprint({}, 0, 0), {},
+                                          {"kvv-leftover", "someone-else"}, str(short))) == []
     finally:
         if child is not None:
             child.kill()

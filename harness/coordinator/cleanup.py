@@ -22,7 +22,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,6 @@ from kvconnect.verdicts import FAIL, PASS, Check
 from ..footprint import Footprint
 from ..report import Report
 from ..rundir import Owner, process_start_ticks, run_dir_base
-from .launch import fd_target, open_fds
 
 #: prefixes of what the toolkit creates in the temporary directory
 TEMP_PREFIXES = ("kvv-", "kvconnect-", ".kvconnect-")
@@ -64,12 +63,11 @@ def processes_mentioning(text: str) -> list[int]:
 class Baseline:
     """What the coordinator held before the run (see :func:`take_baseline`)."""
 
-    fds: set[int]
+    #: fds (with their targets) and KV mappings
+    footprint: Footprint
     children: dict[int, str]
     temp_entries: set[str]
-    kv_mappings: int
     temp_base: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def take_baseline() -> Baseline:
@@ -78,7 +76,7 @@ def take_baseline() -> Baseline:
         entries = set(os.listdir(base))
     except OSError:
         entries = set()
-    return Baseline(open_fds(), children(), entries, Footprint.take().kv_mappings, base)
+    return Baseline(Footprint.take(), children(), entries, base)
 
 
 @dataclass
@@ -120,15 +118,15 @@ def check_cleanup(report: Report, before: Baseline, processes: Sequence[ProcessR
     if temp_left:
         problems.append(f"left in {before.temp_base}: {temp_left[:8]}")
 
-    leaked = sorted(open_fds() - before.fds)
-    found["fds"] = {"before": len(before.fds), "leaked": [fd_target(fd) for fd in leaked][:8]}
+    was, now = before.footprint, Footprint.take()
+    leaked = sorted(set(now.fds) - set(was.fds))
+    found["fds"] = {"before": len(was.fds), "leaked": [now.fds[fd] for fd in leaked][:8]}
     if leaked:
         problems.append(f"fds left open: {found['fds']['leaked']}")
 
-    kv_now = Footprint.take().kv_mappings
-    found["kv_mappings"] = {"before": before.kv_mappings, "after": kv_now}
-    if kv_now > before.kv_mappings:
-        problems.append(f"the coordinator maps {kv_now - before.kv_mappings} KV chunks")
+    found["kv_mappings"] = {"before": was.kv_mappings, "after": now.kv_mappings}
+    if now.kv_mappings > was.kv_mappings:
+        problems.append(f"the coordinator maps {now.kv_mappings - was.kv_mappings} KV chunks")
 
     found["workers"] = _worker_releases(report, processes)
     bad = {w: v for w, v in found["workers"].items() if v == "leaked"}

@@ -111,15 +111,14 @@ class Coordinator(WorkerStartup, Restarts):
         self.abort_deadline: float | None = None
         self.dir = ""
         self.listener: socket.socket | None = None
-        #: a worker's own steps time out after ``timeout``; this backstop comes later so the
-        #: worker's specific error arrives first
-        self._progress_deadline = cfg.timeout + PROGRESS_GRACE_S
         self.watch = FaultWatch(specs_from_config(cfg.faults), cfg.timeout, time.monotonic())
         #: workers a ``restart-*`` fault replaces (once each) by a standby
         self.restartable = restarted_workers(cfg.faults)
         self.peer_queries: list[PeerQuery] = []
-        #: who is to blame for a silent worker; the coordinator's own stalls (:mod:`.watchdog`)
-        self.judge = Judge(cfg.heartbeat_timeout, self._progress_deadline)
+        #: who is to blame for a silent worker; the coordinator's own stalls (:mod:`.watchdog`).
+        #: A worker's own steps time out after ``timeout``; the progress deadline, a backstop,
+        #: comes later so the worker's specific error arrives first
+        self.judge = Judge(cfg.heartbeat_timeout, cfg.timeout + PROGRESS_GRACE_S)
         self.clock = StallClock(time.monotonic())
         #: a worker gave up on the coordinator's answer: the run failed as the coordinator's
         self.coordinator_blamed = False
@@ -267,7 +266,16 @@ class Coordinator(WorkerStartup, Restarts):
         self._resolve(key)
 
     def _op_get(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
-        self._on_get(w, int(msg["id"]), str(msg["key"]), float(msg["timeout"]))
+        rid, key, timeout = int(msg["id"]), str(msg["key"]), float(msg["timeout"])
+        if key in self.store:
+            self._reply(w, {"op": "value", "id": rid, "key": key, "value": self.store[key]})
+            return
+        if self.aborted is not None:
+            self._reply(w, {"op": "fail", "id": rid, "message": self.aborted})
+            return
+        timeout = min(max(timeout, 0.0), self.cfg.timeout * 10)
+        w.waiting += 1
+        self.waiters.append(Waiter(w, rid, key, timeout, time.monotonic() + timeout))
 
     def _op_done(self, w: LocalWorker, msg: WorkerMessage, now: float) -> None:
         w.state = "done"
@@ -311,17 +319,6 @@ class Coordinator(WorkerStartup, Restarts):
         check = self.report.add_check(name, status, detail, data=data)
         self.watch.observe(check, time.monotonic())
         return check
-
-    def _on_get(self, w: LocalWorker, rid: int, key: str, timeout: float) -> None:
-        if key in self.store:
-            self._reply(w, {"op": "value", "id": rid, "key": key, "value": self.store[key]})
-            return
-        if self.aborted is not None:
-            self._reply(w, {"op": "fail", "id": rid, "message": self.aborted})
-            return
-        timeout = min(max(timeout, 0.0), self.cfg.timeout * 10)
-        w.waiting += 1
-        self.waiters.append(Waiter(w, rid, key, timeout, time.monotonic() + timeout))
 
     def _resolve(self, key: str) -> None:
         keep = []

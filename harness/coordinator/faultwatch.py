@@ -42,13 +42,9 @@ class FaultWatch:
 
     def __init__(self, specs: list[FaultSpec], timeout: float, started: float) -> None:
         self.records = [_Record(s) for s in specs]
-        self.timeout = timeout
+        #: seconds from firing within which a fault must be reported
+        self.deadline = timeout + REPORT_GRACE_S
         self.started = started
-
-    @property
-    def deadline(self) -> float:
-        """Seconds from firing within which a fault must be reported."""
-        return self.timeout + REPORT_GRACE_S
 
     def fired(self, worker: str, record: dict[str, Any]) -> _Record | None:
         """A worker says fault ``record["fault"]`` fires now (its ``at``: monotonic)."""
@@ -93,10 +89,8 @@ class FaultWatch:
             data = {"fault": spec.text, "role": spec.role, "rank": spec.rank,
                     "phase": spec.phase, "outcome": entry["outcome"],
                     "time_to_report_seconds": entry["time_to_report_seconds"]}
-            if problem:
-                report.add_check(f"fault/{spec.text}", FAIL, problem, data=data)
-            else:
-                report.add_check(f"fault/{spec.text}", PASS, entry["summary"], data=data)
+            report.add_check(f"fault/{spec.text}", FAIL if problem else PASS,
+                             problem or entry["summary"], data=data)
 
     def _outcome(self, rec: _Record, others_failed: list[Check]
                  ) -> tuple[dict[str, Any], str]:

@@ -4,8 +4,8 @@ A worker is started either by forking the coordinator (host backend: torch is im
 or as a fresh ``python -m kvconnect.harness.worker`` (CUDA: a process that may have
 initialised CUDA must not fork). Both give a :class:`kvconnect.child.Child` (Popen's ``pid``,
 ``poll``, ``wait``, ``kill``, ``returncode``; exit statuses in words are
-:func:`kvconnect.child.exit_text`). The rest are small probes of a process the coordinator
-quotes in its reports: ``/proc`` state, open fds.
+:func:`kvconnect.child.exit_text`). :func:`proc_state` is the probe of a process's ``/proc``
+state the coordinator quotes in its reports (the fds it checks: :mod:`..footprint`).
 """
 
 from __future__ import annotations
@@ -91,23 +91,6 @@ def fork_worker(args: list[str], log_path: str, listener: socket.socket | None) 
         return worker_main(args)
 
     return Child.fork(body, log_path=log_path, own_group=False)
-
-
-def open_fds() -> set[int]:
-    """This process's open fds (empty where /proc is missing)."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return set()
-    fds = {int(n) for n in names}
-    return {fd for fd in fds if fd_target(fd) != ""}  # drop the one listdir itself used
-
-
-def fd_target(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
 
 
 def proc_state(pid: int) -> str:

@@ -70,7 +70,6 @@ class Membership:
     rank: int
     num_prefill: int
     num_decode: int
-    source: str = "cli"
     use_agent_store: bool = False
     local_rank: int | None = None
     #: the shared rendezvous token (:mod:`.store_auth`); never printed or reported
@@ -121,7 +120,7 @@ def membership_from_env(env: Mapping[str, str], num_prefill: int, num_decode: in
     role, r = (PREFILL, grank) if grank < num_prefill else (DECODE, grank - num_prefill)
     local = env.get("LOCAL_RANK", env.get("SLURM_LOCALID"))
     return Membership(host=addr, port=p, role=role, rank=r, num_prefill=num_prefill,
-                      num_decode=num_decode, source="env",
+                      num_decode=num_decode,
                       use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
                       local_rank=int(local) if local is not None and local.isascii()
                       and local.isdigit() and len(local) < 7 else None)
@@ -157,16 +156,14 @@ def open_store(m: Membership, timeout: float, master: bool) -> Any:
     if not master:
         _wait_for_listener(m.host, m.port, start, deadline)
 
-    def build(left: float) -> Any:
-        return TCPStore(m.host, m.port, world_size=None, is_master=master,
-                        timeout=datetime.timedelta(seconds=max(left, 0.1)),
-                        wait_for_workers=False)
-
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["store"] = build(deadline - time.monotonic())
+            left = deadline - time.monotonic()
+            box["store"] = TCPStore(m.host, m.port, world_size=None, is_master=master,
+                                    timeout=datetime.timedelta(seconds=max(left, 0.1)),
+                                    wait_for_workers=False)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             box["error"] = exc
 
@@ -246,11 +243,11 @@ class StoreControl(Control):
         self.checks.append(check)
         self.display.check(check)
 
-    def _send_transfer(self, t: Transfer) -> None:
+    def transfer(self, t: Transfer) -> None:
         self.transfers.append(t)
         self.display.transfer(t)
 
-    def _send_sweep(self, point: SweepPoint) -> None:
+    def sweep(self, point: SweepPoint) -> None:
         self.sweep_points.append(point)
 
     def _send_fault(self, record: dict[str, Any]) -> None:
@@ -367,7 +364,7 @@ class StoreControl(Control):
 def run_member(cfg: RunConfig, m: Membership, report: Report, display: Display) -> None:
     """Run this process's worker of a multi-host run; the reporter gathers everyone's
     results into ``report``."""
-    cfg.local_device = _local_device(cfg, m)
+    cfg.local_device = cfg.device_for(m.role, m.rank, local_index=m.local_rank)
     display.worker(m.name, os.getpid(), cfg.device_for(m.role, m.rank))
     store, sealer = _join(cfg, m, report)
     try:
@@ -452,10 +449,6 @@ def _work(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> N
             _gather(ctl, cfg, m, report)
         else:
             _await_verdict(ctl, cfg, m, report)
-
-
-def _local_device(cfg: RunConfig, m: Membership) -> str:
-    return cfg.device_for(m.role, m.rank, local_index=m.local_rank)
 
 
 def _agree_on_config(ctl: StoreControl, cfg: RunConfig, m: Membership, report: Report) -> bool:

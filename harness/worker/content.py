@@ -168,8 +168,3 @@ def first_difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[int,
         return None
     off = int(diff[0, 0])
     return off, int(e[off]), int(a[off])
-
-
-def all_zero(rows: torch.Tensor) -> bool:
-    """True when every byte of ``rows`` is zero."""
-    return not bool(rows.any())

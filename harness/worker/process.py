@@ -52,14 +52,11 @@ def run_and_report(ctl: Control, role: str, rank: int, ipc_dir: str) -> int:
     except Exception as exc:  # noqa: BLE001 - report everything, with where it happened
         tb = traceback.format_exc(limit=8)
         log.error("%s%d failed: %s", role, rank, tb)
-        ctl.finish(error=f"{type(exc).__name__}: {exc}\n{_short_tb(tb)}")
+        short_tb = "\n".join(tb.rstrip().splitlines()[-8:])
+        ctl.finish(error=f"{type(exc).__name__}: {exc}\n{short_tb}")
         return 1
     ctl.finish()
     return 0
-
-
-def _short_tb(tb: str, lines: int = 8) -> str:
-    return "\n".join(tb.rstrip().splitlines()[-lines:])
 
 
 def main(argv: list[str] | None = None) -> int:

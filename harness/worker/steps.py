@@ -24,7 +24,7 @@ from .. import environment
 from ..config import RunConfig, worker_name
 from ..control import Control
 from ..footprint import Footprint
-from .content import all_zero, cache_rows, content_key, digest_blocks, fill, owners
+from .content import cache_rows, content_key, digest_blocks, fill, owners
 
 if TYPE_CHECKING:
     from kvconnect.vmm import AllocationOptions
@@ -147,13 +147,12 @@ class WorkerSteps:
             self.cache.close(force=True)  # cleanup: never mask the run's own error
             self.cache = None
 
-    def hello(self) -> dict[str, Any]:
+    def hello(self) -> None:
         info = {"pid": os.getpid(), "boot_id": self.boot_id,
                 "hostname": environment.hostname(), "device": self.device}
         if self.device.startswith("cuda"):
             info["gpu"] = torch.cuda.get_device_name(torch.device(self.device))
         self.ctl.publish("hello", info)
-        return info
 
     # -- step 1: the extensible KV cache -------------------------------------------------------
     def build_cache(self) -> None:
@@ -377,7 +376,7 @@ class WorkerSteps:
         cache.recommit()
         wake_s = time.perf_counter() - t0
         nonzero = [f"tensor {ti} segment {s}" for ti, t in enumerate(cache.tensors)
-                   for s in range(t.num_segments) if not all_zero(t.segment_view(s))]
+                   for s in range(t.num_segments) if t.segment_view(s).any()]
         ctl.check("sleep_wake/zeroed", "fail" if nonzero else "pass",
                   f"non-zero after recommit: {', '.join(nonzero[:MAX_QUOTED])}" if nonzero
                   else f"recommitted {mib(cache.committed_bytes)} zero-filled in {wake_s:.3f} s",

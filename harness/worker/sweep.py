@@ -47,11 +47,6 @@ def sweep_blocks(cfg: RunConfig, prefill_rank: int, decode_rank: int, blocks: in
     return remote, rng.sample(range(cfg.num_blocks), blocks)
 
 
-def blocks_for(size: int, bytes_per_block: int) -> int:
-    """Whole blocks that hold at least ``size`` bytes (at least one)."""
-    return max(1, -(-size // bytes_per_block))
-
-
 def run_sweep(worker: Any, prefill_rank: int, info: dict[str, Any],
               transports: list[str]) -> None:
     """Measure ``transports`` from prefill ``prefill_rank`` at every ``--sizes`` size;
@@ -59,7 +54,7 @@ def run_sweep(worker: Any, prefill_rank: int, info: dict[str, Any],
     cfg = worker.cfg
     seen: set[int] = set()
     for size in cfg.sweep_sizes:
-        blocks = blocks_for(size, worker.cache.bytes_per_block)
+        blocks = max(1, -(-size // worker.cache.bytes_per_block))  # whole blocks holding size
         if blocks in seen or blocks > cfg.num_blocks:
             continue
         seen.add(blocks)
