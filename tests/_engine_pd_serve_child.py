@@ -50,7 +50,8 @@ def _llm(spec: dict[str, Any], role: str) -> Any:
                            kv_connector_module_path="kvconnect.connectors.vllm", kv_role=role,
                            engine_id=spec["engine_id"],
                            kv_connector_extra_config=spec["extra_config"])
-    return LLM(**engine_kwargs(spec["model"], kv_transfer_config=ktc))
+    return LLM(**engine_kwargs(spec["model"], kv_transfer_config=ktc,
+                               device=os.environ.get("KVCONNECT_ENGINE_DEVICE", "cpu")))
 
 
 def _generate(llm: Any, prompt: list[int], max_tokens: int,
