@@ -74,7 +74,6 @@ def check_entry(status: str, **data: Any) -> dict[str, Any]:
     return Check("", status, data=data).to_entry()
 
 
-
 def engine_end(signal: str | None, evidence: str, stage: str) -> dict[str, Any]:
     """How a conformance case ended whose engine left no result, as its JSON holds it
     (``status``, ``evidence``, ``stage``, ``signal``): ``signal`` ``"timeout"`` (the deadline

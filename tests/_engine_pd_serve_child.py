@@ -8,6 +8,11 @@ connector imports ``nixl._api`` in the worker process, where only what is instal
 from; the worker's facts (its KV cache and its connector's fast path) come back through
 ``llm.collective_rpc("kvconnect_kv_cache_facts")``.
 
+Every engine first waits until all are built (``ready_file``, then each of ``ready_files``):
+a prefill holding a request for a remote decode runs vLLM's busy loop (its worker and NIXL's
+progress thread take most of two cores, measured), which on a 2-core machine starved the
+engines still starting past the deadline (fresh-clone CI).
+
 - ``prefill``: prefills the prompt (``do_remote_decode``), writes the request's
   ``kv_transfer_params`` to ``params_out`` and serves its KV until ``done_file`` appears.
 - ``decode``: waits until every prefill in ``prefills`` has published its request, then
@@ -67,10 +72,18 @@ def _generate(llm: Any, prompt: list[int], max_tokens: int,
             "kv_transfer_params": out.kv_transfer_params}
 
 
+def _built(llm: Any, spec: dict[str, Any], deadline: float) -> Any:
+    """``llm`` once every engine of the pair is built (the start barrier)."""
+    write_json_file(spec["ready_file"], {"engine_id": spec["engine_id"]})
+    for path in spec["ready_files"]:
+        wait_for_json_file(path, deadline)
+    return llm
+
+
 def prefill(spec: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + spec["timeout"]
     found = _nixl_found()
-    llm = _llm(spec, "kv_producer")
+    llm = _built(_llm(spec, "kv_producer"), spec, deadline)
     out = _generate(llm, spec["prompt"], 1, {"do_remote_decode": True})
     write_json_file(spec["params_out"], {"kv_transfer_params": out["kv_transfer_params"]})
     wait_for_json_file(spec["done_file"], deadline)
@@ -81,7 +94,7 @@ def prefill(spec: dict[str, Any]) -> dict[str, Any]:
 def decode(spec: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + spec["timeout"]
     found = _nixl_found()
-    llm = _llm(spec, "kv_consumer")
+    llm = _built(_llm(spec, "kv_consumer"), spec, deadline)
     remote: dict[str, Any] = {}
     try:
         # every prefill up before the first read: on a 2-core machine an engine still starting

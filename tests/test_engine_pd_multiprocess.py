@@ -57,21 +57,31 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     models = {"same": write_tiny_llama(work / "seed0", seed=0),
               "other": write_tiny_llama(work / "seed1", seed=1)}
     ipc_dir = tempfile.mkdtemp(prefix="kvc-")
-    # model folders differ (other weights): vLLM's handshake compares them unless told not to
-    extra = {"kvconnect_ipc_dir": ipc_dir, "enforce_handshake_compat": False}
+    # model folders differ (other weights): vLLM's handshake compares them unless told not to.
+    # Two prefills holding requests run vLLM's busy loop beside three NIXL progress threads:
+    # on two cores a prefill's export thread once answered a map request after the default
+    # 10 s (the read went through NIXL, "ipc_error"); this test is about the route, not speed
+    extra = {"kvconnect_ipc_dir": ipc_dir, "enforce_handshake_compat": False,
+             "kvconnect_ipc_timeout": 60.0}
     done, params = work / "done", {}
+    engine_ids = [f"prefill-{name}" for name in models] + ["decode"]
+    ready = {e: str(work / f"{e}.ready.json") for e in engine_ids}
+    # the decode's deadline passes first: a stuck pair fails with the decode's own error
+    # (what it waited for), not with a prefill's wait for the decode
+    common = {"extra_config": extra, "prompt": PROMPT, "done_file": str(done),
+              "ready_files": list(ready.values())}
     try:
-        with ServeBatch(work, timeout=600) as batch:
+        with ServeBatch(work, timeout=660) as batch:
             for name, model in models.items():
                 params[name] = str(work / f"{name}.params.json")
                 batch.start(f"prefill-{name}", "prefill", {
-                    "model": str(model), "engine_id": f"prefill-{name}", "extra_config": extra,
-                    "prompt": PROMPT, "params_out": params[name], "done_file": str(done),
-                    "timeout": 500}, _env())
+                    **common, "model": str(model), "engine_id": f"prefill-{name}",
+                    "ready_file": ready[f"prefill-{name}"], "params_out": params[name],
+                    "timeout": 600}, _env())
             batch.start("decode", "decode", {
-                "model": str(models["same"]), "engine_id": "decode", "extra_config": extra,
-                "prompt": PROMPT, "max_tokens": MAX_TOKENS, "prefills": params,
-                "done_file": str(done), "timeout": 500}, _env())
+                **common, "model": str(models["same"]), "engine_id": "decode",
+                "ready_file": ready["decode"], "max_tokens": MAX_TOKENS, "prefills": params,
+                "timeout": 540}, _env())
             out: dict[str, Any] = batch.results()
             out["decode_log"] = batch.engines["decode"].log_text()
             return out

@@ -48,10 +48,10 @@ ENTRY_POINT = "kvconnect_extensible_kv"
 SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
 _T = TypeVar("_T")
 #: what a refused elastic-policy value's error adds
 _POLICY_HINT = "or unset it to turn this part of the elastic policy off"
-_FALSE = {"", "0", "false", "no", "off"}
 
 
 class UnsupportedVllmError(KvconnectError, RuntimeError):
