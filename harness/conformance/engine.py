@@ -161,10 +161,11 @@ def engine_env(*, plugin: bool, device: str, multiprocess: bool = False,
     environment sets its own."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KVCONNECT_KV_", "VLLM_NIXL_", "KVCONNECT_EXTENSIBLE"))}
-    if device.split(":", 1)[0] == "cpu":
+    kind = device.split(":", 1)[0]
+    if kind == "cpu":
         for key, value in CPU_ENGINE_THREADS.items():
             env.setdefault(key, value)
-    env.update({"VLLM_TARGET_DEVICE": device.split(":", 1)[0], "HF_HUB_OFFLINE": "1",
+    env.update({"VLLM_TARGET_DEVICE": kind, "HF_HUB_OFFLINE": "1",
                 "VLLM_LOGGING_LEVEL": "INFO", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
                 "KVCONNECT_EXTENSIBLE_KV": "1" if plugin else "0",
