@@ -139,7 +139,12 @@ def test_connections_are_bounded_and_a_decode_is_served_after(
             s.close()
     d = request_offer(directory, AGENT, "prefill-0", 5.0)
     assert d.route == "ipc", d.reason
-    assert server.failed >= MAX_OFFER_CLIENTS  # each idle one ended as a closed peer
+    # each idle one ends as a closed peer, in its own server thread: the decode can be served
+    # (a slot freed) before the last of them has counted (fresh-clone CI once saw 28 of 32)
+    deadline = time.monotonic() + 5
+    while server.failed < MAX_OFFER_CLIENTS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.failed >= MAX_OFFER_CLIENTS
 
 
 def test_a_prefill_that_did_not_answer_in_time_is_asked_again_with_backoff(
