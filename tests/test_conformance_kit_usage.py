@@ -188,20 +188,3 @@ def test_engine_log_errors_put_the_exception_first() -> None:
     got = _error_lines([_ANSI.sub("", x) for x in log])
     assert got == ["ValueError: chunk size 32 is not a multiple of 256",
                    "[t] LMCache ERROR: Failed to initialize: Traceback"]
-
-
-def test_cpu_engines_run_one_unbound_thread_unless_the_environment_says(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Engines share the machine: on CPU each gets one unbound OpenMP thread (vLLM's default
-    binding oversubscribed two cores); a value the user set wins; a GPU engine is untouched."""
-    from kvconnect.harness.conformance.engine import CPU_ENGINE_THREADS, engine_env
-
-    for key in CPU_ENGINE_THREADS:
-        monkeypatch.delenv(key, raising=False)
-    cpu = engine_env(plugin=True, device="cpu")
-    assert {k: cpu[k] for k in CPU_ENGINE_THREADS} == {
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    cuda = engine_env(plugin=True, device="cuda:0")
-    assert not set(CPU_ENGINE_THREADS) & set(cuda)
-    monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert engine_env(plugin=False, device="cpu")["OMP_NUM_THREADS"] == "4"

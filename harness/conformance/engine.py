@@ -145,27 +145,13 @@ def _error_lines(lines: list[str], limit: int = 6) -> list[str]:
     return out[:limit]
 
 
-#: The threads of a CPU engine here: engines run side by side (a pair, or a batch of cases),
-#: and vLLM's default binds each engine's OpenMP threads to every core, so threads waiting at
-#: a barrier for a peer descheduled by another engine (or by NIXL 1.5's progress thread,
-#: which keeps a core busy per agent) stretched a 2 s engine start to 2-4 minutes on two
-#: cores (the 1P1D serve test: 398 s, then 75 s with these).
-CPU_ENGINE_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-
-
 def engine_env(*, plugin: bool, device: str, multiprocess: bool = False,
                extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of one engine process: this one's, less kvconnect's and NIXL's
-    settings, with kvconnect's plugin on or off (``plugin``) and ``extra`` on top. A CPU
-    engine runs one unbound OpenMP thread (:data:`CPU_ENGINE_THREADS`) unless this
-    environment sets its own."""
+    settings, with kvconnect's plugin on or off (``plugin``) and ``extra`` on top."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KVCONNECT_KV_", "VLLM_NIXL_", "KVCONNECT_EXTENSIBLE"))}
-    kind = device.split(":", 1)[0]
-    if kind == "cpu":
-        for key, value in CPU_ENGINE_THREADS.items():
-            env.setdefault(key, value)
-    env.update({"VLLM_TARGET_DEVICE": kind, "HF_HUB_OFFLINE": "1",
+    env.update({"VLLM_TARGET_DEVICE": device.split(":", 1)[0], "HF_HUB_OFFLINE": "1",
                 "VLLM_LOGGING_LEVEL": "INFO", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
                 "KVCONNECT_EXTENSIBLE_KV": "1" if plugin else "0",
